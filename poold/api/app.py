@@ -1,0 +1,245 @@
+"""poold's HTTP/JSON API: parse, authorise, call the ledger, map errors. Nothing else.
+
+Handlers are plain functions over `poold.ledger`; every failure leaves as
+`{"code", "message"}` with the status its `PoolError` class carries.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from poold import __version__
+from poold.api.schemas import (
+    EndRequest,
+    GrantRequest,
+    Heartbeat,
+    HeartbeatReply,
+    HostCreated,
+    HostOut,
+    HostSpec,
+    LeaseOut,
+    PoolStatus,
+    RenewRequest,
+    TenantOut,
+    TenantSpec,
+    TenantUpdate,
+)
+from poold.errors import BadRequest, Forbidden, NotFound, PoolError, Unauthorized
+from poold.lease_states import LeaseEvent
+from poold.ledger import capacity, hosts, leases, tenants
+from poold.ledger.db import Ledger
+
+log = logging.getLogger("poold.api")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the administrator, or the agent of one host."""
+
+    admin: bool
+    host: str | None = None
+
+    @property
+    def actor(self) -> str:
+        return "admin" if self.admin else f"agent:{self.host}"
+
+
+def _error(err: PoolError) -> JSONResponse:
+    return JSONResponse(err.to_dict(), status_code=err.http_status)
+
+
+def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
+    app = FastAPI(title="poold", version=__version__, docs_url=None, redoc_url=None)
+    registry = CollectorRegistry()
+    requests_total = Counter("poold_api_errors_total", "API errors by code", ["code"],
+                             registry=registry)
+
+    @app.exception_handler(PoolError)
+    def _pool_error(_req: Request, err: PoolError) -> JSONResponse:
+        requests_total.labels(err.code).inc()
+        log.info("refused: %s: %s", err.code, err.message)
+        return _error(err)
+
+    @app.exception_handler(RequestValidationError)
+    def _invalid(_req: Request, err: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in err.errors()
+        )
+        requests_total.labels("bad_request").inc()
+        return _error(BadRequest(f"invalid request: {problems}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    def _http(_req: Request, err: StarletteHTTPException) -> JSONResponse:
+        if err.status_code == 404:
+            return _error(NotFound(f"no such endpoint: {err.detail}"))
+        body = {"code": "bad_request" if err.status_code < 500 else "internal",
+                "message": str(err.detail)}
+        return JSONResponse(body, status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    def _crash(_req: Request, err: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse({"code": "internal", "message": f"internal error: {type(err).__name__}"},
+                            status_code=500)
+
+    def principal(request: Request) -> Principal:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise Unauthorized("missing bearer token")
+        if hmac.compare_digest(token.encode(), admin_token.encode()):
+            return Principal(admin=True)
+        with ledger.read() as session:
+            host = hosts.authenticate(session, token)
+            return Principal(admin=False, host=host.name)
+
+    Caller = Annotated[Principal, Depends(principal)]
+
+    def admin_only(p: Principal) -> None:
+        if not p.admin:
+            raise Forbidden("this needs the admin token")
+
+    def agent_only(p: Principal) -> str:
+        if p.host is None:
+            raise Forbidden("this needs an agent credential")
+        return p.host
+
+    @app.get("/v1/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok", "version": __version__}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    # --- tenants ---------------------------------------------------------
+    @app.post("/v1/tenants", status_code=201)
+    def create_tenant(spec: TenantSpec, p: Caller) -> TenantOut:
+        admin_only(p)
+        with ledger.write() as s:
+            return tenants.to_out(s, tenants.create(s, spec, p.actor))
+
+    @app.get("/v1/tenants")
+    def list_tenants(p: Caller) -> list[TenantOut]:
+        admin_only(p)
+        from sqlalchemy import select
+
+        from poold.ledger.models import Tenant
+
+        with ledger.read() as s:
+            return [tenants.to_out(s, t) for t in s.scalars(select(Tenant).order_by(Tenant.name))]
+
+    @app.get("/v1/tenants/{name}")
+    def get_tenant(name: str, p: Caller) -> TenantOut:
+        admin_only(p)
+        with ledger.read() as s:
+            return tenants.to_out(s, tenants.get_by_name(s, name))
+
+    @app.patch("/v1/tenants/{name}")
+    def update_tenant(name: str, change: TenantUpdate, p: Caller) -> TenantOut:
+        admin_only(p)
+        with ledger.write() as s:
+            return tenants.to_out(s, tenants.update(s, name, change, p.actor))
+
+    @app.delete("/v1/tenants/{name}", status_code=204)
+    def delete_tenant(name: str, p: Caller) -> Response:
+        admin_only(p)
+        with ledger.write() as s:
+            tenants.delete(s, name, p.actor)
+        return Response(status_code=204)
+
+    # --- hosts -----------------------------------------------------------
+    @app.post("/v1/hosts", status_code=201)
+    def add_host(spec: HostSpec, p: Caller) -> HostCreated:
+        admin_only(p)
+        with ledger.write() as s:
+            host, credential = hosts.add(s, spec.name, p.actor)
+            return HostCreated(**hosts.to_out(host).model_dump(), credential=credential)
+
+    @app.get("/v1/hosts")
+    def list_hosts(p: Caller) -> list[HostOut]:
+        admin_only(p)
+        from sqlalchemy import select
+
+        from poold.ledger.models import Host
+
+        with ledger.read() as s:
+            return [hosts.to_out(h) for h in s.scalars(select(Host).order_by(Host.name))]
+
+    @app.post("/v1/agent/register")
+    def register(beat: Heartbeat, p: Caller) -> HeartbeatReply:
+        name = agent_only(p)
+        if beat.inventory is None:
+            raise BadRequest("register needs the host's inventory")
+        with ledger.write() as s:
+            host = hosts.get_by_name(s, name)
+            hosts.events.record(s, actor=p.actor, kind="host.register", host_id=host.id,
+                                detail={"agent_version": beat.agent_version,
+                                        "devices": len(beat.inventory)})
+            return hosts.heartbeat(s, host, beat)
+
+    @app.post("/v1/agent/heartbeat")
+    def heartbeat(beat: Heartbeat, p: Caller) -> HeartbeatReply:
+        name = agent_only(p)
+        with ledger.write() as s:
+            return hosts.heartbeat(s, hosts.get_by_name(s, name), beat)
+
+    # --- leases ----------------------------------------------------------
+    @app.post("/v1/leases", status_code=201)
+    def grant(req: GrantRequest, p: Caller) -> LeaseOut:
+        return leases.grant(ledger, agent_only(p), req, p.actor)
+
+    @app.post("/v1/leases/{lease_id}/activate")
+    def activate(lease_id: str, p: Caller) -> LeaseOut:
+        return leases.activate(ledger, agent_only(p), lease_id, p.actor)
+
+    @app.post("/v1/leases/{lease_id}/renew")
+    def renew(lease_id: str, body: RenewRequest, p: Caller) -> LeaseOut:
+        return leases.renew(ledger, agent_only(p), lease_id, body.ttl_s)
+
+    @app.post("/v1/leases/{lease_id}/release")
+    def release(lease_id: str, body: EndRequest, p: Caller) -> LeaseOut:
+        return leases.end(ledger, lease_id, LeaseEvent.RELEASE, p.actor, body.reason,
+                          host_name=p.host)
+
+    @app.post("/v1/leases/{lease_id}/abort")
+    def abort(lease_id: str, body: EndRequest, p: Caller) -> LeaseOut:
+        return leases.end(ledger, lease_id, LeaseEvent.ABORT, p.actor, body.reason,
+                          host_name=agent_only(p))
+
+    @app.get("/v1/leases")
+    def list_leases(
+        p: Caller,
+        tenant: str | None = None,
+        host: str | None = None,
+        state: Annotated[list[str] | None, Query()] = None,
+        live: bool = False,
+        limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
+    ) -> list[LeaseOut]:
+        if not p.admin:
+            host = p.host  # an agent sees its own host's leases only
+        return leases.list_leases(ledger, tenant=tenant, host=host, states=state,
+                                  live_only=live, limit=limit)
+
+    @app.get("/v1/leases/{lease_id}")
+    def show_lease(lease_id: str, p: Caller) -> LeaseOut:
+        out = leases.show(ledger, lease_id)
+        if not p.admin and out.host != p.host:
+            raise Forbidden("that lease is not on your host")
+        return out
+
+    @app.get("/v1/status")
+    def status(p: Caller) -> PoolStatus:
+        admin_only(p)
+        return capacity.pool_status(ledger)
+
+    return app

@@ -1,0 +1,151 @@
+"""How poolctl and the agent call poold: a typed httpx client over the shared schemas.
+
+Errors come back as the `PoolError` subclass the server raised (matched by
+code); a poold that cannot be reached is `poold_unreachable`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, TypeAdapter
+
+from poold.api.schemas import (
+    EndRequest,
+    GrantRequest,
+    Heartbeat,
+    HeartbeatReply,
+    HostCreated,
+    HostOut,
+    LeaseOut,
+    PoolStatus,
+    RenewRequest,
+    TenantOut,
+    TenantSpec,
+    TenantUpdate,
+)
+from poold.errors import PoolError, PooldUnreachable, from_wire
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class PooldClient:
+    def __init__(self, base_url: str, token: str, *, timeout_s: float = 10.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers={"authorization": f"Bearer {token}"},
+            timeout=timeout_s,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> PooldClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, body: BaseModel | None = None,
+              params: dict[str, Any] | None = None) -> Any:
+        try:
+            resp = self._http.request(
+                method, path, params=params,
+                content=body.model_dump_json(exclude_unset=False) if body is not None else None,
+                headers={"content-type": "application/json"} if body is not None else None,
+            )
+        except httpx.TransportError as exc:
+            raise PooldUnreachable(f"cannot reach poold at {self.base_url}: {exc}") from exc
+        if resp.status_code == 204:
+            return None
+        try:
+            data = resp.json()
+        except ValueError:
+            data = None
+        if resp.status_code >= 400:
+            if isinstance(data, dict) and "code" in data:
+                raise from_wire(str(data["code"]), str(data.get("message", "")),
+                                data.get("detail"))
+            raise PoolError(f"poold answered HTTP {resp.status_code}: {resp.text[:200]}")
+        return data
+
+    def _model(self, model: type[M], method: str, path: str, body: BaseModel | None = None,
+               params: dict[str, Any] | None = None) -> M:
+        return model.model_validate(self._call(method, path, body, params))
+
+    # health
+    def health(self) -> dict[str, str]:
+        data = self._call("GET", "/v1/health")
+        assert isinstance(data, dict)
+        return data
+
+    # tenants
+    def create_tenant(self, spec: TenantSpec) -> TenantOut:
+        return self._model(TenantOut, "POST", "/v1/tenants", spec)
+
+    def list_tenants(self) -> list[TenantOut]:
+        return TypeAdapter(list[TenantOut]).validate_python(self._call("GET", "/v1/tenants"))
+
+    def get_tenant(self, name: str) -> TenantOut:
+        return self._model(TenantOut, "GET", f"/v1/tenants/{name}")
+
+    def update_tenant(self, name: str, change: TenantUpdate) -> TenantOut:
+        return self._model(TenantOut, "PATCH", f"/v1/tenants/{name}", change)
+
+    def delete_tenant(self, name: str) -> None:
+        self._call("DELETE", f"/v1/tenants/{name}")
+
+    # hosts
+    def add_host(self, name: str) -> HostCreated:
+        from poold.api.schemas import HostSpec
+
+        return self._model(HostCreated, "POST", "/v1/hosts", HostSpec(name=name))
+
+    def list_hosts(self) -> list[HostOut]:
+        return TypeAdapter(list[HostOut]).validate_python(self._call("GET", "/v1/hosts"))
+
+    def register(self, beat: Heartbeat) -> HeartbeatReply:
+        return self._model(HeartbeatReply, "POST", "/v1/agent/register", beat)
+
+    def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
+        return self._model(HeartbeatReply, "POST", "/v1/agent/heartbeat", beat)
+
+    # leases
+    def grant(self, req: GrantRequest) -> LeaseOut:
+        return self._model(LeaseOut, "POST", "/v1/leases", req)
+
+    def activate(self, lease_id: str) -> LeaseOut:
+        return self._model(LeaseOut, "POST", f"/v1/leases/{lease_id}/activate")
+
+    def renew(self, lease_id: str, ttl_s: int | None = None) -> LeaseOut:
+        return self._model(LeaseOut, "POST", f"/v1/leases/{lease_id}/renew",
+                           RenewRequest(ttl_s=ttl_s))
+
+    def release(self, lease_id: str, reason: str = "") -> LeaseOut:
+        return self._model(LeaseOut, "POST", f"/v1/leases/{lease_id}/release",
+                           EndRequest(reason=reason))
+
+    def abort(self, lease_id: str, reason: str = "") -> LeaseOut:
+        return self._model(LeaseOut, "POST", f"/v1/leases/{lease_id}/abort",
+                           EndRequest(reason=reason))
+
+    def list_leases(self, *, tenant: str | None = None, host: str | None = None,
+                    states: list[str] | None = None, live: bool = False,
+                    limit: int = 1000) -> list[LeaseOut]:
+        params: dict[str, Any] = {"live": live, "limit": limit}
+        if tenant:
+            params["tenant"] = tenant
+        if host:
+            params["host"] = host
+        if states:
+            params["state"] = states
+        return TypeAdapter(list[LeaseOut]).validate_python(
+            self._call("GET", "/v1/leases", params=params))
+
+    def show_lease(self, lease_id: str) -> LeaseOut:
+        return self._model(LeaseOut, "GET", f"/v1/leases/{lease_id}")
+
+    def status(self) -> PoolStatus:
+        return self._model(PoolStatus, "GET", "/v1/status")

@@ -1,0 +1,246 @@
+"""What travels over poold's HTTP API: one set of pydantic models shared by poold,
+the agent (its poold client) and poolctl, so that the wire format is written once."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Kinds of pool device poold can carve (DESIGN.md "devices").
+DeviceKind = Literal["devdax", "numa", "emulated"]
+# Media classes; "unknown" when neither sysfs nor an annotation tells.
+MediaClass = Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[a-z0-9_\-]+$")]
+DeviceState = Literal["online", "draining", "failed", "retired", "missing"]
+HealthState = Literal["ok", "warning", "critical", "unknown"]
+
+MAX_LEASE_BYTES = 1 << 50  # 1 PiB: anything larger is a typo, not a request
+MAX_TTL_S = 7 * 24 * 3600
+
+
+class Model(BaseModel):
+    """Base for wire models: unknown fields are errors, so typos never pass silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class InventoryDevice(Model):
+    """One pool device as an agent sees it from its host."""
+
+    uid: Annotated[str, Field(min_length=1, max_length=256)]
+    kind: DeviceKind
+    media: MediaClass = "unknown"
+    recycled: bool = False
+    provenance: str | None = None
+    cost_per_gib_month: float | None = Field(default=None, ge=0)
+    capacity_bytes: int = Field(ge=0)
+    alignment_bytes: int = Field(default=2 << 20, gt=0)
+    health: HealthState = "unknown"
+    # How this host reaches it (becomes a device_paths row).
+    local_name: str = ""
+    numa_node: int | None = None
+    read_latency_ns: int | None = None
+    write_latency_ns: int | None = None
+    read_bandwidth_mbps: int | None = None
+    write_bandwidth_mbps: int | None = None
+    distance: int | None = None
+
+
+# --- errors ---------------------------------------------------------------
+
+
+class ErrorBody(Model):
+    """Every error reply: a stable code (poold.errors) and a message a person can act on."""
+
+    code: str
+    message: str
+    detail: dict[str, object] | None = None
+
+
+# --- tenants --------------------------------------------------------------
+
+TenantName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]
+HostName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]
+
+
+class TenantSpec(Model):
+    name: TenantName
+    quota_bytes: int = Field(ge=0, le=MAX_LEASE_BYTES * 1024)
+    quota_leases: int = Field(default=1024, ge=0, le=1 << 31)
+    allowed_media: list[MediaClass] = Field(default_factory=list)
+    allowed_uids: list[Annotated[int, Field(ge=0, lt=1 << 32)]] = Field(default_factory=list)
+    allowed_gids: list[Annotated[int, Field(ge=0, lt=1 << 32)]] = Field(default_factory=list)
+    allowed_hosts: list[HostName] = Field(default_factory=list)
+
+
+class TenantUpdate(Model):
+    quota_bytes: int | None = Field(default=None, ge=0, le=MAX_LEASE_BYTES * 1024)
+    quota_leases: int | None = Field(default=None, ge=0, le=1 << 31)
+    allowed_media: list[MediaClass] | None = None
+    allowed_uids: list[Annotated[int, Field(ge=0, lt=1 << 32)]] | None = None
+    allowed_gids: list[Annotated[int, Field(ge=0, lt=1 << 32)]] | None = None
+    allowed_hosts: list[HostName] | None = None
+
+
+class TenantOut(TenantSpec):
+    id: int
+    leased_bytes: int = 0
+    live_leases: int = 0
+    created_at: datetime
+
+
+# --- hosts ----------------------------------------------------------------
+
+
+class HostSpec(Model):
+    name: HostName
+
+
+class HostOut(Model):
+    id: int
+    name: str
+    status: str
+    last_heartbeat_at: datetime | None
+    created_at: datetime
+
+
+class HostCreated(HostOut):
+    """Returned once, when an administrator adds a host: the agent's credential."""
+
+    credential: str
+
+
+class Renewal(Model):
+    lease_id: Annotated[str, Field(min_length=1, max_length=64)]
+    ttl_s: int = Field(gt=0, le=MAX_TTL_S)
+
+
+class Heartbeat(Model):
+    """One request per host per interval: inventory, all renewals, agent facts."""
+
+    agent_version: str = ""
+    inventory_digest: str | None = None
+    # Sent only when it changed (digest differs) or poold asked for it.
+    inventory: list[InventoryDevice] | None = None
+    renewals: list[Renewal] = Field(default_factory=list, max_length=100_000)
+
+
+class RenewResult(Model):
+    lease_id: str
+    expires_at: datetime | None = None
+    code: str | None = None  # set when this renewal was refused
+    message: str | None = None
+
+
+class Revocation(Model):
+    lease_id: str
+    reason: str
+    deadline_at: datetime | None = None
+
+
+class HeartbeatReply(Model):
+    server_time: datetime
+    renewed: list[RenewResult] = Field(default_factory=list)
+    revocations: list[Revocation] = Field(default_factory=list)
+    # True when poold has no (or a stale) inventory for this host.
+    want_inventory: bool = False
+
+
+# --- leases ---------------------------------------------------------------
+
+LeaseState = Literal[
+    "granted", "active", "expired", "orphaned", "revoking", "scrubbing",
+    "released", "reclaimed", "aborted",
+]
+
+
+class GrantRequest(Model):
+    """What an agent asks for on behalf of a tenant process it authenticated."""
+
+    tenant: TenantName | None = None  # None: the one tenant the uid/gid may act for
+    size_bytes: int = Field(gt=0, le=MAX_LEASE_BYTES)
+    ttl_s: int = Field(default=60, gt=0, le=MAX_TTL_S)
+    media: MediaClass | None = None
+    # From SO_PEERCRED, never from what the tenant claimed.
+    uid: int = Field(ge=0, lt=1 << 32)
+    gids: list[Annotated[int, Field(ge=0, lt=1 << 32)]] = Field(default_factory=list, max_length=1024)
+    pid: int = Field(ge=0)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+
+class LeaseOut(Model):
+    id: str
+    tenant: str
+    host: str
+    device_uid: str
+    device_kind: DeviceKind
+    media: str
+    offset_bytes: int
+    length_bytes: int
+    requested_bytes: int
+    alignment_bytes: int
+    state: LeaseState
+    epoch: int
+    ttl_s: int
+    granted_at: datetime
+    activated_at: datetime | None
+    expires_at: datetime
+    ended_at: datetime | None
+    numa_node: int | None = None
+    local_name: str = ""
+    holder_uid: int | None = None
+    holder_pid: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    exclusive_bytes: int = 0
+    replica_bytes: int = 0
+
+
+class RenewRequest(Model):
+    ttl_s: int | None = Field(default=None, gt=0, le=MAX_TTL_S)
+
+
+class EndRequest(Model):
+    """Release, abort or revoke: who asked and why goes into the event journal."""
+
+    reason: Annotated[str, Field(max_length=1024)] = ""
+
+
+# --- status ---------------------------------------------------------------
+
+
+class DeviceStatus(Model):
+    id: int
+    uid: str
+    kind: str
+    media: str
+    recycled: bool
+    state: str
+    health: str
+    hosts: list[str]
+    local_names: list[str]
+    numa_node: int | None
+    capacity_bytes: int
+    leased_bytes: int
+    free_bytes: int
+    largest_free_bytes: int
+    live_leases: int
+    alignment_bytes: int
+
+
+class HostStatus(Model):
+    name: str
+    status: str
+    last_heartbeat_at: datetime | None
+    capacity_bytes: int
+    leased_bytes: int
+    free_bytes: int
+    live_leases: int
+
+
+class PoolStatus(Model):
+    hosts: list[HostStatus]
+    devices: list[DeviceStatus]
+    capacity_bytes: int
+    leased_bytes: int
+    free_bytes: int

@@ -1,0 +1,152 @@
+"""The one place where poold's stable error codes live.
+
+Every failure a caller can act on is a `PoolError` subclass carrying a `code`
+(stable across releases: tests and clients match on it, never on the message)
+and the HTTP status the API maps it to. The agent socket and poolctl reuse the
+same codes, so an error reads the same wherever it surfaces.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class PoolError(Exception):
+    """Base of every error with a stable code."""
+
+    code: ClassVar[str] = "internal"
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str, **detail: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.detail:
+            body["detail"] = self.detail
+        return body
+
+
+class BadRequest(PoolError):
+    code = "bad_request"
+    http_status = 400
+
+
+class InvalidSize(BadRequest):
+    code = "invalid_size"
+
+
+class FrameTooLarge(BadRequest):
+    code = "frame_too_large"
+
+
+class Unauthorized(PoolError):
+    code = "unauthorized"
+    http_status = 401
+
+
+class Forbidden(PoolError):
+    code = "forbidden"
+    http_status = 403
+
+
+class NotOwner(PoolError):
+    """The caller's uid/gid may not act for that tenant, or the lease is someone else's."""
+
+    code = "not_owner"
+    http_status = 403
+
+
+class NotFound(PoolError):
+    code = "not_found"
+    http_status = 404
+
+
+class UnknownTenant(NotFound):
+    code = "unknown_tenant"
+
+
+class UnknownHost(NotFound):
+    code = "unknown_host"
+
+
+class UnknownLease(NotFound):
+    code = "unknown_lease"
+
+
+class UnknownDevice(NotFound):
+    code = "unknown_device"
+
+
+class Conflict(PoolError):
+    code = "conflict"
+    http_status = 409
+
+
+class AlreadyExists(Conflict):
+    code = "already_exists"
+
+
+class LeaseNotActive(Conflict):
+    """A transition asked of a lease whose state does not allow it (renew after release...)."""
+
+    code = "lease_not_active"
+
+
+class InvalidTransition(Conflict):
+    code = "invalid_transition"
+
+
+class GenerationConflict(Conflict):
+    """Optimistic concurrency lost too many times in a row; the caller may retry."""
+
+    code = "generation_conflict"
+
+
+class TenantInUse(Conflict):
+    code = "tenant_in_use"
+
+
+class QuotaExceeded(PoolError):
+    code = "quota_exceeded"
+    http_status = 409
+
+
+class NoCapacity(PoolError):
+    code = "no_capacity"
+    http_status = 507
+
+
+class PooldUnreachable(PoolError):
+    code = "poold_unreachable"
+    http_status = 503
+
+
+class BackendFailed(PoolError):
+    """The agent could not turn a grant into memory (memfd, devdax...)."""
+
+    code = "backend_failed"
+    http_status = 500
+
+
+def all_codes() -> dict[str, type[PoolError]]:
+    """Every code defined here, for lookups from wire bodies back to exception types."""
+    seen: dict[str, type[PoolError]] = {}
+    stack: list[type[PoolError]] = [PoolError]
+    while stack:
+        cls = stack.pop()
+        seen.setdefault(cls.code, cls)
+        stack.extend(cls.__subclasses__())
+    return seen
+
+
+def from_wire(code: str, message: str, detail: dict[str, Any] | None = None) -> PoolError:
+    """Rebuild the exception a server sent, so clients raise what the server raised."""
+    cls = all_codes().get(code)
+    if cls is None:
+        err = PoolError(message, **(detail or {}))
+        err.code = code  # type: ignore[misc]  # keep an unknown server code visible to callers
+        return err
+    return cls(message, **(detail or {}))

@@ -1,0 +1,106 @@
+"""Where on a device is there room? Pure extent arithmetic, no I/O.
+
+A device is the byte range [0, capacity). Live leases (and quarantined ranges)
+occupy extents; everything else is free. Allocation is best-fit over the free
+extents, after rounding the request up to the device alignment, because
+best-fit keeps large holes whole for the large KV-cache leases that follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+
+class Extent(NamedTuple):
+    """A half-open byte range [offset, offset + length)."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def overlaps(self, other: Extent) -> bool:
+        return self.offset < other.end and other.offset < self.end
+
+
+def align_up(value: int, alignment: int) -> int:
+    """Smallest multiple of `alignment` that is >= `value`."""
+    if alignment <= 0:
+        raise ValueError(f"alignment must be positive, got {alignment}")
+    return -(-value // alignment) * alignment
+
+
+def align_down(value: int, alignment: int) -> int:
+    if alignment <= 0:
+        raise ValueError(f"alignment must be positive, got {alignment}")
+    return (value // alignment) * alignment
+
+
+def normalise_used(capacity: int, used: Iterable[Extent]) -> list[Extent]:
+    """Sort the used extents, merging overlaps and clipping to the device.
+
+    Quarantined ranges may overlap leases, so overlap is legal here; the
+    allocator only needs the union of what is not free.
+    """
+    merged: list[Extent] = []
+    for ext in sorted(e for e in used if e.length > 0):
+        start, end = max(ext.offset, 0), min(ext.end, capacity)
+        if start >= end:
+            continue
+        if merged and start <= merged[-1].end:
+            last = merged[-1]
+            merged[-1] = Extent(last.offset, max(last.end, end) - last.offset)
+        else:
+            merged.append(Extent(start, end - start))
+    return merged
+
+
+def free_extents(capacity: int, used: Iterable[Extent]) -> list[Extent]:
+    """The gaps between used extents, in offset order."""
+    free: list[Extent] = []
+    cursor = 0
+    for ext in normalise_used(capacity, used):
+        if ext.offset > cursor:
+            free.append(Extent(cursor, ext.offset - cursor))
+        cursor = max(cursor, ext.end)
+    if cursor < capacity:
+        free.append(Extent(cursor, capacity - cursor))
+    return free
+
+
+def free_bytes(capacity: int, used: Iterable[Extent]) -> int:
+    return sum(e.length for e in free_extents(capacity, used))
+
+
+def best_fit(capacity: int, alignment: int, used: Iterable[Extent], size: int) -> Extent | None:
+    """The aligned extent of `size` (rounded up to `alignment`) that wastes least, or None.
+
+    Ties go to the lowest offset so that allocation is deterministic.
+    """
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {size}")
+    length = align_up(size, alignment)
+    best: tuple[int, int] | None = None  # (hole length, aligned offset)
+    for hole in free_extents(capacity, used):
+        start = align_up(hole.offset, alignment)
+        if start + length > hole.end:
+            continue
+        candidate = (hole.length, start)
+        if best is None or candidate < best:
+            best = candidate
+    if best is None:
+        return None
+    return Extent(best[1], length)
+
+
+def largest_free(capacity: int, alignment: int, used: Iterable[Extent]) -> int:
+    """The largest aligned request that would still fit: what `no_capacity` reports."""
+    largest = 0
+    for hole in free_extents(capacity, used):
+        start = align_up(hole.offset, alignment)
+        usable = align_down(hole.end - start, alignment) if hole.end > start else 0
+        largest = max(largest, usable)
+    return largest

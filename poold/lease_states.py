@@ -1,0 +1,97 @@
+"""Which lease transitions are allowed? The state machine of DESIGN.md, pure.
+
+Every arrow in the design's lifecycle diagram is one (state, event) entry of
+`TRANSITIONS`; anything not in the table is refused with `invalid_transition`
+so that a racing or confused caller can never move a lease backwards.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from poold.errors import InvalidTransition, LeaseNotActive
+
+
+class LeaseState(StrEnum):
+    GRANTED = "granted"
+    ACTIVE = "active"
+    EXPIRED = "expired"
+    ORPHANED = "orphaned"
+    REVOKING = "revoking"
+    SCRUBBING = "scrubbing"
+    RELEASED = "released"
+    RECLAIMED = "reclaimed"
+    ABORTED = "aborted"
+
+
+class LeaseEvent(StrEnum):
+    ACTIVATE = "activate"
+    RENEW = "renew"
+    RELEASE = "release"  # by the holder; memory needs no scrub (fresh memfd)
+    RELEASE_DIRTY = "release_dirty"  # by the holder; the range must be zeroed first
+    ABORT = "abort"
+    EXPIRE = "expire"
+    ORPHAN = "orphan"
+    ADOPT = "adopt"  # an orphan's holder came back (agent restart, reconnect)
+    REVOKE = "revoke"
+    RECLAIM = "reclaim"
+    RECLAIM_DIRTY = "reclaim_dirty"
+    SCRUBBED = "scrubbed"
+    SCRUB_FAILED = "scrub_failed"
+
+
+S, E = LeaseState, LeaseEvent
+
+TRANSITIONS: dict[tuple[LeaseState, LeaseEvent], LeaseState] = {
+    (S.GRANTED, E.ACTIVATE): S.ACTIVE,
+    (S.GRANTED, E.ABORT): S.ABORTED,
+    # A holder may release before the agent's activation reached poold.
+    (S.GRANTED, E.RELEASE): S.RELEASED,
+    (S.GRANTED, E.RENEW): S.GRANTED,
+    (S.ACTIVE, E.RENEW): S.ACTIVE,
+    (S.ACTIVE, E.RELEASE): S.RELEASED,
+    (S.ACTIVE, E.RELEASE_DIRTY): S.SCRUBBING,
+    (S.ACTIVE, E.EXPIRE): S.EXPIRED,
+    (S.ACTIVE, E.ORPHAN): S.ORPHANED,
+    (S.ACTIVE, E.REVOKE): S.REVOKING,
+    (S.ORPHANED, E.ADOPT): S.ACTIVE,
+    (S.ORPHANED, E.RECLAIM): S.RECLAIMED,
+    (S.ORPHANED, E.RECLAIM_DIRTY): S.SCRUBBING,
+    (S.ORPHANED, E.REVOKE): S.REVOKING,
+    (S.EXPIRED, E.RECLAIM): S.RECLAIMED,
+    (S.EXPIRED, E.RECLAIM_DIRTY): S.SCRUBBING,
+    (S.EXPIRED, E.REVOKE): S.REVOKING,
+    (S.REVOKING, E.RECLAIM): S.RECLAIMED,
+    (S.REVOKING, E.RECLAIM_DIRTY): S.SCRUBBING,
+    (S.SCRUBBING, E.SCRUBBED): S.RECLAIMED,
+    # A range that failed to scrub is quarantined by the caller; the lease still ends.
+    (S.SCRUBBING, E.SCRUB_FAILED): S.RECLAIMED,
+}
+
+# States whose bytes are still taken on the device (and count against quota
+# until the holder is gone or the range is zeroed).
+LIVE_STATES: frozenset[LeaseState] = frozenset(
+    {S.GRANTED, S.ACTIVE, S.EXPIRED, S.ORPHANED, S.REVOKING, S.SCRUBBING}
+)
+TERMINAL_STATES: frozenset[LeaseState] = frozenset({S.RELEASED, S.RECLAIMED, S.ABORTED})
+# States in which the holder may still use the memory and renew it.
+HELD_STATES: frozenset[LeaseState] = frozenset({S.GRANTED, S.ACTIVE})
+
+
+def next_state(state: LeaseState, event: LeaseEvent) -> LeaseState:
+    """The state after `event`, or an error with a stable code.
+
+    Holder operations (renew, release) on a lease that is no longer held get
+    `lease_not_active`: that is what a tenant renewing after release sees.
+    """
+    try:
+        return TRANSITIONS[(state, event)]
+    except KeyError:
+        if event in (E.RENEW, E.RELEASE, E.RELEASE_DIRTY, E.ACTIVATE):
+            raise LeaseNotActive(
+                f"lease is {state.value}; cannot {event.value} it",
+                state=state.value,
+            ) from None
+        raise InvalidTransition(
+            f"no transition from {state.value} on {event.value}", state=state.value
+        ) from None

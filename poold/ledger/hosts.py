@@ -1,0 +1,170 @@
+"""Which hosts exist, how their agents authenticate, and what they report.
+
+An administrator adds a host and gets its agent credential once; poold keeps
+only a SHA-256 of it (the credential is 256 random bits, so a slow hash would
+add latency to every agent request and no security).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from datetime import timedelta
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from poold.api.schemas import (
+    Heartbeat,
+    HeartbeatReply,
+    HostOut,
+    InventoryDevice,
+    RenewResult,
+    Revocation,
+)
+from poold.errors import AlreadyExists, PoolError, Unauthorized, UnknownHost
+from poold.lease_states import LeaseState
+from poold.ledger import events, leases
+from poold.ledger.models import Device, DevicePath, Host, Lease
+from poold.ledger.types import utcnow
+
+
+def hash_credential(credential: str) -> str:
+    return hashlib.sha256(credential.encode()).hexdigest()
+
+
+def new_credential(name: str) -> str:
+    return f"pa1.{name}.{secrets.token_urlsafe(32)}"
+
+
+def to_out(host: Host) -> HostOut:
+    return HostOut(id=host.id, name=host.name, status=host.status,
+                   last_heartbeat_at=host.last_heartbeat_at, created_at=host.created_at)
+
+
+def add(session: Session, name: str, actor: str) -> tuple[Host, str]:
+    """Create a host and its agent credential (returned once, never stored in clear)."""
+    if session.scalar(select(Host.id).where(Host.name == name)) is not None:
+        raise AlreadyExists(f"host {name!r} already exists", host=name)
+    credential = new_credential(name)
+    host = Host(name=name, status="down", credential_hash=hash_credential(credential),
+                created_at=utcnow())
+    session.add(host)
+    session.flush()
+    events.record(session, actor=actor, kind="host.add", host_id=host.id, detail={"name": name})
+    return host, credential
+
+
+def get_by_name(session: Session, name: str) -> Host:
+    host = session.scalar(select(Host).where(Host.name == name))
+    if host is None:
+        raise UnknownHost(f"no host named {name!r}", host=name)
+    return host
+
+
+def authenticate(session: Session, credential: str) -> Host:
+    host = session.scalar(select(Host).where(Host.credential_hash == hash_credential(credential)))
+    if host is None:
+        raise Unauthorized("unknown agent credential")
+    return host
+
+
+def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevice]) -> None:
+    """Make devices and device_paths match what the host's agent sees.
+
+    A device that vanished from the host's inventory keeps its row (leases and
+    history point at it); its path is marked absent, and a device no host
+    reaches any more becomes `missing` so placement skips it.
+    """
+    now = utcnow()
+    seen: set[int] = set()
+    for item in inventory:
+        dev = session.scalar(select(Device).where(Device.uid == item.uid))
+        if dev is None:
+            dev = Device(uid=item.uid, kind=item.kind, state="online", generation=0,
+                         created_at=now, capacity_bytes=item.capacity_bytes,
+                         alignment_bytes=item.alignment_bytes)
+            session.add(dev)
+        dev.kind = item.kind
+        dev.media = item.media
+        dev.recycled = item.recycled
+        dev.provenance = item.provenance
+        dev.cost_per_gib_month = item.cost_per_gib_month
+        dev.capacity_bytes = item.capacity_bytes
+        dev.alignment_bytes = item.alignment_bytes
+        dev.health = item.health
+        if dev.state == "missing":
+            dev.state = "online"
+        dev.updated_at = now
+        session.flush()
+        seen.add(dev.id)
+        path = session.scalar(
+            select(DevicePath).where(DevicePath.device_id == dev.id, DevicePath.host_id == host.id)
+        )
+        if path is None:
+            path = DevicePath(device_id=dev.id, host_id=host.id)
+            session.add(path)
+        path.local_name = item.local_name
+        path.numa_node = item.numa_node
+        path.read_latency_ns = item.read_latency_ns
+        path.write_latency_ns = item.write_latency_ns
+        path.read_bandwidth_mbps = item.read_bandwidth_mbps
+        path.write_bandwidth_mbps = item.write_bandwidth_mbps
+        path.distance = item.distance
+        path.present = True
+        path.seen_at = now
+    for path in session.scalars(select(DevicePath).where(DevicePath.host_id == host.id)):
+        if path.device_id in seen or not path.present:
+            continue
+        path.present = False
+        others = session.scalar(
+            select(DevicePath.id).where(DevicePath.device_id == path.device_id,
+                                        DevicePath.present.is_(True),
+                                        DevicePath.host_id != host.id).limit(1)
+        )
+        if others is None:
+            dev = session.get(Device, path.device_id)
+            if dev is not None and dev.state == "online":
+                dev.state = "missing"
+                events.record(session, actor=f"host:{host.name}", kind="device.missing",
+                              device_id=dev.id, host_id=host.id)
+
+
+def heartbeat(session: Session, host: Host, beat: Heartbeat, ttl_grace_s: int = 0) -> HeartbeatReply:
+    """Apply one heartbeat: inventory, every renewal on the host, and what to revoke."""
+    now = utcnow()
+    if host.status != "draining":
+        host.status = "up"
+    host.last_heartbeat_at = now
+    host.agent_version = beat.agent_version or host.agent_version
+    want_inventory = False
+    if beat.inventory is not None:
+        upsert_inventory(session, host, beat.inventory)
+        host.inventory_digest = beat.inventory_digest
+    elif beat.inventory_digest != host.inventory_digest:
+        want_inventory = True
+    renewed: list[RenewResult] = []
+    for renewal in beat.renewals:
+        try:
+            # renew_in checks before it writes, so a refusal leaves nothing half-done.
+            lease = leases.renew_in(session, host, renewal.lease_id, renewal.ttl_s, now)
+            renewed.append(RenewResult(lease_id=lease.id, expires_at=lease.expires_at))
+        except PoolError as err:
+            renewed.append(RenewResult(lease_id=renewal.lease_id, code=err.code,
+                                       message=err.message))
+    revoking = session.scalars(
+        select(Lease).where(Lease.host_id == host.id, Lease.state == LeaseState.REVOKING.value)
+    )
+    revocations = [Revocation(lease_id=lease.id, reason="revoked") for lease in revoking]
+    return HeartbeatReply(server_time=now, renewed=renewed, revocations=revocations,
+                          want_inventory=want_inventory)
+
+
+def mark_down_stale(session: Session, older_than_s: float) -> int:
+    """Hosts whose agent has not beaten for a while are `down` (shown by poolctl)."""
+    cutoff = utcnow() - timedelta(seconds=older_than_s)
+    result = session.execute(
+        update(Host).where(Host.status == "up", Host.last_heartbeat_at < cutoff)
+        .values(status="down")
+    )
+    return int(result.rowcount)  # type: ignore[attr-defined]

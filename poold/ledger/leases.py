@@ -1,0 +1,327 @@
+"""Granting, activating, renewing and ending leases: the ledger side of the lifecycle.
+
+Allocation uses optimistic concurrency (STYLE.md pattern 1): read the device
+and tenant generations, place, insert, then bump each generation only where
+it still has the value read. A zero-row update means another writer changed
+the device or the tenant in between, so what we read (free extents, quota
+use) may be stale: roll back and start over in a fresh transaction.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from sqlalchemy import Select, select, update
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.orm import Session
+
+from poold import placement
+from poold.api.schemas import GrantRequest, LeaseOut
+from poold.errors import (
+    GenerationConflict,
+    NoCapacity,
+    NotOwner,
+    QuotaExceeded,
+    UnknownLease,
+)
+from poold.extents import Extent
+from poold.lease_states import LIVE_STATES, LeaseEvent, LeaseState, next_state
+from poold.ledger import events, tenants
+from poold.ledger.db import Ledger
+from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine, Tenant
+from poold.ledger.types import utcnow
+
+MAX_ATTEMPTS = 8
+LIVE = [s.value for s in LIVE_STATES]
+
+
+class _Retry(Exception):
+    """Another writer won a generation race; start the transaction again."""
+
+
+def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> LeaseOut:
+    """Place and record a new lease for the tenant the requesting process may act for."""
+    for _attempt in range(MAX_ATTEMPTS):
+        try:
+            with ledger.write() as session:
+                return _grant_once(session, host_name, req, actor)
+        except _Retry:
+            continue
+        except IntegrityError as exc:
+            # PostgreSQL's exclusion constraint caught an overlap a racing
+            # writer created; it is the same situation as a generation miss.
+            if "ex_leases_no_overlap" not in str(exc.orig):
+                raise
+            continue
+        except OperationalError as exc:  # serialisation failure / deadlock: retry
+            if "deadlock" not in str(exc.orig) and "could not serialize" not in str(exc.orig):
+                raise
+            continue
+    raise GenerationConflict(f"allocation lost {MAX_ATTEMPTS} races in a row; retry")
+
+
+def _grant_once(session: Session, host_name: str, req: GrantRequest, actor: str) -> LeaseOut:
+    host = session.scalar(select(Host).where(Host.name == host_name))
+    if host is None:
+        raise NotOwner(f"host {host_name!r} is not registered")
+    tenant = tenants.resolve(session, req.tenant, req.uid, req.gids, host.name)
+    tenant_generation = tenant.generation
+    used_bytes, used_leases = tenants.usage(session, tenant.id)
+    candidates = _candidates(session, host.id)
+    choice = placement.place(
+        placement.Request(size_bytes=req.size_bytes, media=req.media,
+                          allowed_media=frozenset(tenant.allowed_media)),
+        candidates,
+    )
+    if isinstance(choice, placement.Refusal):
+        raise NoCapacity(
+            f"cannot place {req.size_bytes} bytes on host {host.name!r}: {choice.reason}; "
+            f"largest free extent is {choice.largest_free_bytes} bytes",
+            largest_free_bytes=choice.largest_free_bytes,
+            free_by_device={str(k): v for k, v in choice.free_by_device.items()},
+        )
+    length = choice.extent.length
+    if used_leases + 1 > tenant.quota_leases:
+        raise QuotaExceeded(
+            f"tenant {tenant.name!r} holds {used_leases} of {tenant.quota_leases} leases",
+            quota_leases=tenant.quota_leases, live_leases=used_leases,
+        )
+    if used_bytes + length > tenant.quota_bytes:
+        raise QuotaExceeded(
+            f"tenant {tenant.name!r} would hold {used_bytes + length} bytes, "
+            f"quota is {tenant.quota_bytes}",
+            quota_bytes=tenant.quota_bytes, leased_bytes=used_bytes, requested_bytes=length,
+        )
+    dev = choice.candidate
+    new_generation = dev.generation + 1
+    now = utcnow()
+    lease = Lease(
+        id=str(uuid.uuid4()),
+        tenant_id=tenant.id,
+        host_id=host.id,
+        device_id=dev.device_id,
+        offset_bytes=choice.extent.offset,
+        length_bytes=length,
+        requested_bytes=req.size_bytes,
+        state=LeaseState.GRANTED.value,
+        ttl_s=req.ttl_s,
+        # The device generation only grows, so every reuse of any byte range
+        # gets a larger epoch than whatever held it before: a fencing token.
+        epoch=new_generation,
+        granted_at=now,
+        expires_at=now + timedelta(seconds=req.ttl_s),
+        holder_uid=req.uid,
+        holder_gid=req.gids[0] if req.gids else None,
+        holder_pid=req.pid,
+        labels=dict(req.labels),
+        exclusive_bytes=0,
+        replica_bytes=0,
+    )
+    session.add(lease)
+    session.flush()
+    _bump(session, Device, dev.device_id, dev.generation)
+    _bump(session, Tenant, tenant.id, tenant_generation)
+    events.record(session, actor=actor, kind="lease.grant", lease_id=lease.id,
+                  tenant_id=tenant.id, host_id=host.id, device_id=dev.device_id,
+                  to_state=lease.state,
+                  detail={"offset_bytes": lease.offset_bytes, "length_bytes": length,
+                          "epoch": lease.epoch, "uid": req.uid, "pid": req.pid})
+    return _out(session, lease)
+
+
+def _bump(session: Session, model: type[Device] | type[Tenant], row_id: int, seen: int) -> None:
+    result = session.execute(
+        update(model).where(model.id == row_id, model.generation == seen)
+        .values(generation=seen + 1)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        raise _Retry
+
+
+def _candidates(session: Session, host_id: int) -> list[placement.Candidate]:
+    rows = session.execute(
+        select(Device, DevicePath)
+        .join(DevicePath, DevicePath.device_id == Device.id)
+        .where(DevicePath.host_id == host_id, DevicePath.present.is_(True))
+    ).all()
+    if not rows:
+        return []
+    ids = [dev.id for dev, _ in rows]
+    used: dict[int, list[Extent]] = defaultdict(list)
+    for device_id, offset, length in session.execute(
+        select(Lease.device_id, Lease.offset_bytes, Lease.length_bytes)
+        .where(Lease.device_id.in_(ids), Lease.state.in_(LIVE))
+    ):
+        used[device_id].append(Extent(offset, length))
+    for device_id, offset, length in session.execute(
+        select(Quarantine.device_id, Quarantine.offset_bytes, Quarantine.length_bytes)
+        .where(Quarantine.device_id.in_(ids))
+    ):
+        used[device_id].append(Extent(offset, length))
+    return [
+        placement.Candidate(
+            device_id=dev.id, kind=dev.kind, media=dev.media, state=dev.state,
+            health=dev.health, capacity_bytes=dev.capacity_bytes,
+            alignment_bytes=dev.alignment_bytes, used=tuple(used[dev.id]),
+            read_latency_ns=path.read_latency_ns, distance=path.distance,
+            generation=dev.generation,
+        )
+        for dev, path in rows
+    ]
+
+
+def _load(session: Session, lease_id: str, *, for_update: bool = True) -> Lease:
+    stmt = select(Lease).where(Lease.id == lease_id)
+    if for_update:
+        stmt = stmt.with_for_update()
+    lease = session.scalar(stmt)
+    if lease is None:
+        raise UnknownLease(f"no lease {lease_id!r}", lease_id=lease_id)
+    return lease
+
+
+def _owned_by_host(lease: Lease, host: Host) -> None:
+    if lease.host_id != host.id:
+        # Same wording as an unknown id would leak existence; the code differs
+        # on purpose so an operator can tell a misrouted agent from a typo.
+        raise NotOwner(f"lease {lease.id} is not held on host {host.name!r}", lease_id=lease.id)
+
+
+def _move(session: Session, lease: Lease, event: LeaseEvent, actor: str, reason: str = "") -> None:
+    before = LeaseState(lease.state)
+    after = next_state(before, event)
+    lease.state = after.value
+    if after.value not in LIVE:
+        lease.ended_at = utcnow()
+        # Freed bytes change what the allocator may hand out.
+        session.execute(
+            update(Device).where(Device.id == lease.device_id)
+            .values(generation=Device.generation + 1)
+            .execution_options(synchronize_session=False)
+        )
+    if before != after:
+        events.record(session, actor=actor, kind=f"lease.{event.value}", lease_id=lease.id,
+                      tenant_id=lease.tenant_id, host_id=lease.host_id,
+                      device_id=lease.device_id, from_state=before.value,
+                      to_state=after.value, reason=reason or None)
+
+
+def _expire_if_due(session: Session, lease: Lease, now: datetime) -> None:
+    """Lazy expiry: a held lease past its expiry is expired before anything else happens."""
+    if lease.state == LeaseState.ACTIVE.value and lease.expires_at <= now:
+        _move(session, lease, LeaseEvent.EXPIRE, "poold", "ttl passed without renewal")
+
+
+def activate(ledger: Ledger, host_name: str, lease_id: str, actor: str) -> LeaseOut:
+    with ledger.write() as session:
+        host = _host(session, host_name)
+        lease = _load(session, lease_id)
+        _owned_by_host(lease, host)
+        _move(session, lease, LeaseEvent.ACTIVATE, actor)
+        now = utcnow()
+        lease.activated_at = now
+        lease.expires_at = now + timedelta(seconds=lease.ttl_s)
+        return _out(session, lease)
+
+
+def renew_in(session: Session, host: Host, lease_id: str, ttl_s: int | None,
+             now: datetime) -> Lease:
+    """Extend a held lease (inside the caller's transaction: heartbeats batch these)."""
+    lease = _load(session, lease_id)
+    _owned_by_host(lease, host)
+    _expire_if_due(session, lease, now)
+    next_state(LeaseState(lease.state), LeaseEvent.RENEW)  # raises lease_not_active
+    if ttl_s is not None:
+        lease.ttl_s = ttl_s
+    lease.expires_at = now + timedelta(seconds=lease.ttl_s)
+    return lease
+
+
+def renew(ledger: Ledger, host_name: str, lease_id: str, ttl_s: int | None) -> LeaseOut:
+    now = utcnow()
+    with ledger.write() as session:
+        host = _host(session, host_name)
+        lease = renew_in(session, host, lease_id, ttl_s, now)
+        return _out(session, lease)
+
+
+def end(ledger: Ledger, lease_id: str, event: LeaseEvent, actor: str, reason: str = "",
+        host_name: str | None = None) -> LeaseOut:
+    """Release, abort or reclaim a lease; `host_name` set means an agent asks for its own."""
+    with ledger.write() as session:
+        lease = _load(session, lease_id)
+        if host_name is not None:
+            _owned_by_host(lease, _host(session, host_name))
+        if event in (LeaseEvent.RELEASE, LeaseEvent.RELEASE_DIRTY):
+            _expire_if_due(session, lease, utcnow())
+        _move(session, lease, event, actor, reason)
+        return _out(session, lease)
+
+
+def _host(session: Session, name: str) -> Host:
+    host = session.scalar(select(Host).where(Host.name == name))
+    if host is None:
+        raise NotOwner(f"host {name!r} is not registered")
+    return host
+
+
+def _query() -> Select[tuple[Lease, Tenant, Host, Device, DevicePath]]:
+    return (
+        select(Lease, Tenant, Host, Device, DevicePath)
+        .join(Tenant, Tenant.id == Lease.tenant_id)
+        .join(Host, Host.id == Lease.host_id)
+        .join(Device, Device.id == Lease.device_id)
+        .outerjoin(DevicePath, (DevicePath.device_id == Lease.device_id)
+                   & (DevicePath.host_id == Lease.host_id))
+    )
+
+
+def _row_out(lease: Lease, tenant: Tenant, host: Host, dev: Device,
+             path: DevicePath | None) -> LeaseOut:
+    return LeaseOut(
+        id=lease.id, tenant=tenant.name, host=host.name, device_uid=dev.uid,
+        device_kind=dev.kind,  # type: ignore[arg-type]
+        media=dev.media, offset_bytes=lease.offset_bytes, length_bytes=lease.length_bytes,
+        requested_bytes=lease.requested_bytes, alignment_bytes=dev.alignment_bytes,
+        state=lease.state,  # type: ignore[arg-type]
+        epoch=lease.epoch, ttl_s=lease.ttl_s, granted_at=lease.granted_at,
+        activated_at=lease.activated_at, expires_at=lease.expires_at, ended_at=lease.ended_at,
+        numa_node=path.numa_node if path else None, local_name=path.local_name if path else "",
+        holder_uid=lease.holder_uid, holder_pid=lease.holder_pid, labels=dict(lease.labels),
+        exclusive_bytes=lease.exclusive_bytes, replica_bytes=lease.replica_bytes,
+    )
+
+
+def _out(session: Session, lease: Lease) -> LeaseOut:
+    session.flush()
+    row = session.execute(_query().where(Lease.id == lease.id)).one()
+    return _row_out(*row)
+
+
+def show(ledger: Ledger, lease_id: str) -> LeaseOut:
+    with ledger.read() as session:
+        row = session.execute(_query().where(Lease.id == lease_id)).one_or_none()
+        if row is None:
+            raise UnknownLease(f"no lease {lease_id!r}", lease_id=lease_id)
+        return _row_out(*row)
+
+
+def list_leases(ledger: Ledger, *, tenant: str | None = None, host: str | None = None,
+                states: Sequence[str] | None = None, live_only: bool = False,
+                limit: int = 1000) -> list[LeaseOut]:
+    stmt = _query()
+    if tenant is not None:
+        stmt = stmt.where(Tenant.name == tenant)
+    if host is not None:
+        stmt = stmt.where(Host.name == host)
+    if live_only:
+        stmt = stmt.where(Lease.state.in_(LIVE))
+    if states:
+        stmt = stmt.where(Lease.state.in_(list(states)))
+    stmt = stmt.order_by(Lease.granted_at.desc()).limit(limit)
+    with ledger.read() as session:
+        return [_row_out(*row) for row in session.execute(stmt)]

@@ -1,0 +1,133 @@
+"""Who may lease, how much, and as which unix users: tenant records in the ledger."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from poold.api.schemas import TenantOut, TenantSpec, TenantUpdate
+from poold.errors import AlreadyExists, NotOwner, TenantInUse, UnknownTenant
+from poold.lease_states import LIVE_STATES
+from poold.ledger import events
+from poold.ledger.models import Lease, Tenant
+from poold.ledger.types import utcnow
+
+LIVE = [s.value for s in LIVE_STATES]
+
+
+def get_by_name(session: Session, name: str) -> Tenant:
+    tenant = session.scalar(select(Tenant).where(Tenant.name == name))
+    if tenant is None:
+        raise UnknownTenant(f"no tenant named {name!r}", tenant=name)
+    return tenant
+
+
+def usage(session: Session, tenant_id: int) -> tuple[int, int]:
+    """(live lease bytes, live lease count) held by a tenant."""
+    row = session.execute(
+        select(func.coalesce(func.sum(Lease.length_bytes), 0), func.count(Lease.id)).where(
+            Lease.tenant_id == tenant_id, Lease.state.in_(LIVE)
+        )
+    ).one()
+    return int(row[0]), int(row[1])
+
+
+def to_out(session: Session, tenant: Tenant) -> TenantOut:
+    leased, count = usage(session, tenant.id)
+    return TenantOut(
+        id=tenant.id,
+        name=tenant.name,
+        quota_bytes=tenant.quota_bytes,
+        quota_leases=tenant.quota_leases,
+        allowed_media=list(tenant.allowed_media),
+        allowed_uids=list(tenant.allowed_uids),
+        allowed_gids=list(tenant.allowed_gids),
+        allowed_hosts=list(tenant.allowed_hosts),
+        leased_bytes=leased,
+        live_leases=count,
+        created_at=tenant.created_at,
+    )
+
+
+def create(session: Session, spec: TenantSpec, actor: str) -> Tenant:
+    if session.scalar(select(Tenant.id).where(Tenant.name == spec.name)) is not None:
+        raise AlreadyExists(f"tenant {spec.name!r} already exists", tenant=spec.name)
+    tenant = Tenant(
+        name=spec.name,
+        quota_bytes=spec.quota_bytes,
+        quota_leases=spec.quota_leases,
+        allowed_media=sorted(set(spec.allowed_media)),
+        allowed_uids=sorted(set(spec.allowed_uids)),
+        allowed_gids=sorted(set(spec.allowed_gids)),
+        allowed_hosts=sorted(set(spec.allowed_hosts)),
+        generation=0,
+        created_at=utcnow(),
+    )
+    session.add(tenant)
+    try:
+        session.flush()
+    except IntegrityError as exc:  # a concurrent create won the unique name
+        raise AlreadyExists(f"tenant {spec.name!r} already exists", tenant=spec.name) from exc
+    events.record(session, actor=actor, kind="tenant.create", tenant_id=tenant.id,
+                  detail=spec.model_dump())
+    return tenant
+
+
+def update(session: Session, name: str, change: TenantUpdate, actor: str) -> Tenant:
+    tenant = get_by_name(session, name)
+    fields = change.model_dump(exclude_none=True)
+    for key, value in fields.items():
+        setattr(tenant, key, sorted(set(value)) if isinstance(value, list) else value)
+    # A quota change must not race a grant that read the old quota.
+    tenant.generation = tenant.generation + 1
+    events.record(session, actor=actor, kind="tenant.update", tenant_id=tenant.id, detail=fields)
+    return tenant
+
+
+def delete(session: Session, name: str, actor: str) -> None:
+    tenant = get_by_name(session, name)
+    _, live = usage(session, tenant.id)
+    if live:
+        raise TenantInUse(f"tenant {name!r} still holds {live} live lease(s)", live_leases=live)
+    if session.scalar(select(Lease.id).where(Lease.tenant_id == tenant.id).limit(1)):
+        # Ended leases keep their history; the tenant is kept with no quota instead.
+        tenant.quota_bytes = 0
+        tenant.quota_leases = 0
+        tenant.allowed_uids = []
+        tenant.allowed_gids = []
+        tenant.name = f"{tenant.name}~deleted~{tenant.id}"
+    else:
+        session.delete(tenant)
+    events.record(session, actor=actor, kind="tenant.delete", tenant_id=tenant.id,
+                  detail={"name": name})
+
+
+def may_act(tenant: Tenant, uid: int, gids: list[int], host: str) -> bool:
+    """Can a process with these credentials, on this host, act for the tenant?"""
+    if tenant.allowed_hosts and host not in tenant.allowed_hosts:
+        return False
+    return uid in tenant.allowed_uids or any(g in tenant.allowed_gids for g in gids)
+
+
+def resolve(session: Session, name: str | None, uid: int, gids: list[int], host: str) -> Tenant:
+    """The tenant a process may act for: the one named, or the only one its ids map to.
+
+    Identity comes from SO_PEERCRED via the agent; a name the process sends is a
+    claim, checked here against the tenant's allowed uids/gids.
+    """
+    if name is not None:
+        tenant = get_by_name(session, name)
+        if not may_act(tenant, uid, gids, host):
+            raise NotOwner(
+                f"uid {uid} (gids {gids}) on host {host!r} may not act for tenant {name!r}",
+                tenant=name, uid=uid,
+            )
+        return tenant
+    matches = [t for t in session.scalars(select(Tenant)) if may_act(t, uid, gids, host)]
+    if not matches:
+        raise NotOwner(f"uid {uid} on host {host!r} may not act for any tenant", uid=uid)
+    if len(matches) > 1:
+        names = sorted(t.name for t in matches)
+        raise NotOwner(f"uid {uid} may act for several tenants {names}; name one", uid=uid)
+    return matches[0]

@@ -1,0 +1,51 @@
+"""Where poold keeps its state and how it is reached: settings from flags and environment."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+DEFAULT_PORT = 7340
+
+
+def default_state_dir() -> Path:
+    """/var/lib/poold for root (as systemd's StateDirectory=), else the XDG state dir."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/poold")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "poold"
+
+
+class PooldSettings(BaseModel):
+    state_dir: Path = Field(default_factory=default_state_dir)
+    database_url: str | None = None  # None: SQLite in state_dir
+    listen_host: str = "127.0.0.1"
+    listen_port: int = DEFAULT_PORT
+    admin_token: str | None = None  # None: read or create state_dir/admin.token
+    upgrade_db: bool = True
+    host_down_after_s: float = 60.0
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.state_dir / 'ledger.db'}"
+
+    def admin_token_path(self) -> Path:
+        return self.state_dir / "admin.token"
+
+    def resolved_admin_token(self) -> str:
+        """The admin token, creating it (mode 0600) on first start like a cluster secret."""
+        if self.admin_token:
+            return self.admin_token
+        path = self.admin_token_path()
+        try:
+            return path.read_text().strip()
+        except FileNotFoundError:
+            pass
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        token = f"pt1.admin.{secrets.token_urlsafe(32)}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token + "\n")
+        return token
