@@ -19,25 +19,53 @@ def main(ctx: click.Context) -> None:
 
 
 @main.command()
-@click.option("--state-dir", type=click.Path(path_type=Path), envvar="POOLD_STATE_DIR",
-              default=default_state_dir, show_default="/var/lib/poold or XDG state dir")
-@click.option("--database-url", envvar="POOLD_DATABASE_URL", default=None,
-              help="SQLAlchemy URL; default SQLite in the state dir")
-@click.option("--listen", "listen_host", envvar="POOLD_LISTEN", default="127.0.0.1",
-              show_default=True)
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    envvar="POOLD_STATE_DIR",
+    default=default_state_dir,
+    show_default="/var/lib/poold or XDG state dir",
+)
+@click.option(
+    "--database-url",
+    envvar="POOLD_DATABASE_URL",
+    default=None,
+    help="SQLAlchemy URL; default SQLite in the state dir",
+)
+@click.option(
+    "--listen", "listen_host", envvar="POOLD_LISTEN", default="127.0.0.1", show_default=True
+)
 @click.option("--port", envvar="POOLD_PORT", type=int, default=DEFAULT_PORT, show_default=True)
-@click.option("--upgrade-db/--no-upgrade-db", default=True, show_default=True,
-              help="apply pending alembic migrations at start")
+@click.option(
+    "--upgrade-db/--no-upgrade-db",
+    default=True,
+    show_default=True,
+    help="apply pending alembic migrations at start",
+)
 @click.option("--log-level", default="info", envvar="POOLD_LOG_LEVEL", show_default=True)
-def serve(state_dir: Path, database_url: str | None, listen_host: str, port: int,
-          upgrade_db: bool, log_level: str) -> None:
+def serve(
+    state_dir: Path,
+    database_url: str | None,
+    listen_host: str,
+    port: int,
+    upgrade_db: bool,
+    log_level: str,
+) -> None:
     """Serve the poold HTTP API."""
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     from poold.server import serve as run
 
-    run(PooldSettings(state_dir=state_dir, database_url=database_url, listen_host=listen_host,
-                      listen_port=port, upgrade_db=upgrade_db))
+    run(
+        PooldSettings(
+            state_dir=state_dir,
+            database_url=database_url,
+            listen_host=listen_host,
+            listen_port=port,
+            upgrade_db=upgrade_db,
+        )
+    )
 
 
 @main.command()

@@ -87,8 +87,9 @@ def place(req: Request, candidates: Sequence[Candidate]) -> Choice | Refusal:
     if not usable:
         return Refusal("no device matches the requested media or is online", 0, {})
     # Healthy before warning, then latency tier, then best fit inside the tier.
-    ranked = sorted(usable, key=lambda c: (c.health != "ok" and c.health != "unknown",
-                                           _latency_key(c)))
+    ranked = sorted(
+        usable, key=lambda c: (c.health != "ok" and c.health != "unknown", _latency_key(c))
+    )
     best: tuple[tuple[bool, tuple[int, int], int, int], Choice] | None = None
     for c in ranked:
         ext = extents.best_fit(c.capacity_bytes, c.alignment_bytes, c.used, req.size_bytes)

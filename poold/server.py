@@ -21,8 +21,19 @@ def serve(settings: PooldSettings) -> None:
         migrate.upgrade(url)
     ledger = Ledger(url)
     app = create_app(ledger, settings.resolved_admin_token())
-    log.info("poold listening on http://%s:%d, ledger %s", settings.listen_host,
-             settings.listen_port, ledger.engine.url.render_as_string(hide_password=True))
-    uvicorn.run(app, host=settings.listen_host, port=settings.listen_port, log_level="warning",
-                http="httptools", access_log=False, lifespan="off")
+    log.info(
+        "poold listening on http://%s:%d, ledger %s",
+        settings.listen_host,
+        settings.listen_port,
+        ledger.engine.url.render_as_string(hide_password=True),
+    )
+    uvicorn.run(
+        app,
+        host=settings.listen_host,
+        port=settings.listen_port,
+        log_level="warning",
+        http="httptools",
+        access_log=False,
+        lifespan="off",
+    )
     ledger.dispose()

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from poold import __version__
 from poold.api.schemas import (
+    AgentOps,
     EndRequest,
     GrantRequest,
     Heartbeat,
@@ -26,6 +27,7 @@ from poold.api.schemas import (
     HostCreated,
     HostOut,
     HostSpec,
+    LeaseOpResult,
     LeaseOut,
     PoolStatus,
     RenewRequest,
@@ -35,7 +37,7 @@ from poold.api.schemas import (
 )
 from poold.errors import BadRequest, Forbidden, NotFound, PoolError, Unauthorized
 from poold.lease_states import LeaseEvent
-from poold.ledger import capacity, hosts, leases, tenants
+from poold.ledger import capacity, events, hosts, leases, tenants
 from poold.ledger.db import Ledger
 
 log = logging.getLogger("poold.api")
@@ -53,15 +55,37 @@ class Principal:
         return "admin" if self.admin else f"agent:{self.host}"
 
 
+def principal(request: Request) -> Principal:
+    """Authenticate the bearer token: the admin token, or one host's agent credential."""
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("missing bearer token")
+    admin_token: str = request.app.state.admin_token
+    if hmac.compare_digest(token.encode(), admin_token.encode()):
+        return Principal(admin=True)
+    ledger: Ledger = request.app.state.ledger
+    with ledger.read() as session:
+        host = hosts.authenticate(session, token)
+        return Principal(admin=False, host=host.name)
+
+
+# Module level: FastAPI resolves string annotations against module globals.
+Caller = Annotated[Principal, Depends(principal)]
+
+
 def _error(err: PoolError) -> JSONResponse:
     return JSONResponse(err.to_dict(), status_code=err.http_status)
 
 
 def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
     app = FastAPI(title="poold", version=__version__, docs_url=None, redoc_url=None)
+    app.state.ledger = ledger
+    app.state.admin_token = admin_token
     registry = CollectorRegistry()
-    requests_total = Counter("poold_api_errors_total", "API errors by code", ["code"],
-                             registry=registry)
+    requests_total = Counter(
+        "poold_api_errors_total", "API errors by code", ["code"], registry=registry
+    )
 
     @app.exception_handler(PoolError)
     def _pool_error(_req: Request, err: PoolError) -> JSONResponse:
@@ -81,28 +105,19 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
     def _http(_req: Request, err: StarletteHTTPException) -> JSONResponse:
         if err.status_code == 404:
             return _error(NotFound(f"no such endpoint: {err.detail}"))
-        body = {"code": "bad_request" if err.status_code < 500 else "internal",
-                "message": str(err.detail)}
+        body = {
+            "code": "bad_request" if err.status_code < 500 else "internal",
+            "message": str(err.detail),
+        }
         return JSONResponse(body, status_code=err.status_code)
 
     @app.exception_handler(Exception)
     def _crash(_req: Request, err: Exception) -> JSONResponse:
         log.exception("internal error")
-        return JSONResponse({"code": "internal", "message": f"internal error: {type(err).__name__}"},
-                            status_code=500)
-
-    def principal(request: Request) -> Principal:
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise Unauthorized("missing bearer token")
-        if hmac.compare_digest(token.encode(), admin_token.encode()):
-            return Principal(admin=True)
-        with ledger.read() as session:
-            host = hosts.authenticate(session, token)
-            return Principal(admin=False, host=host.name)
-
-    Caller = Annotated[Principal, Depends(principal)]
+        return JSONResponse(
+            {"code": "internal", "message": f"internal error: {type(err).__name__}"},
+            status_code=500,
+        )
 
     def admin_only(p: Principal) -> None:
         if not p.admin:
@@ -182,9 +197,13 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
             raise BadRequest("register needs the host's inventory")
         with ledger.write() as s:
             host = hosts.get_by_name(s, name)
-            hosts.events.record(s, actor=p.actor, kind="host.register", host_id=host.id,
-                                detail={"agent_version": beat.agent_version,
-                                        "devices": len(beat.inventory)})
+            events.record(
+                s,
+                actor=p.actor,
+                kind="host.register",
+                host_id=host.id,
+                detail={"agent_version": beat.agent_version, "devices": len(beat.inventory)},
+            )
             return hosts.heartbeat(s, host, beat)
 
     @app.post("/v1/agent/heartbeat")
@@ -194,6 +213,10 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
             return hosts.heartbeat(s, hosts.get_by_name(s, name), beat)
 
     # --- leases ----------------------------------------------------------
+    @app.post("/v1/agent/ops")
+    def agent_ops(body: AgentOps, p: Caller) -> list[LeaseOpResult]:
+        return leases.apply_ops(ledger, agent_only(p), body.ops, p.actor)
+
     @app.post("/v1/leases", status_code=201)
     def grant(req: GrantRequest, p: Caller) -> LeaseOut:
         return leases.grant(ledger, agent_only(p), req, p.actor)
@@ -208,13 +231,15 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
 
     @app.post("/v1/leases/{lease_id}/release")
     def release(lease_id: str, body: EndRequest, p: Caller) -> LeaseOut:
-        return leases.end(ledger, lease_id, LeaseEvent.RELEASE, p.actor, body.reason,
-                          host_name=p.host)
+        return leases.end(
+            ledger, lease_id, LeaseEvent.RELEASE, p.actor, body.reason, host_name=p.host
+        )
 
     @app.post("/v1/leases/{lease_id}/abort")
     def abort(lease_id: str, body: EndRequest, p: Caller) -> LeaseOut:
-        return leases.end(ledger, lease_id, LeaseEvent.ABORT, p.actor, body.reason,
-                          host_name=agent_only(p))
+        return leases.end(
+            ledger, lease_id, LeaseEvent.ABORT, p.actor, body.reason, host_name=agent_only(p)
+        )
 
     @app.get("/v1/leases")
     def list_leases(
@@ -227,8 +252,9 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
     ) -> list[LeaseOut]:
         if not p.admin:
             host = p.host  # an agent sees its own host's leases only
-        return leases.list_leases(ledger, tenant=tenant, host=host, states=state,
-                                  live_only=live, limit=limit)
+        return leases.list_leases(
+            ledger, tenant=tenant, host=host, states=state, live_only=live, limit=limit
+        )
 
     @app.get("/v1/leases/{lease_id}")
     def show_lease(lease_id: str, p: Caller) -> LeaseOut:

@@ -12,12 +12,15 @@ import httpx
 from pydantic import BaseModel, TypeAdapter
 
 from poold.api.schemas import (
+    AgentOps,
     EndRequest,
     GrantRequest,
     Heartbeat,
     HeartbeatReply,
     HostCreated,
     HostOut,
+    LeaseOp,
+    LeaseOpResult,
     LeaseOut,
     PoolStatus,
     RenewRequest,
@@ -25,7 +28,7 @@ from poold.api.schemas import (
     TenantSpec,
     TenantUpdate,
 )
-from poold.errors import PoolError, PooldUnreachable, from_wire
+from poold.errors import PooldUnreachable, PoolError, from_wire
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -48,11 +51,18 @@ class PooldClient:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, path: str, body: BaseModel | None = None,
-              params: dict[str, Any] | None = None) -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: BaseModel | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> Any:
         try:
             resp = self._http.request(
-                method, path, params=params,
+                method,
+                path,
+                params=params,
                 content=body.model_dump_json(exclude_unset=False) if body is not None else None,
                 headers={"content-type": "application/json"} if body is not None else None,
             )
@@ -66,13 +76,18 @@ class PooldClient:
             data = None
         if resp.status_code >= 400:
             if isinstance(data, dict) and "code" in data:
-                raise from_wire(str(data["code"]), str(data.get("message", "")),
-                                data.get("detail"))
+                raise from_wire(str(data["code"]), str(data.get("message", "")), data.get("detail"))
             raise PoolError(f"poold answered HTTP {resp.status_code}: {resp.text[:200]}")
         return data
 
-    def _model(self, model: type[M], method: str, path: str, body: BaseModel | None = None,
-               params: dict[str, Any] | None = None) -> M:
+    def _model(
+        self,
+        model: type[M],
+        method: str,
+        path: str,
+        body: BaseModel | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> M:
         return model.model_validate(self._call(method, path, body, params))
 
     # health
@@ -112,6 +127,11 @@ class PooldClient:
     def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
         return self._model(HeartbeatReply, "POST", "/v1/agent/heartbeat", beat)
 
+    def apply_ops(self, ops: list[LeaseOp]) -> list[LeaseOpResult]:
+        return TypeAdapter(list[LeaseOpResult]).validate_python(
+            self._call("POST", "/v1/agent/ops", AgentOps(ops=ops))
+        )
+
     # leases
     def grant(self, req: GrantRequest) -> LeaseOut:
         return self._model(LeaseOut, "POST", "/v1/leases", req)
@@ -120,20 +140,29 @@ class PooldClient:
         return self._model(LeaseOut, "POST", f"/v1/leases/{lease_id}/activate")
 
     def renew(self, lease_id: str, ttl_s: int | None = None) -> LeaseOut:
-        return self._model(LeaseOut, "POST", f"/v1/leases/{lease_id}/renew",
-                           RenewRequest(ttl_s=ttl_s))
+        return self._model(
+            LeaseOut, "POST", f"/v1/leases/{lease_id}/renew", RenewRequest(ttl_s=ttl_s)
+        )
 
     def release(self, lease_id: str, reason: str = "") -> LeaseOut:
-        return self._model(LeaseOut, "POST", f"/v1/leases/{lease_id}/release",
-                           EndRequest(reason=reason))
+        return self._model(
+            LeaseOut, "POST", f"/v1/leases/{lease_id}/release", EndRequest(reason=reason)
+        )
 
     def abort(self, lease_id: str, reason: str = "") -> LeaseOut:
-        return self._model(LeaseOut, "POST", f"/v1/leases/{lease_id}/abort",
-                           EndRequest(reason=reason))
+        return self._model(
+            LeaseOut, "POST", f"/v1/leases/{lease_id}/abort", EndRequest(reason=reason)
+        )
 
-    def list_leases(self, *, tenant: str | None = None, host: str | None = None,
-                    states: list[str] | None = None, live: bool = False,
-                    limit: int = 1000) -> list[LeaseOut]:
+    def list_leases(
+        self,
+        *,
+        tenant: str | None = None,
+        host: str | None = None,
+        states: list[str] | None = None,
+        live: bool = False,
+        limit: int = 1000,
+    ) -> list[LeaseOut]:
         params: dict[str, Any] = {"live": live, "limit": limit}
         if tenant:
             params["tenant"] = tenant
@@ -142,7 +171,8 @@ class PooldClient:
         if states:
             params["state"] = states
         return TypeAdapter(list[LeaseOut]).validate_python(
-            self._call("GET", "/v1/leases", params=params))
+            self._call("GET", "/v1/leases", params=params)
+        )
 
     def show_lease(self, lease_id: str) -> LeaseOut:
         return self._model(LeaseOut, "GET", f"/v1/leases/{lease_id}")

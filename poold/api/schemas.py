@@ -60,8 +60,12 @@ class ErrorBody(Model):
 
 # --- tenants --------------------------------------------------------------
 
-TenantName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]
-HostName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")]
+TenantName = Annotated[
+    str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+]
+HostName = Annotated[
+    str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+]
 
 
 class TenantSpec(Model):
@@ -150,9 +154,35 @@ class HeartbeatReply(Model):
 # --- leases ---------------------------------------------------------------
 
 LeaseState = Literal[
-    "granted", "active", "expired", "orphaned", "revoking", "scrubbing",
-    "released", "reclaimed", "aborted",
+    "granted",
+    "active",
+    "expired",
+    "orphaned",
+    "revoking",
+    "scrubbing",
+    "released",
+    "reclaimed",
+    "aborted",
 ]
+
+
+class LeaseOp(Model):
+    """A lease transition an agent queued (its outbox), delivered with its next request."""
+
+    lease_id: Annotated[str, Field(min_length=1, max_length=64)]
+    op: Literal["release", "abort"]
+    reason: Annotated[str, Field(max_length=1024)] = ""
+
+
+class LeaseOpResult(Model):
+    lease_id: str
+    state: str | None = None
+    code: str | None = None
+    message: str | None = None
+
+
+class AgentOps(Model):
+    ops: list[LeaseOp] = Field(max_length=100_000)
 
 
 class GrantRequest(Model):
@@ -164,9 +194,17 @@ class GrantRequest(Model):
     media: MediaClass | None = None
     # From SO_PEERCRED, never from what the tenant claimed.
     uid: int = Field(ge=0, lt=1 << 32)
-    gids: list[Annotated[int, Field(ge=0, lt=1 << 32)]] = Field(default_factory=list, max_length=1024)
+    gids: list[Annotated[int, Field(ge=0, lt=1 << 32)]] = Field(
+        default_factory=list, max_length=1024
+    )
     pid: int = Field(ge=0)
     labels: dict[str, str] = Field(default_factory=dict, max_length=64)
+    # The agent already materialised the memory (memfd backends, whose memory
+    # does not depend on the offset): grant and activate in one transaction.
+    activate: bool = False
+    # The agent's queued transitions, applied (in their own transaction) first,
+    # so a release just before this grant frees its bytes and quota in time.
+    pending: list[LeaseOp] = Field(default_factory=list, max_length=100_000)
 
 
 class LeaseOut(Model):

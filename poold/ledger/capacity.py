@@ -30,8 +30,9 @@ def pool_status(ledger: Ledger) -> PoolStatus:
         host_leased: dict[int, int] = defaultdict(int)
         host_live: dict[int, int] = defaultdict(int)
         for device_id, host_id, offset, length in session.execute(
-            select(Lease.device_id, Lease.host_id, Lease.offset_bytes, Lease.length_bytes)
-            .where(Lease.state.in_(LIVE))
+            select(Lease.device_id, Lease.host_id, Lease.offset_bytes, Lease.length_bytes).where(
+                Lease.state.in_(LIVE)
+            )
         ):
             used[device_id].append(Extent(offset, length))
             leased[device_id] += length
@@ -52,25 +53,43 @@ def pool_status(ledger: Ledger) -> PoolStatus:
         for p in dev_paths:
             host_capacity[p.host_id] += dev.capacity_bytes
             host_free[p.host_id] += free
-        device_rows.append(DeviceStatus(
-            id=dev.id, uid=dev.uid, kind=dev.kind, media=dev.media, recycled=dev.recycled,
-            state=dev.state, health=dev.health,
-            hosts=sorted(host_names[p.host_id] for p in dev_paths),
-            local_names=sorted({p.local_name for p in dev_paths if p.local_name}),
-            numa_node=dev_paths[0].numa_node if dev_paths else None,
-            capacity_bytes=dev.capacity_bytes, leased_bytes=leased[dev.id], free_bytes=free,
-            largest_free_bytes=extents.largest_free(dev.capacity_bytes, dev.alignment_bytes,
-                                                    used[dev.id]),
-            live_leases=live[dev.id], alignment_bytes=dev.alignment_bytes,
-        ))
+        device_rows.append(
+            DeviceStatus(
+                id=dev.id,
+                uid=dev.uid,
+                kind=dev.kind,
+                media=dev.media,
+                recycled=dev.recycled,
+                state=dev.state,
+                health=dev.health,
+                hosts=sorted(host_names[p.host_id] for p in dev_paths),
+                local_names=sorted({p.local_name for p in dev_paths if p.local_name}),
+                numa_node=dev_paths[0].numa_node if dev_paths else None,
+                capacity_bytes=dev.capacity_bytes,
+                leased_bytes=leased[dev.id],
+                free_bytes=free,
+                largest_free_bytes=extents.largest_free(
+                    dev.capacity_bytes, dev.alignment_bytes, used[dev.id]
+                ),
+                live_leases=live[dev.id],
+                alignment_bytes=dev.alignment_bytes,
+            )
+        )
     host_rows = [
-        HostStatus(name=h.name, status=h.status, last_heartbeat_at=h.last_heartbeat_at,
-                   capacity_bytes=host_capacity[h.id], leased_bytes=host_leased[h.id],
-                   free_bytes=host_free[h.id], live_leases=host_live[h.id])
+        HostStatus(
+            name=h.name,
+            status=h.status,
+            last_heartbeat_at=h.last_heartbeat_at,
+            capacity_bytes=host_capacity[h.id],
+            leased_bytes=host_leased[h.id],
+            free_bytes=host_free[h.id],
+            live_leases=host_live[h.id],
+        )
         for h in hosts
     ]
     return PoolStatus(
-        hosts=host_rows, devices=device_rows,
+        hosts=host_rows,
+        devices=device_rows,
         capacity_bytes=sum(d.capacity_bytes for d in device_rows),
         leased_bytes=sum(d.leased_bytes for d in device_rows),
         free_bytes=sum(d.free_bytes for d in device_rows),

@@ -27,8 +27,9 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     """An engine for `url`, with the SQLite pragmas the ledger relies on."""
     if url.startswith("sqlite"):
         engine = create_engine(
-            url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000,
-                               "check_same_thread": False}, **kwargs
+            url,
+            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False},
+            **kwargs,
         )
         _configure_sqlite(engine)
         return engine

@@ -38,8 +38,13 @@ def new_credential(name: str) -> str:
 
 
 def to_out(host: Host) -> HostOut:
-    return HostOut(id=host.id, name=host.name, status=host.status,
-                   last_heartbeat_at=host.last_heartbeat_at, created_at=host.created_at)
+    return HostOut(
+        id=host.id,
+        name=host.name,
+        status=host.status,
+        last_heartbeat_at=host.last_heartbeat_at,
+        created_at=host.created_at,
+    )
 
 
 def add(session: Session, name: str, actor: str) -> tuple[Host, str]:
@@ -47,8 +52,9 @@ def add(session: Session, name: str, actor: str) -> tuple[Host, str]:
     if session.scalar(select(Host.id).where(Host.name == name)) is not None:
         raise AlreadyExists(f"host {name!r} already exists", host=name)
     credential = new_credential(name)
-    host = Host(name=name, status="down", credential_hash=hash_credential(credential),
-                created_at=utcnow())
+    host = Host(
+        name=name, status="down", credential_hash=hash_credential(credential), created_at=utcnow()
+    )
     session.add(host)
     session.flush()
     events.record(session, actor=actor, kind="host.add", host_id=host.id, detail={"name": name})
@@ -81,9 +87,15 @@ def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevi
     for item in inventory:
         dev = session.scalar(select(Device).where(Device.uid == item.uid))
         if dev is None:
-            dev = Device(uid=item.uid, kind=item.kind, state="online", generation=0,
-                         created_at=now, capacity_bytes=item.capacity_bytes,
-                         alignment_bytes=item.alignment_bytes)
+            dev = Device(
+                uid=item.uid,
+                kind=item.kind,
+                state="online",
+                generation=0,
+                created_at=now,
+                capacity_bytes=item.capacity_bytes,
+                alignment_bytes=item.alignment_bytes,
+            )
             session.add(dev)
         dev.kind = item.kind
         dev.media = item.media
@@ -118,19 +130,30 @@ def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevi
             continue
         path.present = False
         others = session.scalar(
-            select(DevicePath.id).where(DevicePath.device_id == path.device_id,
-                                        DevicePath.present.is_(True),
-                                        DevicePath.host_id != host.id).limit(1)
+            select(DevicePath.id)
+            .where(
+                DevicePath.device_id == path.device_id,
+                DevicePath.present.is_(True),
+                DevicePath.host_id != host.id,
+            )
+            .limit(1)
         )
         if others is None:
             dev = session.get(Device, path.device_id)
             if dev is not None and dev.state == "online":
                 dev.state = "missing"
-                events.record(session, actor=f"host:{host.name}", kind="device.missing",
-                              device_id=dev.id, host_id=host.id)
+                events.record(
+                    session,
+                    actor=f"host:{host.name}",
+                    kind="device.missing",
+                    device_id=dev.id,
+                    host_id=host.id,
+                )
 
 
-def heartbeat(session: Session, host: Host, beat: Heartbeat, ttl_grace_s: int = 0) -> HeartbeatReply:
+def heartbeat(
+    session: Session, host: Host, beat: Heartbeat, ttl_grace_s: int = 0
+) -> HeartbeatReply:
     """Apply one heartbeat: inventory, every renewal on the host, and what to revoke."""
     now = utcnow()
     if host.status != "draining":
@@ -150,21 +173,24 @@ def heartbeat(session: Session, host: Host, beat: Heartbeat, ttl_grace_s: int = 
             lease = leases.renew_in(session, host, renewal.lease_id, renewal.ttl_s, now)
             renewed.append(RenewResult(lease_id=lease.id, expires_at=lease.expires_at))
         except PoolError as err:
-            renewed.append(RenewResult(lease_id=renewal.lease_id, code=err.code,
-                                       message=err.message))
+            renewed.append(
+                RenewResult(lease_id=renewal.lease_id, code=err.code, message=err.message)
+            )
     revoking = session.scalars(
         select(Lease).where(Lease.host_id == host.id, Lease.state == LeaseState.REVOKING.value)
     )
     revocations = [Revocation(lease_id=lease.id, reason="revoked") for lease in revoking]
-    return HeartbeatReply(server_time=now, renewed=renewed, revocations=revocations,
-                          want_inventory=want_inventory)
+    return HeartbeatReply(
+        server_time=now, renewed=renewed, revocations=revocations, want_inventory=want_inventory
+    )
 
 
 def mark_down_stale(session: Session, older_than_s: float) -> int:
     """Hosts whose agent has not beaten for a while are `down` (shown by poolctl)."""
     cutoff = utcnow() - timedelta(seconds=older_than_s)
     result = session.execute(
-        update(Host).where(Host.status == "up", Host.last_heartbeat_at < cutoff)
+        update(Host)
+        .where(Host.status == "up", Host.last_heartbeat_at < cutoff)
         .values(status="down")
     )
     return int(result.rowcount)  # type: ignore[attr-defined]

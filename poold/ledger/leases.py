@@ -13,17 +13,19 @@ import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import Select, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from poold import placement
-from poold.api.schemas import GrantRequest, LeaseOut
+from poold.api.schemas import GrantRequest, LeaseOp, LeaseOpResult, LeaseOut
 from poold.errors import (
     GenerationConflict,
     NoCapacity,
     NotOwner,
+    PoolError,
     QuotaExceeded,
     UnknownLease,
 )
@@ -44,6 +46,8 @@ class _Retry(Exception):
 
 def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> LeaseOut:
     """Place and record a new lease for the tenant the requesting process may act for."""
+    if req.pending:
+        apply_ops(ledger, host_name, req.pending, actor)
     for _attempt in range(MAX_ATTEMPTS):
         try:
             with ledger.write() as session:
@@ -72,8 +76,11 @@ def _grant_once(session: Session, host_name: str, req: GrantRequest, actor: str)
     used_bytes, used_leases = tenants.usage(session, tenant.id)
     candidates = _candidates(session, host.id)
     choice = placement.place(
-        placement.Request(size_bytes=req.size_bytes, media=req.media,
-                          allowed_media=frozenset(tenant.allowed_media)),
+        placement.Request(
+            size_bytes=req.size_bytes,
+            media=req.media,
+            allowed_media=frozenset(tenant.allowed_media),
+        ),
         candidates,
     )
     if isinstance(choice, placement.Refusal):
@@ -87,13 +94,16 @@ def _grant_once(session: Session, host_name: str, req: GrantRequest, actor: str)
     if used_leases + 1 > tenant.quota_leases:
         raise QuotaExceeded(
             f"tenant {tenant.name!r} holds {used_leases} of {tenant.quota_leases} leases",
-            quota_leases=tenant.quota_leases, live_leases=used_leases,
+            quota_leases=tenant.quota_leases,
+            live_leases=used_leases,
         )
     if used_bytes + length > tenant.quota_bytes:
         raise QuotaExceeded(
             f"tenant {tenant.name!r} would hold {used_bytes + length} bytes, "
             f"quota is {tenant.quota_bytes}",
-            quota_bytes=tenant.quota_bytes, leased_bytes=used_bytes, requested_bytes=length,
+            quota_bytes=tenant.quota_bytes,
+            leased_bytes=used_bytes,
+            requested_bytes=length,
         )
     dev = choice.candidate
     new_generation = dev.generation + 1
@@ -124,17 +134,63 @@ def _grant_once(session: Session, host_name: str, req: GrantRequest, actor: str)
     session.flush()
     _bump(session, Device, dev.device_id, dev.generation)
     _bump(session, Tenant, tenant.id, tenant_generation)
-    events.record(session, actor=actor, kind="lease.grant", lease_id=lease.id,
-                  tenant_id=tenant.id, host_id=host.id, device_id=dev.device_id,
-                  to_state=lease.state,
-                  detail={"offset_bytes": lease.offset_bytes, "length_bytes": length,
-                          "epoch": lease.epoch, "uid": req.uid, "pid": req.pid})
+    events.record(
+        session,
+        actor=actor,
+        kind="lease.grant",
+        lease_id=lease.id,
+        tenant_id=tenant.id,
+        host_id=host.id,
+        device_id=dev.device_id,
+        to_state=lease.state,
+        detail={
+            "offset_bytes": lease.offset_bytes,
+            "length_bytes": length,
+            "epoch": lease.epoch,
+            "uid": req.uid,
+            "pid": req.pid,
+        },
+    )
+    if req.activate:
+        _move(session, lease, LeaseEvent.ACTIVATE, actor)
+        lease.activated_at = now
     return _out(session, lease)
+
+
+def apply_ops(
+    ledger: Ledger, host_name: str, ops: Sequence[LeaseOp], actor: str
+) -> list[LeaseOpResult]:
+    """Apply an agent's queued transitions in one transaction; each may fail on its own.
+
+    A refused op (the lease expired meanwhile, an admin already released it)
+    is reported back and changes nothing, so replaying an outbox is safe.
+    """
+    if not ops:
+        return []
+    results: list[LeaseOpResult] = []
+    with ledger.write() as session:
+        host = _host(session, host_name)
+        for op in ops:
+            event = LeaseEvent.RELEASE if op.op == "release" else LeaseEvent.ABORT
+            try:
+                lease = _load(session, op.lease_id)
+                _owned_by_host(lease, host)
+                if event is LeaseEvent.RELEASE:
+                    _expire_if_due(session, lease, utcnow())
+                next_state(LeaseState(lease.state), event)  # check before writing
+                _move(session, lease, event, actor, op.reason)
+                results.append(LeaseOpResult(lease_id=op.lease_id, state=lease.state))
+            except PoolError as err:
+                results.append(
+                    LeaseOpResult(lease_id=op.lease_id, code=err.code, message=err.message)
+                )
+    return results
 
 
 def _bump(session: Session, model: type[Device] | type[Tenant], row_id: int, seen: int) -> None:
     result = session.execute(
-        update(model).where(model.id == row_id, model.generation == seen)
+        update(model)
+        .where(model.id == row_id, model.generation == seen)
         .values(generation=seen + 1)
         .execution_options(synchronize_session=False)
     )
@@ -153,21 +209,29 @@ def _candidates(session: Session, host_id: int) -> list[placement.Candidate]:
     ids = [dev.id for dev, _ in rows]
     used: dict[int, list[Extent]] = defaultdict(list)
     for device_id, offset, length in session.execute(
-        select(Lease.device_id, Lease.offset_bytes, Lease.length_bytes)
-        .where(Lease.device_id.in_(ids), Lease.state.in_(LIVE))
+        select(Lease.device_id, Lease.offset_bytes, Lease.length_bytes).where(
+            Lease.device_id.in_(ids), Lease.state.in_(LIVE)
+        )
     ):
         used[device_id].append(Extent(offset, length))
     for device_id, offset, length in session.execute(
-        select(Quarantine.device_id, Quarantine.offset_bytes, Quarantine.length_bytes)
-        .where(Quarantine.device_id.in_(ids))
+        select(Quarantine.device_id, Quarantine.offset_bytes, Quarantine.length_bytes).where(
+            Quarantine.device_id.in_(ids)
+        )
     ):
         used[device_id].append(Extent(offset, length))
     return [
         placement.Candidate(
-            device_id=dev.id, kind=dev.kind, media=dev.media, state=dev.state,
-            health=dev.health, capacity_bytes=dev.capacity_bytes,
-            alignment_bytes=dev.alignment_bytes, used=tuple(used[dev.id]),
-            read_latency_ns=path.read_latency_ns, distance=path.distance,
+            device_id=dev.id,
+            kind=dev.kind,
+            media=dev.media,
+            state=dev.state,
+            health=dev.health,
+            capacity_bytes=dev.capacity_bytes,
+            alignment_bytes=dev.alignment_bytes,
+            used=tuple(used[dev.id]),
+            read_latency_ns=path.read_latency_ns,
+            distance=path.distance,
             generation=dev.generation,
         )
         for dev, path in rows
@@ -199,15 +263,24 @@ def _move(session: Session, lease: Lease, event: LeaseEvent, actor: str, reason:
         lease.ended_at = utcnow()
         # Freed bytes change what the allocator may hand out.
         session.execute(
-            update(Device).where(Device.id == lease.device_id)
+            update(Device)
+            .where(Device.id == lease.device_id)
             .values(generation=Device.generation + 1)
             .execution_options(synchronize_session=False)
         )
     if before != after:
-        events.record(session, actor=actor, kind=f"lease.{event.value}", lease_id=lease.id,
-                      tenant_id=lease.tenant_id, host_id=lease.host_id,
-                      device_id=lease.device_id, from_state=before.value,
-                      to_state=after.value, reason=reason or None)
+        events.record(
+            session,
+            actor=actor,
+            kind=f"lease.{event.value}",
+            lease_id=lease.id,
+            tenant_id=lease.tenant_id,
+            host_id=lease.host_id,
+            device_id=lease.device_id,
+            from_state=before.value,
+            to_state=after.value,
+            reason=reason or None,
+        )
 
 
 def _expire_if_due(session: Session, lease: Lease, now: datetime) -> None:
@@ -228,8 +301,9 @@ def activate(ledger: Ledger, host_name: str, lease_id: str, actor: str) -> Lease
         return _out(session, lease)
 
 
-def renew_in(session: Session, host: Host, lease_id: str, ttl_s: int | None,
-             now: datetime) -> Lease:
+def renew_in(
+    session: Session, host: Host, lease_id: str, ttl_s: int | None, now: datetime
+) -> Lease:
     """Extend a held lease (inside the caller's transaction: heartbeats batch these)."""
     lease = _load(session, lease_id)
     _owned_by_host(lease, host)
@@ -249,8 +323,14 @@ def renew(ledger: Ledger, host_name: str, lease_id: str, ttl_s: int | None) -> L
         return _out(session, lease)
 
 
-def end(ledger: Ledger, lease_id: str, event: LeaseEvent, actor: str, reason: str = "",
-        host_name: str | None = None) -> LeaseOut:
+def end(
+    ledger: Ledger,
+    lease_id: str,
+    event: LeaseEvent,
+    actor: str,
+    reason: str = "",
+    host_name: str | None = None,
+) -> LeaseOut:
     """Release, abort or reclaim a lease; `host_name` set means an agent asks for its own."""
     with ledger.write() as session:
         lease = _load(session, lease_id)
@@ -269,37 +349,54 @@ def _host(session: Session, name: str) -> Host:
     return host
 
 
-def _query() -> Select[tuple[Lease, Tenant, Host, Device, DevicePath]]:
+def _query() -> Select[Lease, Tenant, Host, Device, DevicePath]:
     return (
         select(Lease, Tenant, Host, Device, DevicePath)
         .join(Tenant, Tenant.id == Lease.tenant_id)
         .join(Host, Host.id == Lease.host_id)
         .join(Device, Device.id == Lease.device_id)
-        .outerjoin(DevicePath, (DevicePath.device_id == Lease.device_id)
-                   & (DevicePath.host_id == Lease.host_id))
+        .outerjoin(
+            DevicePath,
+            (DevicePath.device_id == Lease.device_id) & (DevicePath.host_id == Lease.host_id),
+        )
     )
 
 
-def _row_out(lease: Lease, tenant: Tenant, host: Host, dev: Device,
-             path: DevicePath | None) -> LeaseOut:
+def _row_out(
+    lease: Lease, tenant: Tenant, host: Host, dev: Device, path: DevicePath | None
+) -> LeaseOut:
     return LeaseOut(
-        id=lease.id, tenant=tenant.name, host=host.name, device_uid=dev.uid,
-        device_kind=dev.kind,  # type: ignore[arg-type]
-        media=dev.media, offset_bytes=lease.offset_bytes, length_bytes=lease.length_bytes,
-        requested_bytes=lease.requested_bytes, alignment_bytes=dev.alignment_bytes,
-        state=lease.state,  # type: ignore[arg-type]
-        epoch=lease.epoch, ttl_s=lease.ttl_s, granted_at=lease.granted_at,
-        activated_at=lease.activated_at, expires_at=lease.expires_at, ended_at=lease.ended_at,
-        numa_node=path.numa_node if path else None, local_name=path.local_name if path else "",
-        holder_uid=lease.holder_uid, holder_pid=lease.holder_pid, labels=dict(lease.labels),
-        exclusive_bytes=lease.exclusive_bytes, replica_bytes=lease.replica_bytes,
+        id=lease.id,
+        tenant=tenant.name,
+        host=host.name,
+        device_uid=dev.uid,
+        device_kind=dev.kind,
+        media=dev.media,
+        offset_bytes=lease.offset_bytes,
+        length_bytes=lease.length_bytes,
+        requested_bytes=lease.requested_bytes,
+        alignment_bytes=dev.alignment_bytes,
+        state=lease.state,
+        epoch=lease.epoch,
+        ttl_s=lease.ttl_s,
+        granted_at=lease.granted_at,
+        activated_at=lease.activated_at,
+        expires_at=lease.expires_at,
+        ended_at=lease.ended_at,
+        numa_node=path.numa_node if path else None,
+        local_name=path.local_name if path else "",
+        holder_uid=lease.holder_uid,
+        holder_pid=lease.holder_pid,
+        labels=dict(lease.labels),
+        exclusive_bytes=lease.exclusive_bytes,
+        replica_bytes=lease.replica_bytes,
     )
 
 
 def _out(session: Session, lease: Lease) -> LeaseOut:
     session.flush()
     row = session.execute(_query().where(Lease.id == lease.id)).one()
-    return _row_out(*row)
+    return _row_out(*row.tuple())
 
 
 def show(ledger: Ledger, lease_id: str) -> LeaseOut:
@@ -307,12 +404,18 @@ def show(ledger: Ledger, lease_id: str) -> LeaseOut:
         row = session.execute(_query().where(Lease.id == lease_id)).one_or_none()
         if row is None:
             raise UnknownLease(f"no lease {lease_id!r}", lease_id=lease_id)
-        return _row_out(*row)
+        return _row_out(*row.tuple())
 
 
-def list_leases(ledger: Ledger, *, tenant: str | None = None, host: str | None = None,
-                states: Sequence[str] | None = None, live_only: bool = False,
-                limit: int = 1000) -> list[LeaseOut]:
+def list_leases(
+    ledger: Ledger,
+    *,
+    tenant: str | None = None,
+    host: str | None = None,
+    states: Sequence[str] | None = None,
+    live_only: bool = False,
+    limit: int = 1000,
+) -> list[LeaseOut]:
     stmt = _query()
     if tenant is not None:
         stmt = stmt.where(Tenant.name == tenant)
@@ -324,4 +427,4 @@ def list_leases(ledger: Ledger, *, tenant: str | None = None, host: str | None =
         stmt = stmt.where(Lease.state.in_(list(states)))
     stmt = stmt.order_by(Lease.granted_at.desc()).limit(limit)
     with ledger.read() as session:
-        return [_row_out(*row) for row in session.execute(stmt)]
+        return [_row_out(*row.tuple()) for row in session.execute(stmt)]

@@ -69,8 +69,9 @@ def create(session: Session, spec: TenantSpec, actor: str) -> Tenant:
         session.flush()
     except IntegrityError as exc:  # a concurrent create won the unique name
         raise AlreadyExists(f"tenant {spec.name!r} already exists", tenant=spec.name) from exc
-    events.record(session, actor=actor, kind="tenant.create", tenant_id=tenant.id,
-                  detail=spec.model_dump())
+    events.record(
+        session, actor=actor, kind="tenant.create", tenant_id=tenant.id, detail=spec.model_dump()
+    )
     return tenant
 
 
@@ -99,8 +100,9 @@ def delete(session: Session, name: str, actor: str) -> None:
         tenant.name = f"{tenant.name}~deleted~{tenant.id}"
     else:
         session.delete(tenant)
-    events.record(session, actor=actor, kind="tenant.delete", tenant_id=tenant.id,
-                  detail={"name": name})
+    events.record(
+        session, actor=actor, kind="tenant.delete", tenant_id=tenant.id, detail={"name": name}
+    )
 
 
 def may_act(tenant: Tenant, uid: int, gids: list[int], host: str) -> bool:
@@ -121,7 +123,8 @@ def resolve(session: Session, name: str | None, uid: int, gids: list[int], host:
         if not may_act(tenant, uid, gids, host):
             raise NotOwner(
                 f"uid {uid} (gids {gids}) on host {host!r} may not act for tenant {name!r}",
-                tenant=name, uid=uid,
+                tenant=name,
+                uid=uid,
             )
         return tenant
     matches = [t for t in session.scalars(select(Tenant)) if may_act(t, uid, gids, host)]

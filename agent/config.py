@@ -1,0 +1,64 @@
+"""What the agent is told: its TOML config file, overridden by flags and environment."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agent.paths import default_socket_path
+from poold.settings import DEFAULT_PORT
+
+
+def default_state_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/pool-agent")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "pool-agent"
+
+
+class AgentConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(default_factory=socket.gethostname)
+    poold_url: str = f"http://127.0.0.1:{DEFAULT_PORT}"
+    credential: str | None = None
+    credential_file: Path | None = None
+    socket_path: Path = Field(default_factory=default_socket_path)
+    socket_mode: int = 0o660
+    socket_group: str | None = None
+    state_dir: Path = Field(default_factory=default_state_dir)
+    sysfs_root: Path = Path("/sys")
+    heartbeat_interval_s: float = Field(default=5.0, gt=0)
+    # The emulated device: used only when discovery finds no far memory, or forced.
+    emulated: bool | None = None  # None: only when the host has no far memory
+    emulated_capacity_bytes: int | None = Field(default=None, gt=0)  # None: 1/4 of RAM
+    emulated_alignment_bytes: int = Field(default=2 << 20, gt=0)
+    # Annotations by memdev serial or device uid (media, recycled, provenance, cost).
+    annotations: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    def resolved_credential(self) -> str:
+        if self.credential:
+            return self.credential
+        env = os.environ.get("POOL_AGENT_CREDENTIAL")
+        if env:
+            return env
+        if self.credential_file is not None:
+            return self.credential_file.read_text().strip()
+        raise ValueError(
+            "no agent credential: run `poolctl hosts add HOST` and pass --credential-file"
+        )
+
+
+def load(path: Path | None, **overrides: Any) -> AgentConfig:
+    """The config file (if any) with non-None overrides applied on top."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return AgentConfig.model_validate(data)

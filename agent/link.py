@@ -1,0 +1,202 @@
+"""How the agent stays in step with poold: registration, heartbeats, the outbox.
+
+One heartbeat per interval carries every pending renewal on the host (and the
+inventory when it changed). Releases go into an ordered outbox that rides on
+the next grant or is flushed within a few milliseconds by a background thread,
+so a tenant's release costs no poold round trip, yet a release just before a
+grant is applied before that grant (its bytes and quota are free in time).
+When poold is down the outbox and renewals are kept and replayed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+from poold.api.client import PooldClient
+from poold.api.schemas import (
+    GrantRequest,
+    Heartbeat,
+    HeartbeatReply,
+    InventoryDevice,
+    LeaseOp,
+    LeaseOut,
+    Renewal,
+)
+from poold.errors import PooldUnreachable
+
+log = logging.getLogger("pool_agent.link")
+
+OUTBOX_LINGER_S = 0.005
+
+
+def inventory_digest(inventory: list[InventoryDevice]) -> str:
+    blob = "\n".join(d.model_dump_json() for d in sorted(inventory, key=lambda d: d.uid))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class PooldLink:
+    """The agent's one channel to poold (thread-safe)."""
+
+    def __init__(self, client: PooldClient, agent_version: str) -> None:
+        self.client = client
+        self.agent_version = agent_version
+        self._lock = threading.Lock()
+        self._outbox: list[LeaseOp] = []
+        self._renewals: dict[str, int] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.inventory: list[InventoryDevice] = []
+        self._sent_digest: str | None = None
+        self.reachable = False
+        self.last_heartbeat_at: datetime | None = None
+        self.on_reply: Callable[[HeartbeatReply], None] | None = None
+
+    # --- synchronous calls ----------------------------------------------
+    def register(self, inventory: list[InventoryDevice]) -> HeartbeatReply:
+        self.inventory = inventory
+        digest = inventory_digest(inventory)
+        reply = self.client.register(
+            Heartbeat(
+                agent_version=self.agent_version, inventory_digest=digest, inventory=inventory
+            )
+        )
+        self._sent_digest = digest
+        self._mark(reply)
+        return reply
+
+    def grant(self, req: GrantRequest) -> LeaseOut:
+        """Grant through poold, delivering the outbox with it."""
+        with self._lock:
+            pending, self._outbox = self._outbox, []
+        try:
+            lease = self.client.grant(req.model_copy(update={"pending": pending}))
+        except PooldUnreachable:
+            self.reachable = False
+            self._requeue(pending)
+            raise
+        except BaseException:
+            # The pending ops were applied in their own transaction before the
+            # grant was refused; nothing to requeue.
+            self.reachable = True
+            raise
+        self.reachable = True
+        return lease
+
+    def abort_now(self, lease_id: str, reason: str) -> None:
+        try:
+            self.client.abort(lease_id, reason)
+        except PooldUnreachable:
+            self.enqueue(LeaseOp(lease_id=lease_id, op="abort", reason=reason))
+
+    def activate(self, lease_id: str) -> LeaseOut:
+        return self.client.activate(lease_id)
+
+    # --- batched ------------------------------------------------------------
+    def enqueue(self, op: LeaseOp) -> None:
+        with self._lock:
+            self._outbox.append(op)
+            self._renewals.pop(op.lease_id, None)
+        self._wake.set()
+
+    def renew_later(self, lease_id: str, ttl_s: int) -> None:
+        with self._lock:
+            self._renewals[lease_id] = ttl_s
+
+    def _requeue(self, ops: list[LeaseOp]) -> None:
+        if ops:
+            with self._lock:
+                self._outbox[:0] = ops
+
+    def flush(self) -> None:
+        """Send the outbox now (the background thread does this within a few ms)."""
+        with self._lock:
+            pending, self._outbox = self._outbox, []
+        if not pending:
+            return
+        try:
+            self.client.apply_ops(pending)
+            self.reachable = True
+        except PooldUnreachable:
+            self.reachable = False
+            self._requeue(pending)
+
+    def outbox_size(self) -> int:
+        with self._lock:
+            return len(self._outbox)
+
+    def heartbeat(self) -> HeartbeatReply | None:
+        with self._lock:
+            renewals, self._renewals = self._renewals, {}
+        digest = inventory_digest(self.inventory)
+        beat = Heartbeat(
+            agent_version=self.agent_version,
+            inventory_digest=digest,
+            inventory=self.inventory if digest != self._sent_digest else None,
+            renewals=[Renewal(lease_id=k, ttl_s=v) for k, v in renewals.items()],
+        )
+        try:
+            reply = self.client.heartbeat(beat)
+        except PooldUnreachable as exc:
+            log.warning("heartbeat failed, keeping %d renewal(s): %s", len(renewals), exc)
+            self.reachable = False
+            with self._lock:
+                for k, v in renewals.items():
+                    self._renewals.setdefault(k, v)
+            return None
+        self._sent_digest = digest if beat.inventory is not None else self._sent_digest
+        if reply.want_inventory:
+            self._sent_digest = None
+        self._mark(reply)
+        return reply
+
+    def _mark(self, reply: HeartbeatReply) -> None:
+        self.reachable = True
+        self.last_heartbeat_at = reply.server_time
+        if self.on_reply is not None:
+            self.on_reply(reply)
+
+    # --- threads ----------------------------------------------------------
+    def start(self, interval_s: float) -> None:
+        def beat_loop() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.flush()
+                    self.heartbeat()
+                except Exception:
+                    log.exception("heartbeat loop error")
+
+        def outbox_loop() -> None:
+            while not self._stop.is_set():
+                self._wake.wait(1.0)
+                if self._stop.is_set():
+                    break
+                # Linger briefly: a grant that follows a release carries it for free.
+                time.sleep(OUTBOX_LINGER_S)
+                self._wake.clear()
+                try:
+                    self.flush()
+                except Exception:
+                    log.exception("outbox flush error")
+                if self.outbox_size() and not self.reachable:
+                    self._stop.wait(min(interval_s, 1.0))  # poold down: retry, don't spin
+
+        for target, name in ((beat_loop, "heartbeat"), (outbox_loop, "outbox")):
+            thread = threading.Thread(target=target, name=f"agent-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        try:
+            self.flush()
+        except Exception:
+            log.exception("final outbox flush failed")

@@ -1,0 +1,81 @@
+"""How `pool-agent serve` runs: inventory, poold link, backends, socket server, signals."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from types import FrameType
+
+from agent.backends.emulated import EmulatedBackend
+from agent.config import AgentConfig
+from agent.inventory import host_inventory
+from agent.link import PooldLink
+from agent.server import AgentServer
+from agent.service import AgentService
+from poold import __version__
+from poold.api.client import PooldClient
+from poold.errors import PoolError
+
+log = logging.getLogger("pool_agent")
+
+SD_LISTEN_FDS_START = 3
+
+
+def systemd_listen_socket() -> socket.socket | None:
+    """The socket systemd passed us (socket activation, sd_listen_fds(3)), if any."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()):
+        return None
+    count = int(os.environ.get("LISTEN_FDS", "0") or 0)
+    if count < 1:
+        return None
+    for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(var, None)  # not for our children
+    return socket.socket(fileno=SD_LISTEN_FDS_START)
+
+
+def run(config: AgentConfig) -> int:
+    try:
+        credential = config.resolved_credential()
+    except (ValueError, OSError) as exc:
+        log.error("%s", exc)
+        return 2
+    backends = {"emulated": EmulatedBackend()}
+    client = PooldClient(config.poold_url, credential)
+    link = PooldLink(client, __version__)
+    inventory = host_inventory(config, set(backends))
+    service = AgentService(config.host, link, backends)  # type: ignore[arg-type]
+    link.inventory = inventory
+    try:
+        link.register(inventory)
+        log.info("registered with poold at %s: %d device(s)", config.poold_url, len(inventory))
+    except PoolError as exc:
+        if exc.code in ("unauthorized", "forbidden"):
+            log.error("poold refused this agent's credential: %s", exc.message)
+            client.close()
+            return 2
+        log.warning("poold not reachable yet (%s); serving and retrying", exc.message)
+    server = AgentServer(config.socket_path, service, mode=config.socket_mode,
+                         group=config.socket_group, listen_socket=systemd_listen_socket())
+    link.start(config.heartbeat_interval_s)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %d: shutting down", signum)
+        stop.set()
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("pool-agent for host %s listening on %s", config.host, server.socket_path)
+    print(f"pool-agent ready on {server.socket_path}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.shutdown()
+        link.stop()
+        service.close()
+        client.close()
+    return 0

@@ -1,0 +1,298 @@
+"""What the agent does for a tenant: the socket operations, between tenant, poold and memory.
+
+Identity is the kernel's (SO_PEERCRED): the uid, gids and pid the server read
+from the connection are what poold checks against the tenant's allowed
+users, never what the request claims. A lease's memory is made by a backend
+(emulated memfd here; devdax and numa later) and handed over as an fd.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from agent.server import Peer
+
+from agent import protocol as p
+from agent.backends import Backend, Materialised
+from agent.link import PooldLink
+from poold import __version__
+from poold.api.schemas import GrantRequest, HeartbeatReply, InventoryDevice, LeaseOp, LeaseOut
+from poold.errors import BackendFailed, LeaseNotActive, NotOwner, PoolError, UnknownLease
+from poold.extents import align_up
+
+log = logging.getLogger("pool_agent")
+
+PROTOCOL_VERSION = 1
+ENDED_MEMORY = 4096  # how many ended lease ids the agent remembers, for clear errors
+
+
+@dataclass
+class HeldLease:
+    lease: LeaseOut
+    memory: Materialised
+    holder_uid: int
+    holder_pid: int
+    conn_id: int
+    ttl_s: int
+    expires_at: datetime
+    page_size_bytes: int
+    lost: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class AgentService:
+    """Handler of every socket operation (the server checks all are present at start)."""
+
+    def __init__(self, host: str, link: PooldLink, backends: dict[str, Backend]) -> None:
+        self.host = host
+        self.link = link
+        self.backends = backends
+        self.started_at = time.monotonic()
+        self._lock = threading.Lock()
+        self._held: dict[str, HeldLease] = {}
+        self._ended: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (state, uid)
+        link.on_reply = self._on_heartbeat_reply
+
+    # --- helpers -----------------------------------------------------------
+    def _inventory(self) -> list[InventoryDevice]:
+        return self.link.inventory
+
+    def _premade_length(self, args: p.LeaseArgs) -> tuple[Backend, int] | None:
+        """For memfd-only hosts, the length the grant will have, so memory can be made first.
+
+        Emulated memory does not depend on where on the device the lease sits, so
+        the agent materialises it before asking poold and grants+activates in one
+        round trip. Any other device kind needs the placement first.
+        """
+        inv = self._inventory()
+        if not inv or any(d.kind != "emulated" for d in inv):
+            return None
+        if args.media is not None and args.media != "emulated":
+            return None
+        backend = self.backends.get("emulated")
+        if backend is None:
+            return None
+        alignment = max(d.alignment_bytes for d in inv)
+        return backend, align_up(args.size_bytes, alignment)
+
+    def _result(self, held: HeldLease) -> p.LeaseResult:
+        lease = held.lease
+        return p.LeaseResult(
+            lease_id=lease.id,
+            size_bytes=lease.requested_bytes,
+            length_bytes=lease.length_bytes,
+            offset_bytes=lease.offset_bytes,
+            epoch=lease.epoch,
+            media=lease.media,
+            backend=held.memory.backend,
+            numa_node=held.memory.numa_node
+            if held.memory.numa_node is not None
+            else lease.numa_node,
+            device_uid=lease.device_uid,
+            alignment_bytes=lease.alignment_bytes,
+            page_size_bytes=held.page_size_bytes,
+            expires_at=held.expires_at,
+            ttl_s=held.ttl_s,
+        )
+
+    def _owned(self, peer: Peer, lease_id: str, op: str) -> HeldLease:
+        """The held lease, if this peer may act on it; otherwise a coded refusal."""
+        with self._lock:
+            held = self._held.get(lease_id)
+            ended = self._ended.get(lease_id)
+        if held is None:
+            if ended is not None:
+                state, uid = ended
+                if uid != peer.uid and peer.uid != 0:
+                    raise NotOwner(f"lease {lease_id} is not yours", lease_id=lease_id)
+                raise LeaseNotActive(
+                    f"lease {lease_id} is {state}; cannot {op} it", lease_id=lease_id, state=state
+                )
+            raise UnknownLease(f"no lease {lease_id} on this host", lease_id=lease_id)
+        if held.holder_uid != peer.uid and peer.uid != 0:
+            raise NotOwner(f"lease {lease_id} is held by another user", lease_id=lease_id)
+        if held.lost:
+            raise LeaseNotActive(f"lease {lease_id} was ended by poold", lease_id=lease_id)
+        return held
+
+    def _forget(self, lease_id: str, state: str) -> HeldLease | None:
+        with self._lock:
+            held = self._held.pop(lease_id, None)
+            if held is not None:
+                self._ended[lease_id] = (state, held.holder_uid)
+                while len(self._ended) > ENDED_MEMORY:
+                    self._ended.popitem(last=False)
+        return held
+
+    def _drop_memory(self, held: HeldLease) -> None:
+        backend = self.backends.get(held.memory.backend)
+        try:
+            if backend is not None:
+                backend.release(held.memory)
+            else:
+                os.close(held.memory.fd)
+        except OSError:
+            log.exception("releasing memory of lease %s", held.lease.id)
+
+    # --- operations ----------------------------------------------------------
+    def hello(self, peer: Peer, args: p.HelloArgs) -> p.HelloResult:
+        return p.HelloResult(
+            agent_version=__version__,
+            host=self.host,
+            agent_pid=os.getpid(),
+            protocol_version=PROTOCOL_VERSION,
+            peer_uid=peer.uid,
+            peer_gid=peer.gid,
+            peer_pid=peer.pid,
+            peer_gids=list(peer.gids),
+        )
+
+    def lease(self, peer: Peer, args: p.LeaseArgs) -> tuple[p.LeaseResult, int]:
+        gids = list(peer.all_gids)
+        req = GrantRequest(
+            tenant=args.tenant,
+            size_bytes=args.size_bytes,
+            ttl_s=args.ttl_s,
+            media=args.media,
+            uid=peer.uid,
+            gids=gids,
+            pid=peer.pid,
+            labels=dict(args.labels),
+        )
+        premade = self._premade_length(args)
+        memory: Materialised | None = None
+        if premade is not None:
+            backend, length = premade
+            memory = backend.materialise(length, f"poold-lease-{peer.pid}")
+            try:
+                lease = self.link.grant(req.model_copy(update={"activate": True}))
+            except BaseException:
+                backend.release(memory)
+                raise
+            if lease.length_bytes != memory.length_bytes:
+                # poold aligned differently than the inventory said: redo, never mis-size.
+                backend.release(memory)
+                memory = None
+        else:
+            lease = self.link.grant(req)
+        if memory is None:
+            memory = self._materialise_placed(lease)
+        held = HeldLease(
+            lease=lease,
+            memory=memory,
+            holder_uid=peer.uid,
+            holder_pid=peer.pid,
+            conn_id=peer.connection_id,
+            ttl_s=lease.ttl_s,
+            expires_at=lease.expires_at,
+            page_size_bytes=memory.page_size_bytes,
+        )
+        with self._lock:
+            self._held[lease.id] = held
+        log.info(
+            "lease %s: %d bytes on %s for uid %d pid %d",
+            lease.id,
+            lease.length_bytes,
+            lease.device_uid,
+            peer.uid,
+            peer.pid,
+        )
+        return self._result(held), memory.fd
+
+    def _materialise_placed(self, lease: LeaseOut) -> Materialised:
+        """Two-step path: memory made after placement, then activated in the ledger."""
+        backend = self.backends.get(lease.device_kind)
+        try:
+            if backend is None:
+                raise BackendFailed(f"no backend for device kind {lease.device_kind}")
+            memory = backend.materialise(lease.length_bytes, f"poold-lease-{lease.id}")
+        except BaseException as exc:
+            self.link.abort_now(lease.id, f"materialise failed: {exc}")
+            if isinstance(exc, PoolError):
+                raise
+            raise BackendFailed(f"could not materialise lease: {exc}") from exc
+        if lease.state == "granted":
+            try:
+                activated = self.link.activate(lease.id)
+            except BaseException:
+                backend.release(memory)
+                self.link.abort_now(lease.id, "activation failed")
+                raise
+            lease.state = activated.state
+            lease.expires_at = activated.expires_at
+        return memory
+
+    def renew(self, peer: Peer, args: p.RenewArgs) -> p.RenewResult:
+        held = self._owned(peer, args.lease_id, "renew")
+        ttl_s = args.ttl_s or held.ttl_s
+        held.ttl_s = ttl_s
+        # poold applies it with the next heartbeat; the tenant's clock starts now.
+        held.expires_at = datetime.now(UTC) + timedelta(seconds=ttl_s)
+        self.link.renew_later(held.lease.id, ttl_s)
+        return p.RenewResult(lease_id=held.lease.id, expires_at=held.expires_at)
+
+    def release(self, peer: Peer, args: p.ReleaseArgs) -> p.ReleaseResult:
+        self._owned(peer, args.lease_id, "release")
+        held = self._forget(args.lease_id, "released")
+        if held is None:  # a concurrent release won
+            raise LeaseNotActive(f"lease {args.lease_id} is released", lease_id=args.lease_id)
+        self._drop_memory(held)
+        self.link.enqueue(LeaseOp(lease_id=held.lease.id, op="release", reason="holder released"))
+        return p.ReleaseResult(lease_id=held.lease.id, state="released")
+
+    def list(self, peer: Peer, args: p.ListArgs) -> p.ListResult:
+        with self._lock:
+            mine = [h for h in self._held.values() if h.holder_uid == peer.uid or peer.uid == 0]
+        return p.ListResult(
+            leases=[
+                p.LeaseListing(**self._result(h).model_dump(), state=h.lease.state)
+                for h in mine
+            ]
+        )
+
+    def stats(self, peer: Peer, args: p.StatsArgs) -> p.StatsResult:
+        with self._lock:
+            held = list(self._held.values())
+        return p.StatsResult(
+            leases_held=len(held),
+            bytes_held=sum(h.lease.length_bytes for h in held),
+            uptime_s=time.monotonic() - self.started_at,
+            poold_reachable=self.link.reachable,
+            last_heartbeat_at=self.link.last_heartbeat_at,
+        )
+
+    def report(self, peer: Peer, args: p.ReportArgs) -> p.ReportResult:
+        held = self._owned(peer, args.lease_id, "report on")
+        held.extra["report"] = args.model_dump()
+        return p.ReportResult(accepted=True)
+
+    def disconnected(self, peer: Peer) -> None:
+        """A connection closed. Its leases stay: a holder may reconnect (lifecycle issue)."""
+
+    # --- poold's answers ------------------------------------------------------
+    def _on_heartbeat_reply(self, reply: HeartbeatReply) -> None:
+        for result in reply.renewed:
+            if result.code is not None:
+                log.warning("renewal of %s refused: %s", result.lease_id, result.message)
+                with self._lock:
+                    held = self._held.get(result.lease_id)
+                if held is not None and result.code in ("lease_not_active", "unknown_lease"):
+                    held.lost = True
+            elif result.expires_at is not None:
+                with self._lock:
+                    held = self._held.get(result.lease_id)
+                if held is not None:
+                    held.expires_at = result.expires_at
+
+    def close(self) -> None:
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        for h in held:
+            self._drop_memory(h)

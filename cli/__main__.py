@@ -1,0 +1,3 @@
+from cli.poolctl import main
+
+main()

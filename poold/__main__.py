@@ -1,0 +1,3 @@
+from poold.cli import main
+
+main()

@@ -1,0 +1,149 @@
+"""How to run poold and an agent as real child processes: the demo, tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from poold.api.client import PooldClient
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Child:
+    """A child process with its output in a log file, stopped with SIGTERM then SIGKILL."""
+
+    def __init__(
+        self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = log_path.open("ab")
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return int(self.proc.returncode)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def start_poold(
+    state_dir: Path, port: int, *, database_url: str | None = None, timeout_s: float = 30.0
+) -> Child:
+    argv = [
+        sys.executable,
+        "-m",
+        "poold",
+        "serve",
+        "--state-dir",
+        str(state_dir),
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    if database_url:
+        argv += ["--database-url", database_url]
+    child = Child("poold", argv, state_dir.parent / f"poold-{port}.log")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise RuntimeError(f"poold exited at start:\n{child.log_tail()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=1).status_code == 200:
+                return child
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    child.kill()
+    raise RuntimeError(f"poold did not answer within {timeout_s}s:\n{child.log_tail()}")
+
+
+def start_agent(
+    work_dir: Path,
+    *,
+    host: str,
+    poold_url: str,
+    credential_file: Path,
+    socket_path: Path,
+    emulated_capacity_bytes: int | None = None,
+    heartbeat_interval_s: float = 1.0,
+    extra: list[str] | None = None,
+    timeout_s: float = 30.0,
+) -> Child:
+    argv = [
+        sys.executable,
+        "-m",
+        "agent",
+        "serve",
+        "--host",
+        host,
+        "--poold-url",
+        poold_url,
+        "--credential-file",
+        str(credential_file),
+        "--socket",
+        str(socket_path),
+        "--state-dir",
+        str(work_dir / f"agent-{host}"),
+        "--heartbeat-interval",
+        str(heartbeat_interval_s),
+        "--log-level",
+        "warning",
+    ]
+    if emulated_capacity_bytes is not None:
+        argv += ["--emulated", "--emulated-capacity", str(emulated_capacity_bytes)]
+    argv += extra or []
+    child = Child("pool-agent", argv, work_dir / f"agent-{host}.log")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise RuntimeError(f"pool-agent exited at start:\n{child.log_tail()}")
+        if socket_path.exists():
+            return child
+        time.sleep(0.02)
+    child.kill()
+    raise RuntimeError(f"pool-agent socket did not appear:\n{child.log_tail()}")
+
+
+def admin_client(state_dir: Path, port: int) -> PooldClient:
+    token = (state_dir / "admin.token").read_text().strip()
+    return PooldClient(f"http://127.0.0.1:{port}", token)
