@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -60,6 +59,11 @@ class Ctx:
                 f"no admin token: pass --token, set POOLD_TOKEN, or make {path} readable ({exc})"
             ) from exc
 
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
     @property
     def client(self) -> PooldClient:
         if self._client is None:
@@ -69,7 +73,7 @@ class Ctx:
 
 def fail(err: PoolError) -> None:
     click.echo(f"poolctl: error[{err.code}]: {err.message}", err=True)
-    sys.exit(1)
+    raise SystemExit(1)
 
 
 def run(fn: Callable[[], Any]) -> Any:
@@ -127,6 +131,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="print JSON")
 def main(ctx: click.Context, url: str, token: str | None, token_file: Path | None) -> None:
     """Administer a poold far-memory pool."""
     ctx.obj = Ctx(url, token, token_file)
+    ctx.call_on_close(ctx.obj.close)
 
 
 pass_ctx = click.make_pass_decorator(Ctx)

@@ -396,7 +396,7 @@ def _row_out(
 def _out(session: Session, lease: Lease) -> LeaseOut:
     session.flush()
     row = session.execute(_query().where(Lease.id == lease.id)).one()
-    return _row_out(*row.tuple())
+    return _row_out(*row)
 
 
 def show(ledger: Ledger, lease_id: str) -> LeaseOut:
@@ -404,7 +404,7 @@ def show(ledger: Ledger, lease_id: str) -> LeaseOut:
         row = session.execute(_query().where(Lease.id == lease_id)).one_or_none()
         if row is None:
             raise UnknownLease(f"no lease {lease_id!r}", lease_id=lease_id)
-        return _row_out(*row.tuple())
+        return _row_out(*row)
 
 
 def list_leases(
@@ -427,4 +427,4 @@ def list_leases(
         stmt = stmt.where(Lease.state.in_(list(states)))
     stmt = stmt.order_by(Lease.granted_at.desc()).limit(limit)
     with ledger.read() as session:
-        return [_row_out(*row.tuple()) for row in session.execute(stmt)]
+        return [_row_out(*row) for row in session.execute(stmt)]

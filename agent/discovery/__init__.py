@@ -1,0 +1,1 @@
+"""Discovery: what far memory this host has, read from sysfs (see inventory.discover)."""

@@ -1,0 +1,129 @@
+"""Real processes: `poold serve` and `pool-agent serve` as children, a tenant on the socket."""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from poold import procs
+from poold.api.client import PooldClient
+from poold.api.schemas import TenantSpec
+from tests import conftest, pg
+
+AGENT_CAPACITY = 256 << 20
+NOBODY = pwd.getpwnam("nobody")
+NOGROUP = grp.getgrgid(NOBODY.pw_gid).gr_name
+
+
+@dataclass
+class Cluster:
+    work: Path
+    state_dir: Path
+    port: int
+    database_url: str
+    poold: procs.Child
+    agent: procs.Child
+    socket_path: Path
+    admin: PooldClient
+    host: str = "e2e-host"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def ledger_rows(self, *tables: str) -> dict[str, list[tuple[Any, ...]]]:
+        """Every row of the named tables, read straight from the database."""
+        engine = create_engine(self.database_url)
+        try:
+            with engine.connect() as conn:
+                return {
+                    t: [tuple(r) for r in conn.execute(text(f"SELECT * FROM {t} ORDER BY 1"))]
+                    for t in tables
+                }
+        finally:
+            engine.dispose()
+
+    def poolctl_env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "POOLD_URL": self.url,
+            "POOLD_TOKEN_FILE": str(self.state_dir / "admin.token"),
+            "COLUMNS": "200",
+        }
+
+
+def _start(tmp_path: Path, database_url: str | None) -> Iterator[Cluster]:
+    state_dir = tmp_path / "poold"
+    port = procs.free_port()
+    poold = procs.start_poold(state_dir, port, database_url=database_url)
+    children = [poold]
+    cleanup: list[Path] = []
+    try:
+        admin = procs.admin_client(state_dir, port)
+        cred = tmp_path / "agent.credential"
+        cred.write_text(admin.add_host("e2e-host").credential)
+        admin.create_tenant(
+            TenantSpec(
+                name="alpha", quota_bytes=128 << 20, quota_leases=8, allowed_uids=[os.getuid()]
+            )
+        )
+        admin.create_tenant(
+            TenantSpec(
+                name="nobodies", quota_bytes=64 << 20, quota_leases=8, allowed_uids=[NOBODY.pw_uid]
+            )
+        )
+        # pytest's tmp dirs are private (0700); tenants of other uids must reach the socket.
+        run_dir = Path(tempfile.mkdtemp(prefix="poold-e2e-"))
+        run_dir.chmod(0o755)
+        cleanup.append(run_dir)
+        sock = run_dir / "agent.sock"
+        extra = ["--socket-group", NOGROUP] if os.geteuid() == 0 else []
+        agent = procs.start_agent(
+            tmp_path,
+            host="e2e-host",
+            poold_url=f"http://127.0.0.1:{port}",
+            credential_file=cred,
+            socket_path=sock,
+            emulated_capacity_bytes=AGENT_CAPACITY,
+            heartbeat_interval_s=0.2,
+            extra=extra,
+        )
+        children.append(agent)
+        url = database_url or f"sqlite:///{state_dir / 'ledger.db'}"
+        yield Cluster(tmp_path, state_dir, port, url, poold, agent, sock, admin)
+        admin.close()
+    finally:
+        for child in reversed(children):
+            child.stop()
+        for path in cleanup:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """poold on SQLite + one agent with a 256 MiB emulated device."""
+    yield from _start(tmp_path, None)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def any_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
+    """The same cluster on each ledger backend."""
+    if request.param == "sqlite":
+        yield from _start(tmp_path, None)
+        return
+    server: pg.PgServer = request.getfixturevalue("pg_server")
+    name = conftest.new_pg_database(server, None)
+    try:
+        yield from _start(tmp_path, server.url(name))
+    finally:
+        conftest.drop_pg_database(server, name)
