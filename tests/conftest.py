@@ -33,7 +33,7 @@ _counter = itertools.count()
 def pg_server() -> Iterator[pg.PgServer]:
     try:
         server = pg.start_server()
-    except Exception as exc:  # noqa: BLE001 - reported below, with the reason
+    except Exception as exc:
         if os.environ.get("CI"):
             pytest.fail(f"PostgreSQL could not start in CI: {exc}")
         pytest.skip(f"PostgreSQL not available: {exc}")
@@ -43,8 +43,9 @@ def pg_server() -> Iterator[pg.PgServer]:
 
 @pytest.fixture(scope="session")
 def pg_template(pg_server: pg.PgServer) -> str:
-    with psycopg.connect(f"host=127.0.0.1 port={pg_server.port} user=postgres dbname=postgres",
-                         autocommit=True) as conn:
+    with psycopg.connect(
+        f"host=127.0.0.1 port={pg_server.port} user=postgres dbname=postgres", autocommit=True
+    ) as conn:
         conn.execute("CREATE DATABASE poold_template")
     migrate.upgrade(pg_server.url("poold_template"))
     return "poold_template"
@@ -60,15 +61,17 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def new_pg_database(server: pg.PgServer, template: str | None) -> str:
     name = f"t_{os.getpid()}_{next(_counter)}"
     clause = f" TEMPLATE {template}" if template else ""
-    with psycopg.connect(f"host=127.0.0.1 port={server.port} user=postgres dbname=postgres",
-                         autocommit=True) as conn:
+    with psycopg.connect(
+        f"host=127.0.0.1 port={server.port} user=postgres dbname=postgres", autocommit=True
+    ) as conn:
         conn.execute(f"CREATE DATABASE {name}{clause}")
     return name
 
 
 def drop_pg_database(server: pg.PgServer, name: str) -> None:
-    with psycopg.connect(f"host=127.0.0.1 port={server.port} user=postgres dbname=postgres",
-                         autocommit=True) as conn:
+    with psycopg.connect(
+        f"host=127.0.0.1 port={server.port} user=postgres dbname=postgres", autocommit=True
+    ) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
@@ -106,9 +109,14 @@ class ThreadedServer:
 
     def __init__(self, ledger: Ledger) -> None:
         self.port = free_port()
-        config = uvicorn.Config(create_app(ledger, ADMIN_TOKEN), host="127.0.0.1",
-                                port=self.port, log_level="warning", lifespan="off",
-                                http="httptools")
+        config = uvicorn.Config(
+            create_app(ledger, ADMIN_TOKEN),
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="off",
+            http="httptools",
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

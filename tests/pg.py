@@ -21,8 +21,10 @@ def find_bindir() -> Path | None:
     override = os.environ.get("POOLD_TEST_PG_BINDIR")
     if override:
         return Path(override)
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
-                   key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0)
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0,
+    )
     if found:
         return Path(found[-1]).parent
     initdb = shutil.which("initdb")
@@ -50,17 +52,47 @@ class PgServer:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
 
     def _run(self, *args: str) -> None:
-        subprocess.run([str(self.bindir / args[0]), *args[1:]], check=True,
-                       capture_output=True, user=self.user, group=self.user, cwd=self.root)
+        subprocess.run(
+            [str(self.bindir / args[0]), *args[1:]],
+            check=True,
+            capture_output=True,
+            user=self.user,
+            group=self.user,
+            cwd=self.root,
+        )
 
     def start(self) -> None:
-        self._run("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust",
-                  "-E", "UTF8", "--no-sync", "--no-instructions")
-        opts = (f"-c listen_addresses=127.0.0.1 -c port={self.port} "
-                f"-c unix_socket_directories={self.root} -c fsync=off "
-                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
-        self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"),
-                  "-w", "-t", "60", "start")
+        self._run(
+            "initdb",
+            "-D",
+            str(self.data),
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+            "--no-instructions",
+        )
+        opts = (
+            f"-c listen_addresses=127.0.0.1 -c port={self.port} "
+            f"-c unix_socket_directories={self.root} -c fsync=off "
+            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+        )
+        self._run(
+            "pg_ctl",
+            "-D",
+            str(self.data),
+            "-o",
+            opts,
+            "-l",
+            str(self.root / "log"),
+            "-w",
+            "-t",
+            "60",
+            "start",
+        )
 
     def stop(self) -> None:
         try:

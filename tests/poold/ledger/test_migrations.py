@@ -67,8 +67,12 @@ def test_postgres_exclusion_constraint_present(pg_server: pg.PgServer, pg_templa
     engine = make_engine(pg_server.url(name))
     try:
         with engine.connect() as conn:
-            names = {row[0] for row in conn.exec_driver_sql(
-                "SELECT conname FROM pg_constraint WHERE conrelid = 'leases'::regclass")}
+            names = {
+                row[0]
+                for row in conn.exec_driver_sql(
+                    "SELECT conname FROM pg_constraint WHERE conrelid = 'leases'::regclass"
+                )
+            }
         assert "ex_leases_no_overlap" in names
     finally:
         engine.dispose()
