@@ -38,6 +38,8 @@ class AgentConfig(BaseModel):
     emulated: bool | None = None  # None: only when the host has no far memory
     emulated_capacity_bytes: int | None = Field(default=None, gt=0)  # None: 1/4 of RAM
     emulated_alignment_bytes: int = Field(default=2 << 20, gt=0)
+    # Fresh memfds kept ready for small leases (agent.warm); 0 turns it off.
+    warm_pool_bytes: int = Field(default=64 << 20, ge=0)
     # Annotations by memdev serial or device uid (media, recycled, provenance, cost).
     annotations: dict[str, dict[str, Any]] = Field(default_factory=dict)
 

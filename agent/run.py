@@ -15,6 +15,7 @@ from agent.inventory import host_inventory
 from agent.link import PooldLink
 from agent.server import AgentServer
 from agent.service import AgentService
+from agent.warm import WarmPool
 from poold import __version__
 from poold.api.client import PooldClient
 from poold.errors import PoolError
@@ -46,7 +47,9 @@ def run(config: AgentConfig) -> int:
     client = PooldClient(config.poold_url, credential)
     link = PooldLink(client, __version__)
     inventory = host_inventory(config, set(backends))
-    service = AgentService(config.host, link, backends)  # type: ignore[arg-type]
+    warm = WarmPool(backends["emulated"], config.warm_pool_bytes)
+    warm.start()
+    service = AgentService(config.host, link, backends, warm)  # type: ignore[arg-type]
     link.inventory = inventory
     try:
         link.register(inventory)

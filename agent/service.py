@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from agent.server import Peer
-
 from agent import protocol as p
 from agent.backends import Backend, Materialised
 from agent.link import PooldLink
+from agent.server import Peer
+from agent.warm import WarmPool
 from poold import __version__
 from poold.api.schemas import GrantRequest, HeartbeatReply, InventoryDevice, LeaseOp, LeaseOut
 from poold.errors import BackendFailed, LeaseNotActive, NotOwner, PoolError, UnknownLease
@@ -50,8 +50,10 @@ class HeldLease:
 class AgentService:
     """Handler of every socket operation (the server checks all are present at start)."""
 
-    def __init__(self, host: str, link: PooldLink, backends: dict[str, Backend]) -> None:
+    def __init__(self, host: str, link: PooldLink, backends: dict[str, Backend],
+                 warm: WarmPool | None = None) -> None:
         self.host = host
+        self.warm = warm
         self.link = link
         self.backends = backends
         self.started_at = time.monotonic()
@@ -170,11 +172,17 @@ class AgentService:
         memory: Materialised | None = None
         if premade is not None:
             backend, length = premade
-            memory = backend.materialise(length, f"poold-lease-{peer.pid}")
+            memory = self.warm.take(length) if self.warm is not None else None
+            if memory is None:
+                memory = backend.materialise(length, f"poold-lease-{peer.pid}")
             try:
                 lease = self.link.grant(req.model_copy(update={"activate": True}))
             except BaseException:
-                backend.release(memory)
+                # Never handed out: still fresh, so it may wait for the next tenant.
+                if self.warm is not None:
+                    self.warm.give_back(memory)
+                else:
+                    backend.release(memory)
                 raise
             if lease.length_bytes != memory.length_bytes:
                 # poold aligned differently than the inventory said: redo, never mis-size.
@@ -292,6 +300,8 @@ class AgentService:
                     held.expires_at = result.expires_at
 
     def close(self) -> None:
+        if self.warm is not None:
+            self.warm.stop()
         with self._lock:
             held, self._held = list(self._held.values()), {}
         for h in held:

@@ -26,7 +26,7 @@ from poold.settings import DEFAULT_PORT, default_state_dir
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class Size(click.ParamType):
+class Size(click.ParamType):  # type: ignore[type-arg]
     name = "size"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:

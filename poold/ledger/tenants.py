@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from typing import Any
+
+from sqlalchemy import Connection, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -105,7 +107,40 @@ def delete(session: Session, name: str, actor: str) -> None:
     )
 
 
-def may_act(tenant: Tenant, uid: int, gids: list[int], host: str) -> bool:
+def resolve_row(conn: Connection, name: str | None, uid: int, gids: list[int], host: str) -> Any:
+    """`resolve` for the grant hot path: Core rows (same attribute names), no ORM."""
+    cols = select(
+        Tenant.id,
+        Tenant.name,
+        Tenant.quota_bytes,
+        Tenant.quota_leases,
+        Tenant.allowed_media,
+        Tenant.allowed_uids,
+        Tenant.allowed_gids,
+        Tenant.allowed_hosts,
+        Tenant.generation,
+    )
+    if name is not None:
+        row = conn.execute(cols.where(Tenant.name == name)).one_or_none()
+        if row is None:
+            raise UnknownTenant(f"no tenant named {name!r}", tenant=name)
+        if not may_act(row, uid, gids, host):
+            raise NotOwner(
+                f"uid {uid} (gids {gids}) on host {host!r} may not act for tenant {name!r}",
+                tenant=name,
+                uid=uid,
+            )
+        return row
+    matches = [row for row in conn.execute(cols) if may_act(row, uid, gids, host)]
+    if not matches:
+        raise NotOwner(f"uid {uid} on host {host!r} may not act for any tenant", uid=uid)
+    if len(matches) > 1:
+        names = sorted(row.name for row in matches)
+        raise NotOwner(f"uid {uid} may act for several tenants {names}; name one", uid=uid)
+    return matches[0]
+
+
+def may_act(tenant: Any, uid: int, gids: list[int], host: str) -> bool:
     """Can a process with these credentials, on this host, act for the tenant?"""
     if tenant.allowed_hosts and host not in tenant.allowed_hosts:
         return False

@@ -1,0 +1,577 @@
+"""How does a tenant process (an inference engine) get far memory from its host's agent?
+
+Through :class:`PoolClient`::
+
+    with PoolClient() as pool, pool.lease(64 << 30, tenant="llm-a") as lease:
+        kv = lease.mmap()          # MAP_SHARED, read/write, lease.length_bytes long
+        ...                        # renewed in the background while it is held
+
+One connection per client, opened lazily and shared by all threads (a lock spans each
+request and its reply). Leases are renewed by one daemon thread per client at about a
+third of their ttl. Failures raise :mod:`poold.errors` exceptions rebuilt from the
+agent's reply, so ``err.code`` is the same stable code the agent sent; failing to reach
+the agent at all raises :class:`agent.errors.AgentUnreachable`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import math
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, TypeVar
+
+from pydantic import ValidationError
+
+from agent.errors import AgentProtocolError, AgentUnreachable
+from agent.paths import client_socket_path
+from agent.protocol import (
+    MAX_FRAME_BYTES,
+    MAX_REPLY_FRAME_BYTES,
+    OPERATIONS,
+    HelloArgs,
+    HelloResult,
+    LeaseArgs,
+    LeaseListing,
+    LeaseResult,
+    ListArgs,
+    ListResult,
+    Model,
+    OpSpec,
+    ReleaseArgs,
+    ReleaseResult,
+    RenewArgs,
+    RenewResult,
+    ReportArgs,
+    ReportResult,
+    StatsArgs,
+    StatsResult,
+    encode_request,
+    parse_reply,
+    read_frame,
+    validation_error,
+)
+from poold.errors import FrameTooLarge, LeaseNotActive, PoolError, UnknownLease, from_wire
+
+log = logging.getLogger(__name__)
+
+# Safe to send twice: a reply lost with a dropped connection is simply asked again.
+# Not lease (a second grant) nor release/report (not harmful, but not ours to repeat).
+_IDEMPOTENT_OPS: Final = frozenset({"hello", "renew", "list", "stats"})
+# The agent prefaults a lease before replying (~4 GiB/s measured for memfds); a lease
+# reply may take that long on top of the ordinary timeout. 1 GiB/s leaves headroom.
+_PREFAULT_BYTES_PER_S: Final = 1 << 30
+# Renew at a third of the ttl: two more tries before the lease can expire.
+_RENEW_FRACTION: Final = 1 / 3
+_MIN_RENEW_RETRY_S: Final = 0.1
+
+_ResultT = TypeVar("_ResultT", bound=Model)
+_ArgsT = TypeVar("_ArgsT", bound=Model)
+
+
+def _args(model: type[_ArgsT], **values: Any) -> _ArgsT:
+    """Arguments validated here, failing with the code the agent would send (invalid_size...)."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as err:
+        raise validation_error(err, "arguments") from None
+
+
+class Lease:
+    """Far memory leased through the agent: an fd to mmap, renewed until released.
+
+    ``release()`` (or leaving the ``with`` block) gives the memory back and closes the
+    lease's fd; a second call does nothing. Mappings made with :meth:`mmap` are the
+    caller's: close them before releasing. Python's mmap keeps its own duplicate of the
+    fd, so an open mapping keeps emulated memory alive after release, while a revoked
+    devdax lease is unmapped by the kernel (touching it then raises SIGBUS).
+
+    ``lost`` turns True when the agent says the lease is no longer active (expired,
+    revoked, reclaimed) during background renewal; ``on_lost`` is called once then, on
+    the renewal thread.
+    """
+
+    def __init__(
+        self,
+        client: PoolClient,
+        granted: LeaseResult,
+        fd: int,
+        on_lost: Callable[[Lease], None] | None = None,
+    ) -> None:
+        self._client = client
+        self._fd = fd
+        self._lock = threading.Lock()
+        self._released = False
+        self.on_lost = on_lost
+        self.lost = False
+        self.lease_id: str = granted.lease_id
+        self.size_bytes: int = granted.size_bytes
+        self.length_bytes: int = granted.length_bytes
+        self.offset_bytes: int = granted.offset_bytes
+        self.epoch: int = granted.epoch
+        self.media: str = granted.media
+        self.backend: str = granted.backend
+        self.numa_node: int | None = granted.numa_node
+        self.device_uid: str = granted.device_uid
+        self.alignment_bytes: int = granted.alignment_bytes
+        self.page_size_bytes: int = granted.page_size_bytes
+        self.expires_at: datetime = granted.expires_at
+        self.ttl_s: int = granted.ttl_s
+
+    @property
+    def fd(self) -> int:
+        """The lease's memory; closed by :meth:`release`, so dup() it to keep it past that."""
+        if self._released:
+            raise LeaseNotActive(f"lease {self.lease_id} was released", lease_id=self.lease_id)
+        return self._fd
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def mmap(self) -> mmap.mmap:
+        """A shared read/write mapping of the whole lease (``length_bytes``)."""
+        return mmap.mmap(
+            self.fd, self.length_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+
+    def renew(self, ttl_s: int | None = None) -> datetime:
+        """Extend the lease by ``ttl_s`` (default: its current ttl); the new ``expires_at``."""
+        renewed = self._client.renew(self.lease_id, ttl_s)
+        self.expires_at = renewed.expires_at
+        if ttl_s is not None:
+            self.ttl_s = ttl_s
+        return renewed.expires_at
+
+    def report(
+        self,
+        *,
+        used_bytes: int,
+        exclusive_bytes: int,
+        replica_bytes: int,
+        exclusive_blocks: int = 0,
+        replica_blocks: int = 0,
+    ) -> bool:
+        """Tell the agent how much of this lease holds only-copies vs replicas."""
+        return self._client.report(
+            self.lease_id,
+            used_bytes=used_bytes,
+            exclusive_bytes=exclusive_bytes,
+            replica_bytes=replica_bytes,
+            exclusive_blocks=exclusive_blocks,
+            replica_blocks=replica_blocks,
+        )
+
+    def release(self) -> None:
+        """Give the memory back and close the fd; idempotent."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._client._forget(self)
+        try:
+            self._client.release(self.lease_id)
+        except (LeaseNotActive, UnknownLease):
+            pass  # already over (expired, revoked, reclaimed): nothing left to give back
+        finally:
+            os.close(self._fd)
+
+    def _mark_lost(self, err: PoolError) -> None:
+        if self._released or self.lost:
+            return
+        self.lost = True
+        log.warning("lease %s lost: %s %s", self.lease_id, err.code, err.message)
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self)
+            except Exception:
+                log.exception("on_lost callback failed for lease %s", self.lease_id)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.release()
+            return
+        try:  # don't let a failed release hide the exception that ended the block
+            self.release()
+        except PoolError as err:
+            log.warning("releasing lease %s failed: %s", self.lease_id, err)
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "lost" if self.lost else "held"
+        return (
+            f"<Lease {self.lease_id} {self.length_bytes} bytes {self.backend}/{self.media} "
+            f"epoch {self.epoch} {state}>"
+        )
+
+
+class _Renewer:
+    """One daemon thread per client renewing every lease it tracks at ~ttl/3."""
+
+    def __init__(self, client: PoolClient) -> None:
+        self._client = client
+        self._cond = threading.Condition()
+        self._leases: dict[str, Lease] = {}
+        self._due_at: dict[str, float] = {}  # lease_id -> time.monotonic() of next renewal
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def track(self, lease: Lease) -> None:
+        with self._cond:
+            if self._stopped:
+                return
+            self._leases[lease.lease_id] = lease
+            self._due_at[lease.lease_id] = time.monotonic() + lease.ttl_s * _RENEW_FRACTION
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="poold-lease-renewer", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def forget(self, lease_id: str) -> None:
+        with self._cond:
+            self._leases.pop(lease_id, None)
+            self._due_at.pop(lease_id, None)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                due: list[Lease] = []
+                while not self._stopped:
+                    now = time.monotonic()
+                    due = [self._leases[i] for i, at in self._due_at.items() if at <= now]
+                    if due:
+                        break
+                    next_at = min(self._due_at.values(), default=math.inf)
+                    self._cond.wait(None if next_at == math.inf else next_at - now)
+                if self._stopped:
+                    return
+                for lease in due:  # in flight: not due again until rescheduled
+                    del self._due_at[lease.lease_id]
+            for lease in due:
+                self._renew(lease)
+
+    def _renew(self, lease: Lease) -> None:
+        interval_s = lease.ttl_s * _RENEW_FRACTION
+        try:
+            lease.renew()
+        except (LeaseNotActive, UnknownLease) as err:
+            self.forget(lease.lease_id)
+            lease._mark_lost(err)
+            return
+        except Exception as err:
+            # Agent restarting, poold unreachable...: try again well before expiry.
+            log.warning("renewing lease %s failed, retrying: %s", lease.lease_id, err)
+            interval_s = max(_MIN_RENEW_RETRY_S, interval_s / 3)
+        with self._cond:
+            if lease.lease_id in self._leases and not self._stopped:
+                self._due_at[lease.lease_id] = time.monotonic() + interval_s
+                self._cond.notify()
+
+
+class PoolClient:
+    """A tenant's connection to its host's pool agent; thread-safe.
+
+    ``socket_path`` defaults to ``$POOLD_AGENT_SOCKET``, then the host agent's socket
+    (see :mod:`agent.paths`). ``timeout_s`` bounds each request; a lease request gets
+    extra time in proportion to its size, since the agent prefaults before replying.
+    ``close()`` (or leaving the ``with`` block) releases every lease still held.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.socket_path = Path(socket_path) if socket_path is not None else client_socket_path()
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()  # one request/reply at a time on the connection
+        self._sock: socket.socket | None = None
+        self._closed = False
+        self._leases_lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._renewer = _Renewer(self)
+
+    # --- operations -------------------------------------------------------
+
+    def hello(
+        self, client_name: str | None = None, client_version: str | None = None
+    ) -> HelloResult:
+        """The agent's version and host, and who the agent thinks we are."""
+        args = _args(HelloArgs, client_name=client_name, client_version=client_version)
+        return self._call(OPERATIONS["hello"], args, HelloResult)[0]
+
+    def lease(
+        self,
+        size_bytes: int,
+        ttl_s: int = 60,
+        media: str | None = None,
+        tenant: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        renew: bool = True,
+        on_lost: Callable[[Lease], None] | None = None,
+    ) -> Lease:
+        """Lease ``size_bytes`` of far memory; renewed in the background unless ``renew=False``.
+
+        Never retried: a dropped connection mid-request may have granted a lease whose
+        fd was lost; the agent sees the disconnect and poold reclaims it.
+        """
+        args = _args(
+            LeaseArgs,
+            size_bytes=size_bytes,
+            ttl_s=ttl_s,
+            media=media,
+            tenant=tenant,
+            labels=dict(labels or {}),
+        )
+        timeout_s = self.timeout_s + size_bytes / _PREFAULT_BYTES_PER_S
+        granted, fd = self._call(OPERATIONS["lease"], args, LeaseResult, timeout_s=timeout_s)
+        if fd is None:  # _call guarantees one for carries_fd operations
+            raise AgentProtocolError("lease reply carried no fd")
+        lease = Lease(self, granted, fd, on_lost)
+        with self._leases_lock:
+            self._leases[lease.lease_id] = lease
+        if renew:
+            self._renewer.track(lease)
+        return lease
+
+    def renew(self, lease_id: str, ttl_s: int | None = None) -> RenewResult:
+        """Extend a lease by ``ttl_s`` (default: its current ttl)."""
+        return self._call(
+            OPERATIONS["renew"], _args(RenewArgs, lease_id=lease_id, ttl_s=ttl_s), RenewResult
+        )[0]
+
+    def release(self, lease_id: str) -> ReleaseResult:
+        """Release by id; prefer :meth:`Lease.release`, which also closes the fd."""
+        return self._call(
+            OPERATIONS["release"], _args(ReleaseArgs, lease_id=lease_id), ReleaseResult
+        )[0]
+
+    def list(self) -> builtins.list[LeaseListing]:
+        """Leases the agent holds for this process's identity."""
+        return self._call(OPERATIONS["list"], ListArgs(), ListResult)[0].leases
+
+    def stats(self) -> StatsResult:
+        return self._call(OPERATIONS["stats"], StatsArgs(), StatsResult)[0]
+
+    def report(
+        self,
+        lease_id: str,
+        *,
+        used_bytes: int,
+        exclusive_bytes: int,
+        replica_bytes: int,
+        exclusive_blocks: int = 0,
+        replica_blocks: int = 0,
+    ) -> bool:
+        """Exclusive/replica accounting for one lease; True when the agent accepted it."""
+        args = _args(
+            ReportArgs,
+            lease_id=lease_id,
+            used_bytes=used_bytes,
+            exclusive_bytes=exclusive_bytes,
+            replica_bytes=replica_bytes,
+            exclusive_blocks=exclusive_blocks,
+            replica_blocks=replica_blocks,
+        )
+        return self._call(OPERATIONS["report"], args, ReportResult)[0].accepted
+
+    @property
+    def leases(self) -> builtins.list[Lease]:
+        """Leases granted through this client and not yet released."""
+        with self._leases_lock:
+            return builtins.list(self._leases.values())
+
+    # --- lifecycle --------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop renewing, release every lease still held, disconnect; safe to call twice."""
+        self._renewer.stop()
+        for lease in self.leases:
+            try:
+                lease.release()
+            except PoolError as err:
+                log.warning("releasing lease %s at close failed: %s", lease.lease_id, err)
+        with self._lock:
+            self._closed = True
+            self._disconnect()
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _forget(self, lease: Lease) -> None:
+        self._renewer.forget(lease.lease_id)
+        with self._leases_lock:
+            self._leases.pop(lease.lease_id, None)
+
+    # --- transport --------------------------------------------------------
+
+    def _call(
+        self,
+        spec: OpSpec,
+        args: Model,
+        result_type: type[_ResultT],
+        *,
+        timeout_s: float | None = None,
+    ) -> tuple[_ResultT, int | None]:
+        """One request, one reply (and its fd, for operations that carry one)."""
+        request = encode_request(spec.name, args)
+        if len(request) - 4 > MAX_FRAME_BYTES:
+            raise FrameTooLarge(
+                f"{spec.name} request of {len(request)} bytes exceeds the agent's "
+                f"{MAX_FRAME_BYTES}-byte cap (too many or too long labels?)"
+            )
+        with self._lock:
+            if self._closed:
+                raise AgentUnreachable("this PoolClient is closed")
+            for attempt in (1, 2):
+                sock = self._connect()
+                sock.settimeout(timeout_s or self.timeout_s)
+                try:
+                    sock.sendall(request, socket.MSG_NOSIGNAL)
+                except OSError as err:
+                    # The agent read none of it (it restarted, or turned us away): any
+                    # operation may be sent again, once, on a fresh connection.
+                    refusal = self._pending_error(sock)
+                    self._disconnect()
+                    if refusal is not None:
+                        raise refusal from err
+                    if attempt == 1 and not isinstance(err, TimeoutError):
+                        continue
+                    raise self._unreachable(spec, err) from err
+                fds: builtins.list[int] = []
+                try:
+                    frame = read_frame(sock, max_frame_bytes=MAX_REPLY_FRAME_BYTES, fds=fds)
+                except OSError as err:
+                    self._close_fds(fds)
+                    self._disconnect()
+                    retry = spec.name in _IDEMPOTENT_OPS and not isinstance(err, TimeoutError)
+                    if attempt == 1 and retry:
+                        continue
+                    raise self._unreachable(spec, err) from err
+                except PoolError as err:
+                    # The reply stream itself is garbled (not an error reply): drop it.
+                    self._close_fds(fds)
+                    self._disconnect()
+                    raise AgentProtocolError(
+                        f"unreadable reply to {spec.name!r}: {err.message}"
+                    ) from err
+                if frame is None:
+                    self._close_fds(fds)
+                    self._disconnect()
+                    if attempt == 1 and spec.name in _IDEMPOTENT_OPS:
+                        continue
+                    raise AgentUnreachable(
+                        f"the pool agent closed the connection before answering {spec.name!r}",
+                        socket_path=str(self.socket_path),
+                    )
+                try:
+                    return self._take_reply(spec, frame, fds, result_type)
+                except BaseException:
+                    self._close_fds(fds)
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _take_reply(
+        self,
+        spec: OpSpec,
+        frame: dict[str, Any],
+        fds: builtins.list[int],
+        result_type: type[_ResultT],
+    ) -> tuple[_ResultT, int | None]:
+        result = parse_reply(spec, frame)  # raises the agent's error, if it sent one
+        if not isinstance(result, result_type):
+            raise AgentProtocolError(f"reply to {spec.name!r} is a {type(result).__name__}")
+        if not spec.carries_fd:
+            self._close_fds(fds)  # never expected; never leaked
+            return result, None
+        if len(fds) != 1:
+            raise AgentProtocolError(f"reply to {spec.name!r} carried {len(fds)} fds instead of 1")
+        return result, fds[0]
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout_s)
+            try:
+                sock.connect(str(self.socket_path))
+            except OSError as err:
+                sock.close()
+                raise AgentUnreachable(
+                    f"cannot reach the pool agent at {self.socket_path}: {err.strerror or err}"
+                    " (is pool-agent running? set POOLD_AGENT_SOCKET to point elsewhere)",
+                    socket_path=str(self.socket_path),
+                ) from err
+            self._sock = sock
+        return self._sock
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    @staticmethod
+    def _pending_error(sock: socket.socket) -> PoolError | None:
+        """An error frame the agent sent before hanging up (agent_busy), if one is waiting."""
+        try:
+            sock.setblocking(False)
+            frame = read_frame(sock, max_frame_bytes=MAX_FRAME_BYTES)
+        except (OSError, PoolError):
+            return None
+        error = frame.get("error") if frame else None
+        if not isinstance(error, dict):
+            return None
+        return from_wire(str(error.get("code", "internal")), str(error.get("message", "")))
+
+    def _unreachable(self, spec: OpSpec, err: OSError) -> AgentUnreachable:
+        if isinstance(err, TimeoutError):
+            return AgentUnreachable(
+                f"the pool agent at {self.socket_path} did not answer {spec.name!r} in time",
+                socket_path=str(self.socket_path),
+            )
+        return AgentUnreachable(
+            f"lost the connection to the pool agent at {self.socket_path} during "
+            f"{spec.name!r}: {err.strerror or err}",
+            socket_path=str(self.socket_path),
+        )
+
+    @staticmethod
+    def _close_fds(fds: builtins.list[int]) -> None:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        fds.clear()

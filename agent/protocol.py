@@ -1,0 +1,383 @@
+"""What do a tenant and its host's agent say to each other over the agent's Unix socket?
+
+Written once, imported by both :mod:`agent.server` and :mod:`agent.client` (the way
+subiquity's ``apidef`` is): the frame format, the envelopes, one pydantic model per
+operation's arguments and result, and the :data:`OPERATIONS` table that binds them.
+
+Frames: a 4-byte big-endian unsigned length, then that many bytes of UTF-8 JSON holding
+one object. Requests are ``{"op": name, "args": {...}}``; replies are
+``{"ok": true, "result": {...}}`` or ``{"ok": false, "error": {"code", "message",
+"detail"?}}`` with a stable code from :mod:`poold.errors`. A reply that carries memory
+has exactly one fd attached with SCM_RIGHTS, in the same sendmsg as its frame.
+
+Requests are capped at :data:`MAX_FRAME_BYTES`: the cap protects the agent (root) from
+its tenants. Replies may be larger (a ``list`` of many leases), up to
+:data:`MAX_REPLY_FRAME_BYTES`, which only the client enforces.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import socket
+import struct
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated, Any, Final
+
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from agent.errors import AgentProtocolError
+from poold.api.schemas import (
+    MAX_LEASE_BYTES,
+    MAX_TTL_S,
+    DeviceKind,
+    LeaseState,
+    MediaClass,
+    TenantName,
+)
+from poold.errors import BadRequest, FrameTooLarge, InvalidSize, PoolError, from_wire
+
+PROTOCOL_VERSION: Final = 1
+MAX_FRAME_BYTES: Final = 64 * 1024
+MAX_REPLY_FRAME_BYTES: Final = 16 * 1024 * 1024
+# A reply carries at most one fd; room for a few more lets a reader see (and close)
+# extras a confused or hostile peer attached instead of leaking them.
+MAX_FDS_PER_FRAME: Final = 4
+
+_HEADER = struct.Struct(">I")
+
+# --- models ---------------------------------------------------------------
+
+LeaseId = Annotated[str, Field(min_length=1, max_length=64)]
+ByteCount = Annotated[int, Field(ge=0, le=MAX_LEASE_BYTES)]
+BlockCount = Annotated[int, Field(ge=0, le=1 << 48)]
+LabelKey = Annotated[str, Field(min_length=1, max_length=128)]
+LabelValue = Annotated[str, Field(max_length=1024)]
+
+
+class Model(BaseModel):
+    """Base for socket models: unknown fields are errors, so typos never pass silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class HelloArgs(Model):
+    """Who is calling, for the agent's logs; identity comes from SO_PEERCRED, not from here."""
+
+    client_name: Annotated[str, Field(max_length=128)] | None = None
+    client_version: Annotated[str, Field(max_length=64)] | None = None
+
+
+class HelloResult(Model):
+    agent_version: str
+    host: str
+    agent_pid: int
+    protocol_version: int
+    # The caller's identity as the kernel told the agent (SO_PEERCRED).
+    peer_uid: int
+    peer_gid: int
+    peer_pid: int
+    peer_gids: list[int] = Field(default_factory=list)
+
+
+class LeaseArgs(Model):
+    size_bytes: int = Field(gt=0, le=MAX_LEASE_BYTES)
+    ttl_s: int = Field(default=60, gt=0, le=MAX_TTL_S)
+    media: MediaClass | None = None
+    tenant: TenantName | None = None  # None: the one tenant the caller's uid/gid may act for
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
+
+
+class LeaseResult(Model):
+    """A granted, materialised lease; the reply carries its fd."""
+
+    lease_id: str
+    size_bytes: int  # what was asked for
+    length_bytes: int  # what the fd maps: size_bytes rounded up to alignment_bytes
+    offset_bytes: int  # where the lease sits on its device (ledger), not an mmap offset
+    epoch: int
+    media: str
+    backend: DeviceKind
+    numa_node: int | None = None
+    device_uid: str
+    alignment_bytes: int
+    page_size_bytes: int
+    expires_at: datetime
+    ttl_s: int
+
+
+class RenewArgs(Model):
+    lease_id: LeaseId
+    ttl_s: int | None = Field(default=None, gt=0, le=MAX_TTL_S)  # None: keep the lease's ttl
+
+
+class RenewResult(Model):
+    lease_id: str
+    expires_at: datetime
+
+
+class ReleaseArgs(Model):
+    lease_id: LeaseId
+
+
+class ReleaseResult(Model):
+    lease_id: str
+    state: LeaseState
+
+
+class ListArgs(Model):
+    pass
+
+
+class LeaseListing(LeaseResult):
+    state: LeaseState
+
+
+class ListResult(Model):
+    leases: list[LeaseListing]
+
+
+class StatsArgs(Model):
+    pass
+
+
+class StatsResult(Model):
+    leases_held: int
+    bytes_held: int
+    uptime_s: float
+    poold_reachable: bool
+    last_heartbeat_at: datetime | None = None
+
+
+class ReportArgs(Model):
+    """Exclusive/replica accounting for one lease (DESIGN.md "Exclusive-copy accounting")."""
+
+    lease_id: LeaseId
+    used_bytes: ByteCount
+    exclusive_bytes: ByteCount
+    replica_bytes: ByteCount
+    exclusive_blocks: BlockCount = 0
+    replica_blocks: BlockCount = 0
+
+    @model_validator(mode="after")
+    def _copies_fit_in_use(self) -> ReportArgs:
+        # A block is either the only copy or a replica, and either way it is in use.
+        if self.exclusive_bytes + self.replica_bytes > self.used_bytes:
+            raise ValueError("exclusive_bytes + replica_bytes exceeds used_bytes")
+        return self
+
+
+class ReportResult(Model):
+    accepted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec:
+    """One operation: its argument and result models, and whether replies carry an fd."""
+
+    name: str
+    args_model: type[Model]
+    result_model: type[Model]
+    carries_fd: bool = False
+
+
+OPERATIONS: Final[dict[str, OpSpec]] = {
+    spec.name: spec
+    for spec in (
+        OpSpec("hello", HelloArgs, HelloResult),
+        OpSpec("lease", LeaseArgs, LeaseResult, carries_fd=True),
+        OpSpec("renew", RenewArgs, RenewResult),
+        OpSpec("release", ReleaseArgs, ReleaseResult),
+        OpSpec("list", ListArgs, ListResult),
+        OpSpec("stats", StatsArgs, StatsResult),
+        OpSpec("report", ReportArgs, ReportResult),
+    )
+}
+
+# --- frames ---------------------------------------------------------------
+
+
+def encode_frame(obj: BaseModel | dict[str, Any]) -> bytes:
+    """Length prefix plus compact JSON; raises FrameTooLarge past MAX_REPLY_FRAME_BYTES."""
+    if isinstance(obj, BaseModel):
+        body = pydantic_core.to_json(obj)
+    else:
+        body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    return _frame(body)
+
+
+def _frame(body: bytes) -> bytes:
+    if len(body) > MAX_REPLY_FRAME_BYTES:
+        raise FrameTooLarge(
+            f"frame of {len(body)} bytes exceeds {MAX_REPLY_FRAME_BYTES}", size_bytes=len(body)
+        )
+    return _HEADER.pack(len(body)) + body
+
+
+def _recv_exact(sock: socket.socket, length: int, fds: list[int] | None) -> bytes:
+    """Exactly ``length`` bytes; b"" on EOF before the first byte; BadRequest on EOF after it.
+
+    With ``fds`` given, any SCM_RIGHTS fds riding on the bytes are appended to it (the
+    kernel attaches them to the first byte of the sender's sendmsg, so they may arrive
+    with any chunk); without it, the kernel closes any fds a peer sent.
+    """
+    if fds is None:
+        chunks: list[bytes] = []
+        remaining = length
+        while remaining:
+            chunk = sock.recv(remaining)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        data = b"".join(chunks)
+    else:
+        data = _recvmsg_exact(sock, length, fds)
+    if data and len(data) < length:
+        raise BadRequest(f"connection closed mid-frame ({len(data)} of {length} bytes)")
+    return data
+
+
+def _recvmsg_exact(sock: socket.socket, length: int, fds: list[int]) -> bytes:
+    anc_size = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * array.array("i").itemsize)
+    chunks: list[bytes] = []
+    remaining = length
+    while remaining:
+        chunk, ancdata, flags, _ = sock.recvmsg(remaining, anc_size, socket.MSG_CMSG_CLOEXEC)
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                received = array.array("i")
+                received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
+                fds.extend(received)
+        if flags & socket.MSG_CTRUNC:
+            raise BadRequest("peer attached more file descriptors than a frame may carry")
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(
+    sock: socket.socket,
+    *,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
+    fds: list[int] | None = None,
+) -> dict[str, Any] | None:
+    """Read exactly one frame; None on a clean EOF before it.
+
+    Raises FrameTooLarge when the announced length exceeds ``max_frame_bytes`` (the body
+    is left unread: the caller must close the connection) and BadRequest when the body
+    is not a UTF-8 JSON object or the connection ends mid-frame. Socket errors
+    (OSError, TimeoutError) propagate. Received fds are appended to ``fds``; the caller
+    owns them even when this raises.
+    """
+    header = _recv_exact(sock, _HEADER.size, fds)
+    if not header:
+        return None
+    (length,) = _HEADER.unpack(header)
+    if length > max_frame_bytes:
+        raise FrameTooLarge(
+            f"frame of {length} bytes exceeds the {max_frame_bytes}-byte cap",
+            size_bytes=length,
+            max_bytes=max_frame_bytes,
+        )
+    body = _recv_exact(sock, length, fds) if length else b""
+    if len(body) < length:
+        raise BadRequest("connection closed after a frame header")
+    try:
+        # Decode first: json.loads on bytes would also accept UTF-16/32.
+        obj = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise BadRequest(f"frame is not valid UTF-8 JSON: {err}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest(f"frame must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+# --- envelopes ------------------------------------------------------------
+
+_OK_PREFIX = b'{"ok":true,"result":'
+
+
+def encode_request(op: str, args: BaseModel) -> bytes:
+    """The frame for one request."""
+    return _frame(
+        b'{"op":' + json.dumps(op).encode() + b',"args":' + pydantic_core.to_json(args) + b"}"
+    )
+
+
+def encode_result(result: BaseModel) -> bytes:
+    """The frame for a successful reply, serialised straight from the result model."""
+    return _frame(_OK_PREFIX + pydantic_core.to_json(result) + b"}")
+
+
+def encode_error(err: PoolError) -> bytes:
+    """The frame for an error reply; detail that JSON cannot hold is dropped, not fatal."""
+    try:
+        return encode_frame({"ok": False, "error": err.to_dict()})
+    except (TypeError, ValueError):
+        return encode_frame({"ok": False, "error": {"code": err.code, "message": err.message}})
+
+
+def validation_error(err: ValidationError, what: str) -> BadRequest:
+    """A wire error for a pydantic failure: invalid_size when the size is what's wrong."""
+    problems = err.errors(include_url=False, include_context=False, include_input=False)
+    summary = "; ".join(
+        f"{'.'.join(str(part) for part in problem['loc']) or what}: {problem['msg']}"
+        for problem in problems[:5]
+    )
+    cls = (
+        InvalidSize
+        if any(problem["loc"][:1] == ("size_bytes",) for problem in problems)
+        else BadRequest
+    )
+    return cls(f"invalid {what}: {summary}", errors=problems)
+
+
+def parse_request(frame: dict[str, Any]) -> tuple[OpSpec, Model]:
+    """The operation and its validated arguments; BadRequest / InvalidSize otherwise."""
+    op = frame.get("op")
+    spec = OPERATIONS.get(op) if isinstance(op, str) else None
+    if spec is None:
+        raise BadRequest(
+            f"unknown operation {op!r}; known: {', '.join(OPERATIONS)}", op=str(op)[:64]
+        )
+    extra = frame.keys() - {"op", "args"}
+    if extra:
+        raise BadRequest(f"unexpected request fields: {', '.join(sorted(extra))[:200]}")
+    args = frame.get("args", {})
+    if not isinstance(args, dict):
+        raise BadRequest(f"args of {spec.name!r} must be an object")
+    try:
+        return spec, spec.args_model.model_validate(args)
+    except ValidationError as err:
+        raise validation_error(err, f"{spec.name} arguments") from None
+
+
+def parse_reply(spec: OpSpec, frame: dict[str, Any]) -> Model:
+    """The validated result of a reply; raises the agent's error, rebuilt with its code.
+
+    A reply that breaks the protocol raises AgentProtocolError: that is the agent's
+    fault (or a version skew), never the tenant's bad request.
+    """
+    if frame.get("ok") is True:
+        result = frame.get("result")
+        if not isinstance(result, dict):
+            raise AgentProtocolError(f"reply to {spec.name!r} has no result object")
+        try:
+            return spec.result_model.model_validate(result)
+        except ValidationError as err:
+            raise AgentProtocolError(f"reply to {spec.name!r} does not validate: {err}") from None
+    error = frame.get("error")
+    if frame.get("ok") is not False or not isinstance(error, dict):
+        raise AgentProtocolError(f"reply to {spec.name!r} is neither a result nor an error")
+    code = str(error.get("code", "internal"))
+    message = str(error.get("message", ""))
+    detail = error.get("detail")
+    try:
+        raise from_wire(code, message, detail if isinstance(detail, dict) else None)
+    except TypeError:  # detail keys that clash with the exception's own parameters
+        raise from_wire(code, message) from None

@@ -1,0 +1,544 @@
+"""How does the agent serve its Unix socket to tenant processes?
+
+:class:`AgentServer` accepts connections on a Unix stream socket, learns each peer's
+identity from the kernel (``SO_PEERCRED``, never from what a request claims), and
+turns frames into calls on a handler object that implements :class:`AgentHandler`
+(one method per operation in :data:`agent.protocol.OPERATIONS`, checked at
+construction). Replies to operations that carry memory pass the handler's fd with
+SCM_RIGHTS.
+
+Threads, not asyncio: one per connection, so that a handler may block (on poold, on a
+backend) without stalling other tenants, and fds cross with plain ``sendmsg``. A bad
+client costs at most its own connection: errors become error frames, and the number of
+connections is capped.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import errno
+import grp
+import itertools
+import logging
+import os
+import select
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, Protocol
+
+from agent.errors import AgentBusy
+from agent.protocol import (
+    OPERATIONS,
+    HelloArgs,
+    HelloResult,
+    LeaseArgs,
+    LeaseResult,
+    ListArgs,
+    ListResult,
+    Model,
+    ReleaseArgs,
+    ReleaseResult,
+    RenewArgs,
+    RenewResult,
+    ReportArgs,
+    ReportResult,
+    StatsArgs,
+    StatsResult,
+    encode_error,
+    encode_result,
+    parse_request,
+    read_frame,
+)
+from poold.errors import PoolError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONNECTIONS: Final = 1024
+_JOIN_TIMEOUT_S: Final = 5.0
+# struct ucred from <sys/socket.h>: pid_t pid; uid_t uid; gid_t gid.
+_UCRED = struct.Struct("iII")
+# SO_PEERGROUPS (Linux 4.13) is not exported by Python 3.11's socket module; the value
+# is the same on every architecture's asm-generic socket.h.
+_SO_PEERGROUPS: Final[int] = getattr(socket, "SO_PEERGROUPS", 59)
+# CPython caps getsockopt buffers at 1024 bytes: 256 groups; more falls back to /proc.
+_PEERGROUPS_BUFLEN: Final = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A connected tenant process as the kernel identified it when it connected."""
+
+    connection_id: int
+    pid: int
+    uid: int
+    gid: int
+    gids: tuple[int, ...] = ()  # supplementary groups; empty when the kernel would not say
+    connected_at: float = field(default_factory=time.time)
+
+    @property
+    def all_gids(self) -> tuple[int, ...]:
+        """Primary group first, then supplementary ones, without repeats."""
+        return tuple(dict.fromkeys((self.gid, *self.gids)))
+
+
+class AgentHandler(Protocol):
+    """What the server calls: one method per operation, plus the end of a connection.
+
+    Methods run on the connection's thread and may block. They raise
+    :class:`poold.errors.PoolError` subclasses for failures the tenant can act on;
+    anything else is logged and reported as ``internal``. ``lease`` returns the fd to
+    pass with its result: the handler keeps owning it (the server sends it, never closes
+    it). A reply that cannot be delivered ends the connection, so ``disconnected``
+    follows: a lease granted on it then has no holder.
+    """
+
+    def hello(self, peer: Peer, args: HelloArgs) -> HelloResult: ...
+
+    def lease(self, peer: Peer, args: LeaseArgs) -> tuple[LeaseResult, int]: ...
+
+    def renew(self, peer: Peer, args: RenewArgs) -> RenewResult: ...
+
+    def release(self, peer: Peer, args: ReleaseArgs) -> ReleaseResult: ...
+
+    def list(self, peer: Peer, args: ListArgs) -> ListResult: ...
+
+    def stats(self, peer: Peer, args: StatsArgs) -> StatsResult: ...
+
+    def report(self, peer: Peer, args: ReportArgs) -> ReportResult: ...
+
+    def disconnected(self, peer: Peer) -> None: ...
+
+
+def bind_handler(
+    handler: object,
+) -> tuple[dict[str, Callable[[Peer, Model], Any]], Callable[[Peer], None]]:
+    """The handler's method per operation and its ``disconnected``; TypeError if any is missing."""
+    methods: dict[str, Callable[[Peer, Model], Any]] = {}
+    missing: list[str] = []
+    for name in OPERATIONS:
+        method = getattr(handler, name, None)
+        if callable(method):
+            methods[name] = method
+        else:
+            missing.append(name)
+    disconnected: Callable[[Peer], None] | None = getattr(handler, "disconnected", None)
+    if not callable(disconnected):
+        missing.append("disconnected")
+    if missing or disconnected is None:
+        raise TypeError(
+            f"{type(handler).__name__} cannot serve the agent protocol: "
+            f"no method for {', '.join(missing)}"
+        )
+    return methods, disconnected
+
+
+def read_peer(sock: socket.socket, connection_id: int) -> Peer:
+    """The peer's pid/uid/gid (SO_PEERCRED) and supplementary groups, as of connect()."""
+    pid, uid, gid = _UCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    )
+    return Peer(
+        connection_id=connection_id, pid=pid, uid=uid, gid=gid, gids=_peer_groups(sock, pid)
+    )
+
+
+def _peer_groups(sock: socket.socket, pid: int) -> tuple[int, ...]:
+    # SO_PEERGROUPS is captured at connect() like SO_PEERCRED, so it cannot race with
+    # the pid exiting and being reused; /proc is the fallback for older kernels and for
+    # peers with more than 256 groups.
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, _PEERGROUPS_BUFLEN)
+    except OSError:
+        return _proc_groups(pid)
+    groups = array.array("I")
+    groups.frombytes(raw[: len(raw) - len(raw) % groups.itemsize])
+    return tuple(groups)
+
+
+def _proc_groups(pid: int) -> tuple[int, ...]:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("Groups:"):
+                    return tuple(int(gid) for gid in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return ()
+
+
+def _remove_stale_socket(path: Path) -> None:
+    """Unlink a socket file nobody listens on; refuse to touch anything else."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(
+            errno.EEXIST, "exists and is not a socket; refusing to replace it", str(path)
+        )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            log.info("removing stale agent socket %s", path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return
+    raise OSError(errno.EADDRINUSE, "another agent is already listening", str(path))
+
+
+def _resolve_gid(group: str | int) -> int:
+    if isinstance(group, int):
+        return group
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise LookupError(f"no such group {group!r} for the agent socket") from None
+
+
+class _Connection:
+    """One accepted socket; ``close`` and ``interrupt`` may race from two threads."""
+
+    def __init__(self, sock: socket.socket, connection_id: int) -> None:
+        self.sock = sock
+        self.connection_id = connection_id
+        self.thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def interrupt(self) -> None:
+        """Wake the connection's thread out of a blocking recv (it sees EOF)."""
+        with self._lock:
+            if not self._closed:
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.sock.close()
+
+
+class AgentServer:
+    """Serves the agent protocol on a Unix stream socket, one thread per connection.
+
+    Binding happens in the constructor, so a bad path, a live agent already on it or an
+    incomplete handler fails at start. ``serve_forever`` runs the accept loop;
+    ``shutdown`` stops it, closes every connection and joins their threads.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None,
+        handler: AgentHandler,
+        *,
+        mode: int = 0o660,
+        group: str | int | None = None,
+        listen_socket: socket.socket | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        backlog: int = 128,
+    ) -> None:
+        self._methods, self._disconnected = bind_handler(handler)
+        self.max_connections = max_connections
+        self._bound_inode: int | None = None
+        if listen_socket is not None:
+            # Adopted (systemd socket activation): its unit set path and permissions.
+            if listen_socket.family != socket.AF_UNIX or listen_socket.type != socket.SOCK_STREAM:
+                raise ValueError("the adopted listen socket must be an AF_UNIX stream socket")
+            self._listener = listen_socket
+            self.socket_path = Path(socket_path or listen_socket.getsockname())
+        else:
+            if socket_path is None:
+                raise ValueError("AgentServer needs a socket path or a listening socket")
+            self.socket_path = Path(socket_path)
+            self._listener = self._bind(self.socket_path, mode, group, backlog)
+        self._listener.setblocking(False)
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._lock = threading.Lock()
+        self._connections: dict[int, _Connection] = {}
+        self._connection_ids = itertools.count(1)
+        self._stopping = threading.Event()
+        self._serving_ident: int | None = None  # thread running serve_forever, if any
+        self._served = threading.Event()  # serve_forever has returned and cleaned up
+        self._closed = False
+
+    def _bind(self, path: Path, mode: int, group: str | int | None, backlog: int) -> socket.socket:
+        if not path.parent.exists():
+            path.parent.mkdir(parents=True)
+            # Tenants must traverse it; their access is decided by the socket's own mode.
+            os.chmod(path.parent, 0o755)  # noqa: S103  # world-traversable on purpose
+        _remove_stale_socket(path)
+        gid = None if group is None else _resolve_gid(group)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(str(path))
+            # Permissions are set on purpose, before listen(): until then a connect is
+            # refused, so nobody slips in under whatever the umask allowed.
+            if gid is not None:
+                os.chown(path, -1, gid)
+            os.chmod(path, mode)
+            self._bound_inode = os.stat(path).st_ino
+            listener.listen(backlog)
+        except BaseException:
+            listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        return listener
+
+    # --- lifecycle --------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        """Accept connections until :meth:`stop` or :meth:`shutdown`; then close everything."""
+        with self._lock:
+            if self._closed or self._serving_ident is not None:
+                return
+            self._serving_ident = threading.get_ident()
+        try:
+            poller = select.poll()
+            poller.register(self._listener, select.POLLIN)
+            poller.register(self._wake_r, select.POLLIN)
+            while not self._stopping.is_set():
+                events = poller.poll()
+                if any(fd == self._wake_r for fd, _ in events):
+                    break
+                try:
+                    sock, _ = self._listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError as err:
+                    if self._stopping.is_set():
+                        break
+                    log.error("accept on %s failed: %s", self.socket_path, err)
+                    if err.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                        time.sleep(0.1)  # out of fds: let connections close rather than spin
+                    continue
+                self._admit(sock)
+        finally:
+            self._close_all()
+            self._served.set()
+
+    def start_in_thread(self) -> threading.Thread:
+        """Run :meth:`serve_forever` on a daemon thread (tests, embedding)."""
+        thread = threading.Thread(target=self.serve_forever, name="agent-accept", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        """Ask serve_forever to return (it then closes everything). Safe in a signal handler."""
+        self._stopping.set()
+        wake_w = self._wake_w
+        if wake_w >= 0:
+            with contextlib.suppress(OSError):  # full pipe: a wake-up is already pending
+                os.write(wake_w, b"x")
+
+    def shutdown(self) -> None:
+        """Stop accepting, close every connection, join their threads; safe to call twice.
+
+        From the thread inside serve_forever (a signal handler), it only stops the loop;
+        serve_forever does the rest as it returns.
+        """
+        self.stop()
+        serving_ident = self._serving_ident
+        if serving_ident == threading.get_ident():
+            return
+        if serving_ident is not None and not self._served.wait(_JOIN_TIMEOUT_S):
+            log.warning("the accept loop did not stop within %.0f s", _JOIN_TIMEOUT_S)
+        self._close_all()
+
+    def _close_all(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            connections = list(self._connections.values())
+        self._listener.close()
+        self._unlink_socket()
+        for connection in connections:
+            connection.interrupt()
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        for connection in connections:
+            if connection.thread is not None:
+                connection.thread.join(max(0.0, deadline - time.monotonic()))
+                if connection.thread.is_alive():
+                    log.warning("connection %d is still busy at shutdown", connection.connection_id)
+        wake_r, wake_w = self._wake_r, self._wake_w
+        self._wake_r = self._wake_w = -1
+        os.close(wake_r)
+        os.close(wake_w)
+
+    def _unlink_socket(self) -> None:
+        # Only the file we bound: a newer agent may have replaced it since.
+        if self._bound_inode is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(self.socket_path).st_ino == self._bound_inode:
+                os.unlink(self.socket_path)
+
+    def __enter__(self) -> AgentServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    @property
+    def connection_count(self) -> int:
+        with self._lock:
+            return len(self._connections)
+
+    # --- connections ------------------------------------------------------
+
+    def _admit(self, sock: socket.socket) -> None:
+        sock.setblocking(True)
+        connection = _Connection(sock, next(self._connection_ids))
+        with self._lock:
+            admitted = not self._closed and len(self._connections) < self.max_connections
+            if admitted:
+                self._connections[connection.connection_id] = connection
+        if not admitted:
+            self._refuse(connection)
+            return
+        thread = threading.Thread(
+            target=self._serve_connection,
+            args=(connection,),
+            name=f"agent-conn-{connection.connection_id}",
+            daemon=True,
+        )
+        connection.thread = thread
+        thread.start()
+
+    def _refuse(self, connection: _Connection) -> None:
+        log.warning("refusing connection: %d connections already open", self.max_connections)
+        busy = AgentBusy(
+            f"the agent already serves {self.max_connections} connections; retry later"
+        )
+        with contextlib.suppress(OSError):
+            # Never block the accept loop on a peer that does not read.
+            connection.sock.send(encode_error(busy), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        connection.close()
+
+    def _serve_connection(self, connection: _Connection) -> None:
+        peer: Peer | None = None
+        try:
+            peer = read_peer(connection.sock, connection.connection_id)
+            log.debug(
+                "connection %d: pid %d uid %d gid %d",
+                peer.connection_id,
+                peer.pid,
+                peer.uid,
+                peer.gid,
+            )
+            self._converse(connection, peer)
+        except OSError as err:
+            log.debug("connection %d ended: %s", connection.connection_id, err)
+        except Exception:
+            log.exception("connection %d failed", connection.connection_id)
+        finally:
+            connection.close()
+            with self._lock:
+                self._connections.pop(connection.connection_id, None)
+            if peer is not None:
+                try:
+                    self._disconnected(peer)
+                except Exception:
+                    log.exception(
+                        "handler.disconnected failed for connection %d", peer.connection_id
+                    )
+
+    def _converse(self, connection: _Connection, peer: Peer) -> None:
+        sock = connection.sock
+        while not self._stopping.is_set():
+            try:
+                frame = read_frame(sock)
+            except PoolError as err:
+                # Oversized or undecodable: the stream can no longer be trusted to be
+                # at a frame boundary, so say why and hang up.
+                log.warning(
+                    "connection %d (pid %d uid %d): %s; closing",
+                    peer.connection_id,
+                    peer.pid,
+                    peer.uid,
+                    err.message,
+                )
+                self._send(sock, encode_error(err), None)
+                return
+            if frame is None:
+                return
+            reply, fd = self._dispatch(peer, frame)
+            if not self._send(sock, reply, fd):
+                return
+
+    def _dispatch(self, peer: Peer, frame: dict[str, Any]) -> tuple[bytes, int | None]:
+        """The reply frame (and fd) for one request; never raises."""
+        op = "?"
+        try:
+            spec, args = parse_request(frame)
+            op = spec.name
+            outcome = self._methods[op](peer, args)
+            fd: int | None = None
+            if spec.carries_fd:
+                result, fd = outcome
+                if not isinstance(fd, int) or fd < 0:
+                    raise TypeError(f"handler.{op} returned {fd!r} instead of an fd")
+            else:
+                result = outcome
+            if not isinstance(result, spec.result_model):
+                raise TypeError(
+                    f"handler.{op} returned {type(result).__name__}, "
+                    f"not {spec.result_model.__name__}"
+                )
+            return encode_result(result), fd
+        except PoolError as err:
+            log.info(
+                "connection %d (pid %d uid %d) %s: %s %s",
+                peer.connection_id,
+                peer.pid,
+                peer.uid,
+                op,
+                err.code,
+                err.message,
+            )
+            return encode_error(err), None
+        except Exception:
+            log.exception(
+                "connection %d (pid %d uid %d) %s: internal error",
+                peer.connection_id,
+                peer.pid,
+                peer.uid,
+                op,
+            )
+            internal = PoolError(
+                f"internal error in the agent during {op!r}; see the agent's log",
+                connection_id=peer.connection_id,
+            )
+            return encode_error(internal), None
+
+    @staticmethod
+    def _send(sock: socket.socket, frame: bytes, fd: int | None) -> bool:
+        """Send one frame, with ``fd`` riding on its first byte; False when the peer is gone."""
+        try:
+            if fd is None:
+                sock.sendall(frame, socket.MSG_NOSIGNAL)
+            else:
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+                sent = sock.sendmsg([frame], rights, socket.MSG_NOSIGNAL)
+                if sent < len(frame):
+                    sock.sendall(frame[sent:], socket.MSG_NOSIGNAL)
+        except OSError as err:
+            log.debug("reply not delivered: %s", err)
+            return False
+        return True

@@ -1,0 +1,116 @@
+"""Which memory can the agent hand out without making it on the request path? A warm pool.
+
+For memfd-backed leases the agent keeps a few freshly made, prefaulted,
+sealed memfds of the lengths tenants recently asked for, refilled in the
+background. Prefaulting a 2 MiB memfd costs about 0.5 ms here, a third of the
+lease latency budget; taking one from the pool costs microseconds.
+
+Nothing in the pool was ever handed to anyone: every fd is fresh memory,
+handed out once, then gone from the pool. Only small lengths are kept warm,
+and the pool's total is capped, so it never holds meaningful RAM.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, deque
+
+from agent.backends import Backend, Materialised
+
+log = logging.getLogger("pool_agent.warm")
+
+MAX_WARM_LENGTH_BYTES = 16 << 20
+DEFAULT_MAX_TOTAL_BYTES = 64 << 20
+PER_LENGTH = 2
+MAX_LENGTHS = 4
+
+
+class WarmPool:
+    def __init__(self, backend: Backend, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES) -> None:
+        self.backend = backend
+        self.max_total_bytes = max_total_bytes
+        self._lock = threading.Lock()
+        self._ready: OrderedDict[int, deque[Materialised]] = OrderedDict()
+        self._want: set[int] = set()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.hits = 0
+        self.misses = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._refill_loop, name="agent-warm", daemon=True)
+        self._thread.start()
+
+    def take(self, length_bytes: int) -> Materialised | None:
+        """A fresh memfd of exactly this length, if one is ready; asks for a refill either way."""
+        if length_bytes > MAX_WARM_LENGTH_BYTES or self.max_total_bytes <= 0:
+            return None
+        with self._lock:
+            queue = self._ready.get(length_bytes)
+            got = queue.popleft() if queue else None
+            if got is not None:
+                self.hits += 1
+            else:
+                self.misses += 1
+            self._want.add(length_bytes)
+        self._wake.set()
+        return got
+
+    def give_back(self, memory: Materialised) -> None:
+        """Return an fd that was taken but never handed to a tenant (the grant failed)."""
+        with self._lock:
+            queue = self._ready.setdefault(memory.length_bytes, deque())
+            if len(queue) < PER_LENGTH:
+                queue.append(memory)
+                return
+        self.backend.release(memory)
+
+    def _total(self) -> int:
+        return sum(m.length_bytes for q in self._ready.values() for m in q)
+
+    def _refill_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(1.0)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            with self._lock:
+                wanted = list(self._want)
+                self._want.clear()
+                for length in wanted:
+                    self._ready.setdefault(length, deque())
+                    self._ready.move_to_end(length)
+                evicted: list[Materialised] = []
+                while len(self._ready) > MAX_LENGTHS:
+                    _, old = self._ready.popitem(last=False)
+                    evicted.extend(old)
+            for memory in evicted:
+                self.backend.release(memory)
+            for length in reversed(list(self._ready)):
+                while not self._stop.is_set():
+                    with self._lock:
+                        queue = self._ready.get(length)
+                        if queue is None or len(queue) >= PER_LENGTH:
+                            break
+                        if self._total() + length > self.max_total_bytes:
+                            break
+                    try:
+                        memory = self.backend.materialise(length, "poold-warm")
+                    except Exception:
+                        log.warning("could not pre-make a %d-byte memfd", length, exc_info=True)
+                        break
+                    with self._lock:
+                        self._ready.setdefault(length, deque()).append(memory)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            ready, self._ready = self._ready, OrderedDict()
+        for queue in ready.values():
+            for memory in queue:
+                self.backend.release(memory)
