@@ -1,0 +1,924 @@
+"""Where does an inference engine keep its KV blocks inside a lease, and which are the only copy?
+
+In a :class:`KVStore`: a block store laid out on any writable mapping of a lease (an
+``mmap`` from :meth:`agent.client.Lease.mmap`, or a ``memoryview`` of one)::
+
+    with PoolClient() as pool, pool.lease(8 << 30) as lease:
+        with KVStore.open(lease, block_bytes=1 << 20) as kv:   # reports to the agent
+            kv.put(prefix_hash, block, replica_of="gpu")       # still in GPU memory too
+            ...
+            kv.mark_exclusive(prefix_hash)                     # GPU copy dropped
+            view = kv.get(prefix_hash)                         # zero-copy memoryview
+
+Layout (little endian)::
+
+    0                     header: magic, version, lease id, epoch, mapping length,
+                          slot geometry, CRC32 (HEADER_BYTES reserved)
+    HEADER_BYTES          one RECORD_BYTES record per slot: state byte, key length,
+                          data length, put sequence number, key (str or bytes)
+    region_offset[c]      slab class c: slot_count[c] slots of slot_bytes[c], aligned
+                          to min(slot_bytes, 2 MiB)
+
+Slab classes: one (``block_bytes``) by default, or a few (``slab_classes``) sharing the
+lease in fixed proportions. A block goes to the smallest class it fits; when that class
+is full the least recently used block *of that class* is evicted, replicas first.
+
+Re-opening (the choice, and why): a store opened on memory whose header carries the
+same lease id, epoch and geometry *recovers* its index from the slot records, because
+the same grant still holds the same bytes (an engine's KV connector restarting inside
+the process that holds the lease). Every recovered block comes back **exclusive**: the
+store cannot know whether the other copies (GPU, DRAM, another host) still exist, and
+claiming a replica that is really the last copy would let pressure drop data that must
+then be recomputed; the engine marks replicas again as it learns of them. LRU order
+after recovery is the order of the last ``put`` (reads are not persisted: that would
+cost a write per read). Anything else at offset 0 (a new epoch on reused memory, another
+lease id, another geometry, a torn or foreign header) is reported in
+:attr:`KVStore.open_reason` and the store starts **empty**: records are cleared and the
+header rewritten, header last, so a crash halfway leaves memory that again opens empty.
+``recover=False`` always starts empty. Crash ordering of a put: the slot's state byte
+is cleared, the data copied, the record's fields written, and the state byte set last.
+A one-byte store cannot tear, so a holder killed at any instant leaves a free slot or a
+complete record, never a record naming half-written data. That ordering, not a checksum,
+is what keeps records sound (a per-record CRC32 cost ~1 us per put, 4% of a 256 KiB
+copy); the header, read once per open, does carry a CRC32.
+
+Accounting is in *slot bytes* (memory a block occupies, which is what dropping it gives
+back): ``used = exclusive + replica`` always, so a snapshot read from another thread
+while the engine runs is always a valid report, and each counter is O(1) to read.
+
+The store is not thread-safe: one engine thread (or the engine's own lock) drives it.
+The :class:`Reporter` thread only reads its counters. Views returned by :meth:`get`,
+:meth:`peek` and :meth:`reserve` are live: valid until that key is overwritten,
+deleted or evicted. numpy is never imported; ``numpy.frombuffer(kv.get(key), dtype)``
+gives a zero-copy array, and :meth:`put` takes any C-contiguous buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Final, Literal, Protocol
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+
+    from agent.client import Lease
+
+log = logging.getLogger(__name__)
+
+Key = bytes | str
+OpenState = Literal["new", "recovered", "reset"]
+
+MAGIC: Final = b"POOLDKV1"
+FORMAT_VERSION: Final = 1
+HEADER_BYTES: Final = 512
+RECORD_BYTES: Final = 256
+MAX_CLASSES: Final = 8
+MAX_LEASE_ID_BYTES: Final = 64
+MIN_SLOT_BYTES: Final = 512
+_HUGE_PAGE_BYTES: Final = 2 << 20
+
+# magic, version, class count, header bytes, lease id, epoch, mapping length,
+# record bytes, max key bytes, reserved, records offset, record count
+_HEAD: Final = struct.Struct("<8sHHI64sQQIIIQQ")
+_CLASS: Final = struct.Struct("<QQQ")  # slot bytes, slot count, region offset
+_CRC: Final = struct.Struct("<I")
+_HEAD_CRC_OFFSET: Final = _HEAD.size + MAX_CLASSES * _CLASS.size
+# record: state (1 byte, written last), then these fields, then the key
+_REC_FIELDS: Final = struct.Struct("<BHIQQ")  # key length, 2 reserved, data length, put seq
+_REC_KEY_OFFSET: Final = 1 + _REC_FIELDS.size
+MAX_KEY_BYTES: Final = RECORD_BYTES - _REC_KEY_OFFSET
+_REC_FREE: Final = 0
+_REC_BYTES_KEY: Final = 1
+_REC_STR_KEY: Final = 2
+
+_PLACES: Final = frozenset({"gpu", "dram"})
+
+assert _HEAD_CRC_OFFSET + _CRC.size <= HEADER_BYTES
+
+
+class BlockTooLarge(ValueError):
+    """The data is larger than every slab class's slot."""
+
+
+class KeyTooLong(ValueError):
+    """The key does not fit in a slot record (:data:`MAX_KEY_BYTES` encoded)."""
+
+
+def _round_up(value: int, align: int) -> int:
+    return -(-value // align) * align
+
+
+def _check_where(where: str) -> None:
+    if where not in _PLACES and not (where.startswith("host:") and len(where) > 5):
+        raise ValueError(f'where must be "gpu", "dram" or "host:<name>", got {where!r}')
+
+
+@dataclass(frozen=True, slots=True)
+class SlabClass:
+    """One class of equal slots: where it sits in the mapping and how many it has."""
+
+    slot_bytes: int
+    slot_count: int
+    region_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """How a mapping of ``length_bytes`` is carved: header, slot records, slab regions."""
+
+    length_bytes: int
+    records_offset: int
+    record_count: int
+    classes: tuple[SlabClass, ...]
+
+    @classmethod
+    def plan(cls, length_bytes: int, slab_classes: Sequence[tuple[int, float]]) -> Geometry:
+        """Carve ``length_bytes`` into ``(slot_bytes, share)`` classes after the metadata."""
+        if not 1 <= len(slab_classes) <= MAX_CLASSES:
+            raise ValueError(f"between 1 and {MAX_CLASSES} slab classes, got {len(slab_classes)}")
+        sizes = [size for size, _ in slab_classes]
+        if sorted(set(sizes)) != sizes:
+            raise ValueError(f"slab class slot sizes must be strictly increasing, got {sizes}")
+        total_share = sum(share for _, share in slab_classes)
+        for size, share in slab_classes:
+            if size < MIN_SLOT_BYTES or size % 8:
+                raise ValueError(f"slot_bytes must be >= {MIN_SLOT_BYTES} and a multiple of 8")
+            if share <= 0:
+                raise ValueError(f"slab class shares must be positive, got {share}")
+        # Records for an upper bound of slots (as if metadata took no room), so that the
+        # real counts, computed once the metadata is placed, always have a record each.
+        upper = sum(int(length_bytes * share / total_share) // size for size, share in slab_classes)
+        records_offset = HEADER_BYTES
+        cursor = records_offset + upper * RECORD_BYTES
+        data_bytes = max(0, length_bytes - cursor)
+        classes = []
+        for size, share in slab_classes:
+            start = _round_up(cursor, max(mmap.PAGESIZE, min(size, _HUGE_PAGE_BYTES)))
+            budget = int(data_bytes * share / total_share)
+            count = max(0, min(budget // size, (length_bytes - start) // size))
+            classes.append(SlabClass(size, count, start))
+            cursor = start + count * size
+        if not any(c.slot_count for c in classes):
+            raise ValueError(
+                f"a mapping of {length_bytes} bytes holds no slot of {sizes} after its "
+                f"{HEADER_BYTES + upper * RECORD_BYTES}-byte header"
+            )
+        return cls(length_bytes, records_offset, upper, tuple(classes))
+
+    def header(self, lease_id: bytes, epoch: int) -> bytes:
+        """The header bytes for this geometry, CRC included."""
+        head = bytearray(_HEAD_CRC_OFFSET)
+        _HEAD.pack_into(
+            head,
+            0,
+            MAGIC,
+            FORMAT_VERSION,
+            len(self.classes),
+            HEADER_BYTES,
+            lease_id,
+            epoch,
+            self.length_bytes,
+            RECORD_BYTES,
+            MAX_KEY_BYTES,
+            0,
+            self.records_offset,
+            self.record_count,
+        )
+        for i, c in enumerate(self.classes):
+            _CLASS.pack_into(
+                head, _HEAD.size + i * _CLASS.size, c.slot_bytes, c.slot_count, c.region_offset
+            )
+        return bytes(head) + _CRC.pack(zlib.crc32(head))
+
+
+def header_mismatch(
+    memory: memoryview, lease_id: bytes, epoch: int, geometry: Geometry
+) -> str | None:
+    """Why the header at offset 0 is not this (lease, epoch, geometry)'s; None when it is."""
+    raw = bytes(memory[: _HEAD_CRC_OFFSET + _CRC.size])
+    if raw[: len(MAGIC)] != MAGIC:
+        return "no kv store header (fresh or foreign memory)"
+    (crc,) = _CRC.unpack_from(raw, _HEAD_CRC_OFFSET)
+    if crc != zlib.crc32(raw[:_HEAD_CRC_OFFSET]):
+        return "header checksum mismatch (torn or corrupted header)"
+    version, _, _, stored_id, stored_epoch = _HEAD.unpack_from(raw)[1:6]
+    if version != FORMAT_VERSION:
+        return f"header format version {version}, this store writes {FORMAT_VERSION}"
+    if stored_id != lease_id.ljust(MAX_LEASE_ID_BYTES, b"\0"):
+        old = stored_id.rstrip(b"\0").decode("utf-8", "replace")
+        return f"header belongs to lease {old!r}"
+    if stored_epoch != epoch:
+        return f"header has epoch {stored_epoch}, lease has epoch {epoch} (memory reused)"
+    if raw[:_HEAD_CRC_OFFSET] != geometry.header(lease_id, epoch)[:_HEAD_CRC_OFFSET]:
+        return "header slot geometry differs from the one requested"
+    return None
+
+
+class _Block:
+    """One stored block: its slot, data length, and where else it lives (None: nowhere)."""
+
+    __slots__ = (
+        "cls",
+        "key",
+        "key_bytes",
+        "length",
+        "offset",
+        "record",
+        "slot_bytes",
+        "state",
+        "tick",
+        "where",
+    )
+
+    def __init__(self, key: Key, key_bytes: bytes, cls: _Class, offset: int, record: int) -> None:
+        self.key = key
+        self.key_bytes = key_bytes
+        self.state = _REC_STR_KEY if isinstance(key, str) else _REC_BYTES_KEY
+        self.cls = cls
+        self.slot_bytes = cls.slot_bytes
+        self.offset = offset
+        self.record = record
+        self.length = 0
+        self.where: str | None = None
+        self.tick = 0
+
+
+class _Class:
+    """Runtime state of one slab class: free slots and two LRU orders (oldest first)."""
+
+    __slots__ = ("exclusive", "free", "replica", "slot_bytes", "spec")
+
+    def __init__(self, spec: SlabClass) -> None:
+        self.spec = spec
+        self.slot_bytes = spec.slot_bytes
+        # (data offset, record offset); popped from the end, so lowest offsets go first.
+        self.free: list[tuple[int, int]] = []
+        self.exclusive: dict[Key, _Block] = {}
+        self.replica: dict[Key, _Block] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class KVStats:
+    """A snapshot of a store's accounting; ``used = exclusive + replica`` (slot bytes)."""
+
+    leased_bytes: int
+    capacity_bytes: int
+    capacity_blocks: int
+    used_bytes: int
+    exclusive_bytes: int
+    replica_bytes: int
+    used_blocks: int
+    exclusive_blocks: int
+    replica_blocks: int
+    hits: int
+    misses: int
+    evictions: int
+
+    @property
+    def exclusive_ratio(self) -> float:
+        """Exclusive bytes over leased bytes: what the lease is worth to the pool."""
+        return self.exclusive_bytes / self.leased_bytes if self.leased_bytes else 0.0
+
+
+class KVStore:
+    """A KV block store on one lease's mapping; see the module docstring."""
+
+    def __init__(
+        self,
+        mapping: mmap.mmap | memoryview | bytearray,
+        lease_id: str,
+        epoch: int,
+        *,
+        block_bytes: int = 1 << 20,
+        slab_classes: Sequence[tuple[int, float]] | None = None,
+        recover: bool = True,
+        on_evict: Callable[[Key, str | None], None] | None = None,
+    ) -> None:
+        view = memoryview(mapping)
+        if view.readonly:
+            raise ValueError("the kv store needs a writable mapping")
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        lease_bytes = lease_id.encode()
+        if not lease_bytes or len(lease_bytes) > MAX_LEASE_ID_BYTES:
+            raise ValueError(f"lease id must be 1..{MAX_LEASE_ID_BYTES} bytes, got {lease_id!r}")
+        if not 0 <= epoch < 1 << 64:
+            raise ValueError(f"epoch must fit in 64 bits, got {epoch}")
+        self.geometry = Geometry.plan(
+            len(view), slab_classes if slab_classes is not None else [(block_bytes, 1.0)]
+        )
+        self.lease_id = lease_id
+        self.epoch = epoch
+        self.on_evict = on_evict
+        self._mapping: mmap.mmap | memoryview | bytearray | None = mapping
+        self._owns_mapping = False
+        self._view = view
+        self._lease_bytes = lease_bytes
+        self._classes = [_Class(c) for c in self.geometry.classes if c.slot_count]
+        self._index: dict[Key, _Block] = {}
+        self._seq = 0
+        self._tick = 0
+        self._exclusive_bytes = 0
+        self._replica_bytes = 0
+        self._exclusive_blocks = 0
+        self._replica_blocks = 0
+        self.version = 0  # bumped by every accounting change; the reporter's "dirty" bit
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.reporter: Reporter | None = None
+
+        mismatch = header_mismatch(view, lease_bytes, epoch, self.geometry)
+        if mismatch is None and recover:
+            self.open_state: OpenState = "recovered"
+            self.open_reason = "header matches lease id, epoch and geometry"
+            self._recover()
+        else:
+            self.open_state = "reset" if bytes(view[: len(MAGIC)]) == MAGIC else "new"
+            self.open_reason = mismatch or "recovery disabled (recover=False)"
+            self._format()
+        if self.open_state == "reset":
+            log.info("kv store on lease %s starts empty: %s", lease_id, self.open_reason)
+
+    @classmethod
+    def open(
+        cls,
+        lease: Lease,
+        *,
+        block_bytes: int = 1 << 20,
+        slab_classes: Sequence[tuple[int, float]] | None = None,
+        recover: bool = True,
+        on_evict: Callable[[Key, str | None], None] | None = None,
+        report: bool = True,
+        report_interval_s: float = 1.0,
+    ) -> KVStore:
+        """A store on a fresh mapping of ``lease``, reporting through the agent unless told not.
+
+        :meth:`close` flushes the last report and unmaps.
+        """
+        mapping = lease.mmap()
+        store = cls(
+            mapping,
+            lease.lease_id,
+            lease.epoch,
+            block_bytes=block_bytes,
+            slab_classes=slab_classes,
+            recover=recover,
+            on_evict=on_evict,
+        )
+        store._owns_mapping = True
+        if report:
+            store.reporter = Reporter(store, lease.report, min_interval_s=report_interval_s)
+            store.reporter.start()
+        return store
+
+    # --- layout ---------------------------------------------------------------
+
+    def _slots(self) -> Iterator[tuple[_Class, int, int]]:
+        record = self.geometry.records_offset
+        for spec in self.geometry.classes:
+            cls = next((c for c in self._classes if c.spec is spec), None)
+            for i in range(spec.slot_count):
+                if cls is not None:
+                    yield cls, spec.region_offset + i * spec.slot_bytes, record
+                record += RECORD_BYTES
+
+    def _format(self) -> None:
+        view = self._view
+        view[: len(MAGIC)] = bytes(len(MAGIC))  # invalid first: a crash below opens empty
+        start = self.geometry.records_offset
+        end = start + self.geometry.record_count * RECORD_BYTES
+        chunk = bytes(min(end - start, 1 << 20))
+        for at in range(start, end, len(chunk)):
+            stop = min(end, at + len(chunk))
+            view[at:stop] = chunk[: stop - at]
+        for cls, offset, record in self._slots():
+            cls.free.append((offset, record))
+        for cls in self._classes:
+            cls.free.reverse()
+        header = self.geometry.header(self._lease_bytes, self.epoch)
+        view[len(MAGIC) : len(header)] = header[len(MAGIC) :]
+        view[: len(MAGIC)] = MAGIC
+
+    def _recover(self) -> None:
+        view = self._view
+        found: list[tuple[int, _Block]] = []
+        for cls, offset, record in self._slots():
+            raw = bytes(view[record : record + RECORD_BYTES])
+            state = raw[0]
+            key_len, _, _, length, seq = _REC_FIELDS.unpack_from(raw, 1)
+            valid = (
+                state in (_REC_BYTES_KEY, _REC_STR_KEY)
+                and key_len <= MAX_KEY_BYTES
+                and length <= cls.slot_bytes
+            )
+            key: Key | None = None
+            if valid:
+                key_bytes = raw[_REC_KEY_OFFSET : _REC_KEY_OFFSET + key_len]
+                try:
+                    key = key_bytes.decode() if state == _REC_STR_KEY else key_bytes
+                except UnicodeDecodeError:
+                    key = None
+            if key is None:
+                cls.free.append((offset, record))
+                continue
+            block = _Block(key, key_bytes, cls, offset, record)
+            block.length = length
+            found.append((seq, block))
+        for cls in self._classes:
+            cls.free.reverse()
+        found.sort(key=lambda item: item[0])
+        for seq, block in found:
+            old = self._index.get(block.key)
+            if old is not None:  # cannot happen through this class; keep the newest
+                self._unlink(old)
+                self._free_slot(old)
+            self._tick += 1
+            block.tick = self._tick
+            self._index[block.key] = block
+            block.cls.exclusive[block.key] = block
+            self._exclusive_bytes += block.slot_bytes
+            self._exclusive_blocks += 1
+            self._seq = max(self._seq, seq)
+        self.version += 1
+
+    # --- hot path -------------------------------------------------------------
+
+    def _class_for(self, nbytes: int) -> _Class:
+        for cls in self._classes:
+            if nbytes <= cls.slot_bytes:
+                return cls
+        largest = self._classes[-1].slot_bytes
+        raise BlockTooLarge(f"a block of {nbytes} bytes exceeds the largest slot ({largest})")
+
+    def _allocate(self, key: Key, nbytes: int, replica_of: str | None) -> _Block:
+        """A slot for ``key`` (its record invalidated), accounted under its new residency."""
+        if replica_of is not None and replica_of not in _PLACES:
+            _check_where(replica_of)
+        first = self._classes[0]
+        cls = first if nbytes <= first.slot_bytes else self._class_for(nbytes)
+        block = self._index.get(key)
+        if block is not None and block.cls is cls:
+            # New data in the same slot: the hot overwrite path, kept free of allocations.
+            self._view[block.record] = _REC_FREE
+            block.length = nbytes
+            if block.where is None and replica_of is None:
+                self._tick += 1
+                block.tick = self._tick
+                lru = cls.exclusive
+                lru[key] = lru.pop(key)
+            else:
+                self._unlink(block)
+                block.where = replica_of
+                self._link(block)
+            return block
+        key_bytes = key.encode() if isinstance(key, str) else bytes(key)
+        if len(key_bytes) > MAX_KEY_BYTES:
+            raise KeyTooLong(f"keys are at most {MAX_KEY_BYTES} bytes, got {len(key_bytes)}")
+        if block is not None:  # moves to another class
+            self._unlink(block)
+            self._free_slot(block)
+        if not cls.free:
+            self._evict(self._victim(cls))
+        offset, record = cls.free.pop()
+        block = _Block(key, key_bytes, cls, offset, record)
+        self._index[key] = block
+        self._view[record] = _REC_FREE
+        at = record + _REC_KEY_OFFSET
+        self._view[at : at + len(key_bytes)] = key_bytes
+        block.length = nbytes
+        block.where = replica_of
+        self._link(block)
+        return block
+
+    def _commit(self, block: _Block) -> None:
+        """Complete ``block``'s slot record (its key is written at allocation), state last."""
+        self._seq += 1
+        record = block.record
+        _REC_FIELDS.pack_into(
+            self._view, record + 1, len(block.key_bytes), 0, 0, block.length, self._seq
+        )
+        self._view[record] = block.state
+
+    def put(self, key: Key, data: Buffer, *, replica_of: str | None = None) -> None:
+        """Store ``data`` under ``key`` (replacing it), evicting LRU (replicas first) if full.
+
+        ``replica_of`` ("gpu", "dram", "host:<name>") says a copy also lives there; by
+        default the new block is the only copy (exclusive).
+        """
+        if type(data) is bytes or type(data) is bytearray:
+            nbytes = len(data)
+        else:
+            data = memoryview(data)
+            if data.format != "B" or data.ndim != 1:
+                data = data.cast("B")
+            nbytes = data.nbytes
+        block = self._allocate(key, nbytes, replica_of)
+        offset = block.offset
+        self._view[offset : offset + nbytes] = data
+        self._commit(block)
+
+    def reserve(self, key: Key, nbytes: int, *, replica_of: str | None = None) -> memoryview:
+        """A writable view of ``nbytes`` in a slot now holding ``key``, for the engine to fill.
+
+        The block counts as stored at once; what it holds is whatever the caller writes.
+        """
+        block = self._allocate(key, nbytes, replica_of)
+        self._commit(block)
+        return self._view[block.offset : block.offset + nbytes]
+
+    def get(self, key: Key) -> memoryview | None:
+        """A zero-copy view of ``key``'s data (most recently used now), or None."""
+        block = self._index.get(key)
+        if block is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._tick += 1
+        block.tick = self._tick
+        lru = block.cls.exclusive if block.where is None else block.cls.replica
+        lru[key] = lru.pop(key)
+        return self._view[block.offset : block.offset + block.length]
+
+    def get_into(self, key: Key, out: Buffer) -> int | None:
+        """Copy ``key``'s data into the start of ``out``; its length, or None if absent."""
+        block = self._index.get(key)
+        if block is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._tick += 1
+        block.tick = self._tick
+        lru = block.cls.exclusive if block.where is None else block.cls.replica
+        lru[key] = lru.pop(key)
+        target = out if type(out) is memoryview else memoryview(out)
+        if target.format != "B" or target.ndim != 1:
+            target = target.cast("B")
+        n = block.length
+        target[:n] = self._view[block.offset : block.offset + n]
+        return n
+
+    def peek(self, key: Key) -> memoryview | None:
+        """Like :meth:`get`, without counting as a use (LRU order and hits unchanged)."""
+        block = self._index.get(key)
+        if block is None:
+            return None
+        return self._view[block.offset : block.offset + block.length]
+
+    def mark_replica(self, key: Key, where: str = "gpu") -> bool:
+        """A copy of ``key`` now also lives at ``where``; False if the store lacks ``key``."""
+        block = self._index.get(key)
+        if block is None:
+            return False
+        if where not in _PLACES:
+            _check_where(where)
+        cls = block.cls
+        self._tick += 1
+        block.tick = self._tick
+        if block.where is None:
+            del cls.exclusive[key]
+            cls.replica[key] = block
+            self._exclusive_bytes -= block.slot_bytes
+            self._exclusive_blocks -= 1
+            self._replica_bytes += block.slot_bytes
+            self._replica_blocks += 1
+            self.version += 1
+        else:
+            cls.replica[key] = cls.replica.pop(key)
+        block.where = where
+        return True
+
+    def mark_exclusive(self, key: Key) -> bool:
+        """The other copy of ``key`` was dropped: this is the only one; False if absent."""
+        block = self._index.get(key)
+        if block is None:
+            return False
+        cls = block.cls
+        self._tick += 1
+        block.tick = self._tick
+        if block.where is not None:
+            del cls.replica[key]
+            cls.exclusive[key] = block
+            self._replica_bytes -= block.slot_bytes
+            self._replica_blocks -= 1
+            self._exclusive_bytes += block.slot_bytes
+            self._exclusive_blocks += 1
+            self.version += 1
+            block.where = None
+        else:
+            cls.exclusive[key] = cls.exclusive.pop(key)
+        return True
+
+    # --- removal and pressure -------------------------------------------------
+
+    def _link(self, block: _Block) -> None:
+        self._tick += 1
+        block.tick = self._tick
+        if block.where is None:
+            block.cls.exclusive[block.key] = block
+            self._exclusive_bytes += block.slot_bytes
+            self._exclusive_blocks += 1
+        else:
+            block.cls.replica[block.key] = block
+            self._replica_bytes += block.slot_bytes
+            self._replica_blocks += 1
+        self.version += 1
+
+    def _unlink(self, block: _Block) -> None:
+        if block.where is None:
+            del block.cls.exclusive[block.key]
+            self._exclusive_bytes -= block.slot_bytes
+            self._exclusive_blocks -= 1
+        else:
+            del block.cls.replica[block.key]
+            self._replica_bytes -= block.slot_bytes
+            self._replica_blocks -= 1
+        self.version += 1
+
+    def _free_slot(self, block: _Block) -> None:
+        self._view[block.record] = _REC_FREE
+        block.cls.free.append((block.offset, block.record))
+
+    def _victim(self, cls: _Class) -> _Block:
+        lru = cls.replica or cls.exclusive
+        return lru[next(iter(lru))]
+
+    def _evict(self, block: _Block) -> None:
+        where = block.where
+        self._unlink(block)
+        self._free_slot(block)
+        del self._index[block.key]
+        self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(block.key, where)
+
+    def delete(self, key: Key) -> bool:
+        """Forget ``key`` (its slot is free again); False if absent. Not an eviction."""
+        block = self._index.pop(key, None)
+        if block is None:
+            return False
+        self._unlink(block)
+        self._free_slot(block)
+        return True
+
+    def _oldest(self, replicas: bool) -> _Block | None:
+        oldest: _Block | None = None
+        for cls in self._classes:
+            lru = cls.replica if replicas else cls.exclusive
+            if lru:
+                head = lru[next(iter(lru))]
+                if oldest is None or head.tick < oldest.tick:
+                    oldest = head
+        return oldest
+
+    def drop_replicas(self, target_bytes: int | None = None) -> int:
+        """Evict replicas, oldest first, until ``target_bytes`` are freed (None: all)."""
+        freed = 0
+        while target_bytes is None or freed < target_bytes:
+            block = self._oldest(replicas=True)
+            if block is None:
+                break
+            freed += block.slot_bytes
+            self._evict(block)
+        return freed
+
+    def shrink(self, target_bytes: int) -> int:
+        """Free ``target_bytes`` of slots: replicas first, then exclusive blocks (LRU); bytes freed.
+
+        What a tenant does under pool pressure (DESIGN.md "Exclusive-copy accounting"):
+        replicas cost nothing to drop, exclusive blocks cost a recompute.
+        """
+        freed = self.drop_replicas(target_bytes)
+        while freed < target_bytes:
+            block = self._oldest(replicas=False)
+            if block is None:
+                break
+            freed += block.slot_bytes
+            self._evict(block)
+        return freed
+
+    # --- introspection --------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def keys(self) -> list[Key]:
+        """Every stored key, in no particular order."""
+        return list(self._index)
+
+    def residency(self, key: Key) -> str | None:
+        """``"exclusive"``, ``"replica:<where>"``, or None when ``key`` is not stored."""
+        block = self._index.get(key)
+        if block is None:
+            return None
+        return "exclusive" if block.where is None else f"replica:{block.where}"
+
+    @property
+    def used_bytes(self) -> int:
+        return self._exclusive_bytes + self._replica_bytes
+
+    @property
+    def exclusive_bytes(self) -> int:
+        return self._exclusive_bytes
+
+    @property
+    def replica_bytes(self) -> int:
+        return self._replica_bytes
+
+    @property
+    def exclusive_blocks(self) -> int:
+        return self._exclusive_blocks
+
+    @property
+    def replica_blocks(self) -> int:
+        return self._replica_blocks
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of all slots (the lease minus header, records and alignment)."""
+        return sum(c.slot_bytes * c.spec.slot_count for c in self._classes)
+
+    def stats(self) -> KVStats:
+        """A snapshot of the accounting (O(classes))."""
+        exclusive_bytes, replica_bytes = self._exclusive_bytes, self._replica_bytes
+        exclusive_blocks, replica_blocks = self._exclusive_blocks, self._replica_blocks
+        return KVStats(
+            leased_bytes=len(self._view),
+            capacity_bytes=self.capacity_bytes,
+            capacity_blocks=sum(c.spec.slot_count for c in self._classes),
+            used_bytes=exclusive_bytes + replica_bytes,
+            exclusive_bytes=exclusive_bytes,
+            replica_bytes=replica_bytes,
+            used_blocks=exclusive_blocks + replica_blocks,
+            exclusive_blocks=exclusive_blocks,
+            replica_blocks=replica_blocks,
+            hits=self.hits,
+            misses=self.misses,
+            evictions=self.evictions,
+        )
+
+    # --- lifecycle ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop and flush the reporter; unmap when :meth:`open` mapped. Safe to call twice."""
+        if self.reporter is not None:
+            self.reporter.stop()
+            self.reporter = None
+        mapping, self._mapping = self._mapping, None
+        if mapping is None:
+            return
+        self._view.release()
+        if self._owns_mapping and isinstance(mapping, mmap.mmap):
+            try:
+                mapping.close()
+            except BufferError:
+                log.warning("kv store on lease %s: views still alive, left mapped", self.lease_id)
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<KVStore lease {self.lease_id} epoch {self.epoch} {len(self._index)} blocks "
+            f"{self._exclusive_bytes} exclusive / {self._replica_bytes} replica bytes>"
+        )
+
+
+class ReportFn(Protocol):
+    """The shape of :meth:`agent.client.Lease.report`."""
+
+    def __call__(
+        self,
+        *,
+        used_bytes: int,
+        exclusive_bytes: int,
+        replica_bytes: int,
+        exclusive_blocks: int = 0,
+        replica_blocks: int = 0,
+    ) -> bool: ...
+
+
+class Reporter:
+    """Sends a store's accounting through ``report`` (e.g. ``lease.report``), batched.
+
+    At most once per ``min_interval_s`` (on ``clock``), and only when the accounting
+    changed since the last report sent. Never raises: a failed send (agent restarting,
+    socket gone) is logged once per outage and retried at the next interval; a report
+    the agent refuses (lease no longer ours) is logged and not repeated for that state.
+    :meth:`poll` does one check; :meth:`start` runs it on a daemon thread;
+    :meth:`flush` sends now, interval or not.
+    """
+
+    def __init__(
+        self,
+        store: KVStore,
+        report: ReportFn,
+        *,
+        min_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.report = report
+        self.min_interval_s = min_interval_s
+        self.clock = clock
+        self.sent = 0
+        self.failures = 0
+        self._sent_version = -1
+        self._last_attempt_at: float | None = None
+        self._failing = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def poll(self) -> bool:
+        """Send if the accounting changed and the interval passed; True when a report went out."""
+        with self._lock:
+            if self.store.version == self._sent_version:
+                return False
+            now = self.clock()
+            last = self._last_attempt_at
+            if last is not None and now - last < self.min_interval_s:
+                return False
+            return self._send(now)
+
+    def flush(self) -> bool:
+        """Send now if the accounting changed, ignoring the interval; True when one went out."""
+        with self._lock:
+            if self.store.version == self._sent_version:
+                return False
+            return self._send(self.clock())
+
+    def _send(self, now: float) -> bool:
+        store = self.store
+        # Read the version first: a change racing with the reads below bumps it again,
+        # so the next poll sends the newer state. Every snapshot is valid on its own
+        # (used is exclusive + replica by construction).
+        version = store.version
+        exclusive_bytes, replica_bytes = store.exclusive_bytes, store.replica_bytes
+        self._last_attempt_at = now
+        try:
+            accepted = self.report(
+                used_bytes=exclusive_bytes + replica_bytes,
+                exclusive_bytes=exclusive_bytes,
+                replica_bytes=replica_bytes,
+                exclusive_blocks=store.exclusive_blocks,
+                replica_blocks=store.replica_blocks,
+            )
+        except Exception as err:
+            self.failures += 1
+            if not self._failing:
+                log.warning("kv report for lease %s failed, will retry: %s", store.lease_id, err)
+            else:
+                log.debug("kv report for lease %s failed again: %s", store.lease_id, err)
+            self._failing = True
+            return False
+        if self._failing:
+            log.info("kv report for lease %s sent again", store.lease_id)
+            self._failing = False
+        if not accepted:
+            log.warning("the agent did not accept the kv report for lease %s", store.lease_id)
+        self._sent_version = version
+        self.sent += 1
+        return True
+
+    def start(self) -> None:
+        """Poll on a daemon thread every ``min_interval_s`` until :meth:`stop`."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._run, name=f"kv-report-{self.store.lease_id}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.min_interval_s):
+            self.poll()
+
+    def stop(self, flush: bool = True) -> None:
+        """Stop the thread (if started) and send the last change unless ``flush=False``."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        if flush:
+            self.flush()
