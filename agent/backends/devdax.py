@@ -1,0 +1,387 @@
+"""How does a lease on a device-DAX region become memory that only its tenant can map?
+
+One dax sub-device per lease, carved from the lease's dax region the way
+``daxctl create-device`` does it (kernel ABI: Documentation/ABI/testing/sysfs-bus-dax,
+drivers/dax/bus.c):
+
+1. take the region's ``seed`` device (a size-0 device the kernel keeps ready); when there
+   is none, write ``1`` to the region's ``create`` and read ``seed`` again;
+2. write ``0`` to its ``size``, then the exact physical range to its ``mapping``
+   (``"<start>-<end>"``, hex, end inclusive), so that the ledger's offset *is* the device's
+   real range: region base + offset;
+3. bind it to ``device_dax``: ``new_id`` on the driver (which also attaches it), and
+   ``bind`` when the kernel did not attach it on its own;
+4. open ``/dev/daxX.Y`` (the agent opens it; the fd goes to the tenant by SCM_RIGHTS).
+
+Every write goes through a :class:`~agent.backends.sysfs_write.SysfsTransaction`: if a
+step fails, the writes before it are undone (unbind, ``remove_id``, ``size`` 0, region
+``delete``), so a failed lease leaves no sub-device behind.
+
+Release and revoke unbind the sub-device, which makes the kernel unmap it from every
+process (``kill_dev_dax`` + ``unmap_mapping_range``: a later access is SIGBUS), then
+shrink it to 0 and ``delete`` it. :meth:`DevdaxBackend.scrub` zeroes a released range
+through a fresh sub-device before the ledger reports it free.
+
+Static regions (a pmem namespace in devdax mode, hmem) cannot be carved: they have no
+``seed``/``create``/``delete``. Such a region is leased whole, to one lease at a time,
+through its one device; revoking it unbinds and rebinds that device.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.backends import Materialised
+from agent.backends.sysfs_write import ApplyHook, SysfsTransaction, read_attr, write_attr
+from poold.api.schemas import DeviceKind
+from poold.errors import BackendFailed, InvalidSize
+
+log = logging.getLogger(__name__)
+
+DRIVER = "device_dax"
+_BUS = Path("bus/dax")
+_SCRUB_CHUNK_BYTES = 2 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class DaxRegionInfo:
+    """What the backend needs to know about one dax region (read fresh for every lease)."""
+
+    id: int
+    path: Path  # the region device directory, relative to the sysfs root
+    base_bytes: int  # host-physical address of the region's first byte
+    size_bytes: int
+    align_bytes: int
+    static: bool  # no seed/create/delete: cannot be carved, only leased whole
+
+
+@dataclass(frozen=True, slots=True)
+class DevdaxMaterialised(Materialised):
+    """A devdax lease: which sub-device of which region, at which offset."""
+
+    device: str = ""  # "dax0.2"
+    region_id: int = -1
+    offset_bytes: int = 0
+
+
+def _parse_int(value: str | None, what: str) -> int:
+    if value is None or value == "":
+        raise BackendFailed(f"{what} is missing from sysfs")
+    try:
+        return int(value, 0)
+    except ValueError as err:
+        raise BackendFailed(f"{what} is not a number: {value!r}") from err
+
+
+class DevdaxBackend:
+    """The :class:`agent.backends.Backend` for dax sub-devices.
+
+    ``sysfs_root``/``dev_root`` are injected (tests use a recorded machine); ``apply`` is
+    the tests' stand-in for the kernel's reaction to writes. ``require_char_device``
+    is off only in tests, whose ``/dev`` holds plain files.
+    """
+
+    def __init__(
+        self,
+        sysfs_root: Path = Path("/sys"),
+        dev_root: Path = Path("/dev"),
+        *,
+        apply: ApplyHook | None = None,
+        require_char_device: bool = True,
+    ) -> None:
+        self.sysfs_root = Path(sysfs_root)
+        self.dev_root = Path(dev_root)
+        self.apply = apply
+        self.require_char_device = require_char_device
+        self._lock = threading.Lock()  # one carve at a time: the seed is shared state
+        self._whole: set[int] = set()  # static regions currently leased
+
+    @property
+    def name(self) -> DeviceKind:
+        return "devdax"
+
+    # -- discovery of what we write to -------------------------------------------------
+
+    def _read(self, rel: str | Path) -> str | None:
+        return read_attr(self.sysfs_root, rel)
+
+    def region(self, region_id: int) -> DaxRegionInfo:
+        """The dax region ``region_id``, found through its device ``dax<id>.0``."""
+        link = self.sysfs_root / _BUS / "devices" / f"dax{region_id}.0"
+        if not os.path.lexists(link):
+            raise BackendFailed(f"dax region {region_id} not found (no {link})")
+        real = Path(os.path.realpath(link)).parent
+        rel = real.relative_to(os.path.realpath(self.sysfs_root))
+        attrs = rel / "dax_region"
+        static = self._read(attrs / "create") is None
+        # A CXL dax region spans its CXL region (drivers/dax/cxl.c: hpa_range); an nd
+        # (pmem) one carries its own resource.
+        base_attr = rel.parent / "resource" if rel.parent.name.startswith("region") else None
+        base = self._read(base_attr) if base_attr is not None else None
+        if base is None:
+            base = self._read(rel / "resource")
+        return DaxRegionInfo(
+            id=region_id,
+            path=rel,
+            base_bytes=_parse_int(base, f"base address of dax region {region_id}")
+            if not static
+            else int(base or "0", 0),
+            size_bytes=_parse_int(self._read(attrs / "size"), f"size of dax region {region_id}"),
+            align_bytes=int(self._read(attrs / "align") or str(2 << 20), 0),
+            static=static,
+        )
+
+    def _device_rel(self, region: DaxRegionInfo, device: str) -> Path:
+        return region.path / device
+
+    def _bound_driver(self, region: DaxRegionInfo, device: str) -> str | None:
+        link = self.sysfs_root / region.path / device / "driver"
+        return os.path.basename(os.readlink(link)) if os.path.islink(link) else None
+
+    def sub_devices(self, region_id: int) -> dict[str, int]:
+        """Every device of the region with its size in bytes (size-0 seeds included)."""
+        region = self.region(region_id)
+        out: dict[str, int] = {}
+        prefix = f"dax{region_id}."
+        for entry in sorted(os.listdir(self.sysfs_root / region.path)):
+            if entry.startswith(prefix):
+                out[entry] = int(self._read(region.path / entry / "size") or "0", 0)
+        return out
+
+    # -- materialise -------------------------------------------------------------------
+
+    def materialise(self, length_bytes: int, name: str) -> Materialised:
+        """A devdax lease needs its region and offset: the agent calls :meth:`materialise_at`."""
+        raise BackendFailed(
+            "the devdax backend needs the lease's dax region and offset (materialise_at)",
+            length_bytes=length_bytes,
+        )
+
+    def materialise_at(
+        self, region_id: int, offset_bytes: int, length_bytes: int, name: str
+    ) -> DevdaxMaterialised:
+        """A sub-device of exactly ``[offset, offset+length)`` of the region, bound and opened."""
+        region = self.region(region_id)
+        align = region.align_bytes
+        if length_bytes <= 0 or length_bytes % align or offset_bytes < 0 or offset_bytes % align:
+            raise InvalidSize(
+                f"devdax lease offset {offset_bytes} and length {length_bytes} must be "
+                f"multiples of the region alignment {align}",
+                offset_bytes=offset_bytes,
+                length_bytes=length_bytes,
+                alignment_bytes=align,
+            )
+        if offset_bytes + length_bytes > region.size_bytes:
+            raise InvalidSize(
+                f"[{offset_bytes}, {offset_bytes + length_bytes}) is outside dax region "
+                f"{region_id} of {region.size_bytes} bytes",
+                offset_bytes=offset_bytes,
+                length_bytes=length_bytes,
+            )
+        with self._lock:
+            if region.static:
+                return self._lease_whole(region, offset_bytes, length_bytes, name)
+            return self._carve(region, offset_bytes, length_bytes, name)
+
+    def _seed(self, region: DaxRegionInfo, txn: SysfsTransaction) -> str:
+        attrs = region.path / "dax_region"
+        seed = self._read(attrs / "seed")
+        if not seed:
+            # No seed: the last one was bound or deleted. create_store makes a size-0
+            # device and makes it the seed when there is none (drivers/dax/bus.c).
+            txn.write(attrs / "create", "1")
+            seed = self._read(attrs / "seed")
+            if not seed:
+                raise BackendFailed(f"dax region {region.id} has no seed device after create")
+            txn.on_rollback(attrs / "delete", seed)
+        size = self._read(region.path / seed / "size")
+        if self._bound_driver(region, seed) is not None or (size not in (None, "0")):
+            raise BackendFailed(
+                f"seed device {seed} of dax region {region.id} is in use (size {size})"
+            )
+        return seed
+
+    def _carve(
+        self, region: DaxRegionInfo, offset_bytes: int, length_bytes: int, name: str
+    ) -> DevdaxMaterialised:
+        start = region.base_bytes + offset_bytes
+        end = start + length_bytes - 1
+        drivers = _BUS / "drivers" / DRIVER
+        txn = SysfsTransaction(self.sysfs_root, self.apply)
+        with txn:
+            device = self._seed(region, txn)
+            dev_rel = self._device_rel(region, device)
+            log.info(
+                "devdax lease %s: %s = dax region %d [%#x, %#x] (offset %d)",
+                name, device, region.id, start, end, offset_bytes,
+            )  # fmt: skip
+            txn.write(dev_rel / "size", "0")
+            txn.write(dev_rel / "mapping", f"{start:#x}-{end:#x}", undo=[(dev_rel / "size", "0")])
+            got = self._read(dev_rel / "size")
+            if got is None or int(got, 0) != length_bytes:
+                raise BackendFailed(
+                    f"{device} has {got} bytes after mapping [{start:#x}, {end:#x}], "
+                    f"wanted {length_bytes}",
+                    device=device,
+                )
+            txn.write(drivers / "new_id", device, undo=[(drivers / "remove_id", device)])
+            if self._bound_driver(region, device) == DRIVER:
+                txn.on_rollback(drivers / "unbind", device)  # new_id attached it
+            else:
+                txn.write(drivers / "bind", device, undo=[(drivers / "unbind", device)])
+            fd = self._open(region, device)
+            txn.commit()
+        return DevdaxMaterialised(
+            fd=fd,
+            backend="devdax",
+            length_bytes=length_bytes,
+            page_size_bytes=region.align_bytes,
+            numa_node=self._target_node(region, device),
+            device=device,
+            region_id=region.id,
+            offset_bytes=offset_bytes,
+        )
+
+    def _lease_whole(
+        self, region: DaxRegionInfo, offset_bytes: int, length_bytes: int, name: str
+    ) -> DevdaxMaterialised:
+        if offset_bytes != 0 or length_bytes != region.size_bytes:
+            raise InvalidSize(
+                f"dax region {region.id} is static (cannot be partitioned): it is leased "
+                f"whole, offset 0 and {region.size_bytes} bytes",
+                offset_bytes=offset_bytes,
+                length_bytes=length_bytes,
+            )
+        if region.id in self._whole:
+            raise BackendFailed(f"static dax region {region.id} is already leased")
+        device = f"dax{region.id}.0"
+        drivers = _BUS / "drivers" / DRIVER
+        txn = SysfsTransaction(self.sysfs_root, self.apply)
+        with txn:
+            driver = self._bound_driver(region, device)
+            if driver not in (None, DRIVER):
+                raise BackendFailed(f"{device} is bound to {driver}, not {DRIVER}")
+            if driver is None:
+                txn.write(drivers / "bind", device, undo=[(drivers / "unbind", device)])
+            log.info("devdax lease %s: whole static region %d (%s)", name, region.id, device)
+            fd = self._open(region, device)
+            txn.commit()
+        self._whole.add(region.id)
+        return DevdaxMaterialised(
+            fd=fd,
+            backend="devdax",
+            length_bytes=length_bytes,
+            page_size_bytes=region.align_bytes,
+            numa_node=self._target_node(region, device),
+            device=device,
+            region_id=region.id,
+            offset_bytes=0,
+        )
+
+    def _target_node(self, region: DaxRegionInfo, device: str) -> int | None:
+        raw = self._read(region.path / device / "target_node")
+        node = int(raw) if raw not in (None, "") else -1
+        return node if node >= 0 else None
+
+    def _open(self, region: DaxRegionInfo, device: str) -> int:
+        """Open ``/dev/<device>`` and check it is the char device sysfs says it is."""
+        path = self.dev_root / device
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as err:
+            raise BackendFailed(f"cannot open {path}: {err.strerror}", errno=err.errno) from err
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISCHR(st.st_mode):
+                want = self._read(region.path / device / "dev")  # "major:minor"
+                got = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+                if want is not None and want != got:
+                    raise BackendFailed(f"{path} is {got}, but sysfs says {device} is {want}")
+            elif self.require_char_device:
+                raise BackendFailed(f"{path} is not a character device")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    # -- release / revoke --------------------------------------------------------------
+
+    def release(self, materialised: Materialised) -> None:
+        """Destroy the lease's sub-device (every mapping of it faults from now on), close the fd."""
+        if not isinstance(materialised, DevdaxMaterialised):
+            raise BackendFailed("not a devdax lease")
+        try:
+            self.revoke(materialised.region_id, materialised.device)
+        finally:
+            os.close(materialised.fd)
+
+    def revoke(self, region_id: int, device: str) -> None:
+        """Unbind and delete ``device`` (static regions: unbind and rebind), whoever maps it.
+
+        Usable by an agent that restarted and knows the device only from its journal.
+        Raises ``backend_failed`` when a step fails; the sub-device is then left for the
+        audit to find, never reused.
+        """
+        region = self.region(region_id)
+        drivers = _BUS / "drivers" / DRIVER
+        with self._lock:
+            if self._bound_driver(region, device) is not None:
+                # Unbinding runs kill_dev_dax(): unmap_mapping_range() on the device's
+                # inode, so every process's mapping is gone and a later touch is SIGBUS.
+                write_attr(self.sysfs_root, drivers / "unbind", device, self.apply)
+            if region.static:
+                write_attr(self.sysfs_root, drivers / "bind", device, self.apply)
+                self._whole.discard(region.id)
+                return
+            try:
+                write_attr(self.sysfs_root, drivers / "remove_id", device, self.apply)
+            except BackendFailed as err:  # the id may be gone already; the delete matters
+                log.warning("remove_id %s: %s", device, err)
+            write_attr(self.sysfs_root, region.path / device / "size", "0", self.apply)
+            write_attr(self.sysfs_root, region.path / "dax_region" / "delete", device, self.apply)
+
+    # -- scrub -------------------------------------------------------------------------
+
+    def scrub(self, region_id: int, offset_bytes: int, length_bytes: int) -> bool:
+        """Zero ``[offset, offset+length)`` through a fresh sub-device; True when it read back zero.
+
+        The ledger keeps the range in ``scrubbing`` until this returns True, and
+        quarantines it when it returns False.
+        """
+        try:
+            m = self.materialise_at(region_id, offset_bytes, length_bytes, "poold-scrub")
+        except BackendFailed:
+            log.exception("scrub of dax region %d [%d, +%d)", region_id, offset_bytes, length_bytes)
+            return False
+        ok = False
+        try:
+            ok = _zero_and_verify(m.fd, length_bytes)
+        except OSError:
+            log.exception("scrub of %s", m.device)
+        finally:
+            try:
+                self.release(m)
+            except BackendFailed:
+                log.exception("removing scrub device %s", m.device)
+                ok = False
+        return ok
+
+
+def _zero_and_verify(fd: int, length_bytes: int) -> bool:
+    """Write zeros over the mapping, chunk by chunk, and read them back."""
+    zeros = bytes(min(_SCRUB_CHUNK_BYTES, length_bytes))
+    with mmap.mmap(fd, length_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as view:
+        for at in range(0, length_bytes, len(zeros)):
+            n = min(len(zeros), length_bytes - at)
+            view[at : at + n] = zeros[:n]
+        # No msync: device-dax has no fsync (EINVAL); stores to the mapping are the memory.
+        return all(
+            view[at : at + len(zeros)] == zeros[: min(len(zeros), length_bytes - at)]
+            for at in range(0, length_bytes, len(zeros))
+        )

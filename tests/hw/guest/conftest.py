@@ -1,0 +1,107 @@
+"""In-guest setup: two CXL RAM regions made through the kernel's sysfs ABI.
+
+* serial 1 -> a region left in device-DAX use, its dax0.0 shrunk to 0 so the whole
+  region is free for leases (kmem is not loaded yet, so nothing onlines it);
+* serial 2 -> a region onlined by kmem as a new CPU-less NUMA node.
+
+cxl-cli 76.1 cannot create RAM regions (it says so and exits 0), hence the sysfs writes;
+the recipe is shared/cxl-qemu/guest/cxl_sysfs_region.py.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+CXL = "/sys/bus/cxl/devices"
+DAX = "/sys/bus/dax/devices"
+
+
+def rd(path: str) -> str:
+    return Path(path).read_text().strip()
+
+
+def wr(path: str, value: object) -> None:
+    with open(path, "w") as attr:
+        attr.write(str(value))
+
+
+def memdev_by_serial(serial: int) -> str:
+    for path in glob.glob(f"{CXL}/mem*"):
+        if int(rd(f"{path}/serial"), 0) == serial:
+            return os.path.basename(path)
+    raise LookupError(f"no CXL memdev with serial {serial}")
+
+
+def create_ram_region(memdev: str) -> str:
+    """A 1-way RAM region over the whole RAM partition of ``memdev``; returns its name."""
+    root = next(
+        d for d in sorted(glob.glob(f"{CXL}/root0/decoder0.*")) if rd(f"{d}/cap_ram") == "1"
+    )
+    size = int(rd(f"{CXL}/{memdev}/ram/size"), 0)
+    size -= size % (256 << 20)
+    create = f"{root}/create_ram_region"
+    name = rd(create)
+    wr(create, name)
+    region = f"{CXL}/{name}"
+    wr(f"{region}/interleave_granularity", 4096)
+    wr(f"{region}/interleave_ways", 1)
+    wr(f"{region}/size", size)
+    endpoint = next(
+        e for e in glob.glob(f"{CXL}/endpoint*")
+        if os.path.basename(os.path.realpath(f"{e}/uport")) == memdev
+    )  # fmt: skip
+    decoders = sorted(glob.glob(f"{endpoint}/decoder*.*"), key=lambda d: int(d.rsplit(".", 1)[1]))
+    decoder = next(d for d in decoders if int(rd(f"{d}/dpa_size"), 0) == 0)
+    wr(f"{decoder}/mode", "ram")
+    wr(f"{decoder}/dpa_size", size)
+    wr(f"{region}/target0", os.path.basename(decoder))
+    wr(f"{region}/commit", 1)
+    wr("/sys/bus/cxl/drivers/cxl_region/bind", name)
+    return name
+
+
+def wait_for(path: str, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.1)
+
+
+@dataclass(frozen=True)
+class GuestMachine:
+    dax_region: int  # free for devdax leases
+    dax_region_bytes: int
+    numa_node: int  # CPU-less node onlined from the second device
+
+
+@pytest.fixture(scope="session")
+def machine() -> GuestMachine:
+    devdax_region = create_ram_region(memdev_by_serial(1))
+    region_id = int(devdax_region.removeprefix("region"))
+    wait_for(f"{DAX}/dax{region_id}.0")
+    first = f"{DAX}/dax{region_id}.0"
+    assert not os.path.exists(f"{first}/driver"), "dax device bound before kmem was loaded?"
+    wr(f"{first}/size", 0)  # the whole region becomes available for sub-devices
+    subprocess.run(["modprobe", "kmem"], check=True)
+    numa_region = create_ram_region(memdev_by_serial(2))
+    numa_id = int(numa_region.removeprefix("region"))
+    wait_for(f"{DAX}/dax{numa_id}.0/driver")
+    node = int(rd(f"{DAX}/dax{numa_id}.0/target_node"))
+    wait_for(f"/sys/devices/system/node/node{node}")
+    attrs = glob.glob(f"/sys/bus/cxl/devices/{devdax_region}/dax_region{region_id}/dax_region")
+    size = int(rd(f"{attrs[0]}/size"), 0) if attrs else 0
+    return GuestMachine(dax_region=region_id, dax_region_bytes=size, numa_node=node)
+
+
+@pytest.fixture
+def lease_name() -> str:
+    return f"poold-hw-{uuid.uuid4().hex[:8]}"

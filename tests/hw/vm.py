@@ -1,0 +1,158 @@
+"""Build and boot the QEMU guest that runs tests/hw/guest (host side of the harness).
+
+* ``scripts/hw/build-guest.sh`` makes ``vmlinuz`` + ``initramfs.cpio`` from Debian packages
+  into the cache (``$POOLD_HW_CACHE`` or ``~/.cache/poold-hw``), installing QEMU from
+  bookworm-backports when it is missing;
+* the pure-Python test dependencies (and pydantic-core, a cp311 manylinux wheel) go into
+  ``pylib.tar`` in the cache, at the versions this venv runs;
+* the guest gets the repository read-only (``/mnt/repo``), the pylib (``/mnt/pylib``) and
+  a writable ``/mnt/out`` over virtio-9p, and two volatile 256 MiB CXL Type-3 devices on
+  one host bridge. It runs tests/hw/guest/run.sh and powers off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = REPO / "scripts" / "hw" / "build-guest.sh"
+# What the in-guest tests import, beyond the stdlib: pinned to the host venv's versions.
+GUEST_PACKAGES = ("pytest", "pydantic", "click", "rich")
+
+
+class Unavailable(Exception):
+    """This machine cannot run the guest (no QEMU and no way to install it)."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("POOLD_HW_CACHE") or Path.home() / ".cache" / "poold-hw")
+
+
+def build_image(cache: Path, log: Path) -> float:
+    """vmlinuz + initramfs.cpio in ``cache`` (reused when up to date); seconds spent."""
+    if sys.platform != "linux" or os.uname().machine != "x86_64":
+        raise Unavailable(
+            f"the hw guest needs Linux on x86_64, this is {sys.platform}/{os.uname().machine}"
+        )
+    if shutil.which("qemu-system-x86_64") is None and (
+        os.geteuid() != 0 or not shutil.which("apt-get")
+    ):
+        raise Unavailable("qemu-system-x86_64 is missing and apt-get cannot install it (not root)")
+    start = time.monotonic()
+    with log.open("w") as out:
+        proc = subprocess.run(
+            ["bash", str(BUILD_SCRIPT), str(cache)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
+    if proc.returncode == 3:
+        raise Unavailable(log.read_text()[-2000:])
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"building the guest failed (rc {proc.returncode}):\n{log.read_text()[-4000:]}"
+        )
+    return time.monotonic() - start
+
+
+def build_pylib(cache: Path) -> Path:
+    """``cache/pylib-<key>/pylib.tar``: the guest's site-packages, built once per version set."""
+    pins = sorted(f"{name}=={importlib.metadata.version(name)}" for name in GUEST_PACKAGES)
+    key = hashlib.sha256(" ".join(pins).encode()).hexdigest()[:12]
+    target = cache / f"pylib-{key}"
+    tar = target / "pylib.tar"
+    if tar.exists():
+        return target
+    staging = target / "site"
+    shutil.rmtree(target, ignore_errors=True)
+    staging.mkdir(parents=True)
+    subprocess.run(
+        [
+            sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+            "--target", str(staging),
+            # The guest runs Debian's CPython 3.11 (glibc 2.36): compiled wheels must be
+            # cp311 manylinux x86_64, whatever this host's interpreter is.
+            "--platform", "manylinux2014_x86_64", "--python-version", "3.11",
+            "--implementation", "cp", "--abi", "cp311", "--only-binary=:all:",
+            *pins,
+        ],
+        check=True,
+    )  # fmt: skip
+    with tarfile.open(tar.with_suffix(".tmp"), "w") as out:
+        out.add(staging, arcname=".")
+    tar.with_suffix(".tmp").rename(tar)
+    shutil.rmtree(staging)
+    return target
+
+
+@dataclass(frozen=True)
+class GuestRun:
+    rc: int  # the guest script's exit status (99: it never wrote one)
+    console: str
+    wall_s: float
+    out: Path
+
+
+def boot(cache: Path, pylib: Path, out: Path, run: str, timeout_s: float) -> GuestRun:
+    """Boot the guest, run ``run`` (a path inside the guest), wait for poweroff."""
+    out.mkdir(parents=True, exist_ok=True)
+    args = [
+        "qemu-system-x86_64",
+        "-M", "q35,cxl=on", "-m", "2G,maxmem=8G,slots=8", "-smp", "2",
+        "-nographic", "-no-reboot",
+        # TCG only (KVM does not work on these hosts). -hypervisor is mandatory: with the
+        # hypervisor CPUID bit the kernel refuses to commit CXL regions
+        # ("Failed to synchronize CPU cache state", drivers/cxl/core/region.c).
+        "-accel", "tcg,thread=multi", "-cpu", "max,-hypervisor",
+        "-kernel", str(cache / "vmlinuz"), "-initrd", str(cache / "initramfs.cpio"),
+        "-append", f"console=ttyS0 loglevel=4 panic=-1 poold.run={run}",
+        # two volatile Type-3 devices (serials 1 and 2) behind one host bridge
+        "-object", "memory-backend-ram,id=vmem0,share=on,size=256M",
+        "-object", "memory-backend-ram,id=vmem1,share=on,size=256M",
+        "-device", "pxb-cxl,bus_nr=12,bus=pcie.0,id=cxl.1",
+        "-device", "cxl-rp,port=0,bus=cxl.1,id=rp0,chassis=0,slot=2",
+        "-device", "cxl-rp,port=1,bus=cxl.1,id=rp1,chassis=0,slot=3",
+        "-device", "cxl-type3,bus=rp0,volatile-memdev=vmem0,id=cxl-vmem0,sn=0x1",
+        "-device", "cxl-type3,bus=rp1,volatile-memdev=vmem1,id=cxl-vmem1,sn=0x2",
+        "-M", "cxl-fmw.0.targets.0=cxl.1,cxl-fmw.0.size=4G",
+    ]  # fmt: skip
+    # 9p must sit on pcie.0 explicitly: -virtfs would land on the pxb-cxl bus and fail.
+    for tag, path, readonly in (("repo", REPO, True), ("pylib", pylib, True), ("out", out, False)):
+        fsdev = f"local,id=fs{tag},path={path},security_model=none" + (
+            ",readonly=on" if readonly else ""
+        )
+        args += [
+            "-fsdev",
+            fsdev,
+            "-device",
+            f"virtio-9p-pci,fsdev=fs{tag},mount_tag={tag},bus=pcie.0",
+        ]
+    (out / "guest-rc").unlink(missing_ok=True)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            args,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout_s,
+            check=False,
+        )
+        console = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        console = f"{exc.stdout!r}\nTIMEOUT after {timeout_s}s"
+    wall = time.monotonic() - start
+    rc_file = out / "guest-rc"
+    rc = int(rc_file.read_text()) if rc_file.exists() else 99
+    (out / "console.log").write_text(console)
+    return GuestRun(rc=rc, console=console, wall_s=wall, out=out)
