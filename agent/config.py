@@ -42,6 +42,11 @@ class AgentConfig(BaseModel):
     warm_pool_bytes: int = Field(default=64 << 20, ge=0)
     # Annotations by memdev serial or device uid (media, recycled, provenance, cost).
     annotations: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # Hotplug: rescan after udev events on cxl/dax/memory/node settle for this long ...
+    rescan_debounce_s: float = Field(default=0.5, ge=0)
+    # ... and, without udev (containers) or when told not to use it, every this often.
+    rescan_interval_s: float = Field(default=30.0, gt=0)
+    udev: bool = True
 
     def resolved_credential(self) -> str:
         if self.credential:

@@ -12,6 +12,14 @@ config, keyed by memdev serial (survives renumbering) or by pool-device uid::
 
     [device."cxl:ram:serials=3,4:ways=2:gran=4096:size=536870912"]
     media = "ddr4"
+
+The agent config's ``[annotations]`` table also takes the short form, one table per memdev
+serial or device uid (:func:`from_agent_config`)::
+
+    [annotations.3]
+    media = "ddr4"
+    [annotations."rack1-h7/numa:node2"]   # a wire uid: the host prefix is dropped
+    recycled = true
 """
 
 from __future__ import annotations
@@ -76,9 +84,7 @@ def load_annotations(path: Path) -> Annotations:
     return parse_annotations(data.get("annotations", data))
 
 
-def merge_for_device(
-    annotations: Annotations, uid: str, serials: list[int]
-) -> Annotation:
+def merge_for_device(annotations: Annotations, uid: str, serials: list[int]) -> Annotation:
     """The annotation that applies to a device built from ``serials`` (pure).
 
     A device-level entry wins field by field. Otherwise the memdevs speak: one media class
@@ -107,3 +113,34 @@ def merge_for_device(
             if value is not None:
                 setattr(merged, field, value)
     return merged
+
+
+def _is_serial(key: str) -> bool:
+    try:
+        int(key, 0)
+    except ValueError:
+        return False
+    return True
+
+
+def from_agent_config(table: Mapping[str, Any], host: str | None = None) -> Annotations:
+    """The agent config's ``[annotations]`` table as :class:`Annotations`.
+
+    Keys ``memdev`` and ``device`` hold the long form (as in an annotations file). Any
+    other key is one memdev serial ("3", "0x3") or one device uid; a uid the way poold
+    shows it, prefixed with ``<host>/``, is accepted too.
+    """
+    memdev: dict[Any, Any] = {}
+    device: dict[str, Any] = {}
+    for key, value in table.items():
+        if key == "memdev" and isinstance(value, Mapping):
+            memdev.update(value)
+        elif key == "device" and isinstance(value, Mapping):
+            device.update(value)
+        elif _is_serial(key):
+            memdev[key] = value
+        else:
+            if host and key.startswith(f"{host}/"):
+                key = key[len(host) + 1 :]
+            device[key] = value
+    return parse_annotations({"memdev": memdev, "device": device})

@@ -96,8 +96,12 @@ _CRITICAL_FLAGS = (
     "media_not_ready",
 )
 _WARNING_FLAGS = ("maintenance_needed", "performance_degraded")
-_EXT_FIELDS = ("ext_life_used", "ext_temperature", "ext_corrected_volatile",
-               "ext_corrected_persistent")
+_EXT_FIELDS = (
+    "ext_life_used",
+    "ext_temperature",
+    "ext_corrected_volatile",
+    "ext_corrected_persistent",
+)
 
 
 def _media_errors(raw: Any) -> list[MediaError]:

@@ -69,14 +69,14 @@ class RescanScheduler:
 
     def __init__(
         self,
-        rescan: Callable[[], None],
+        rescan: Callable[[], object],
         source: EventSource | None,
         *,
         debounce_s: float = 0.5,
         max_delay_s: float = 5.0,
         fallback_interval_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], object] = time.sleep,
     ) -> None:
         self.rescan = rescan
         self.source = source

@@ -95,6 +95,9 @@ def to_wire(inv: Inventory, host: str) -> list[InventoryDevice]:
             read_bandwidth_mbps=d.read_bandwidth_mbps,
             write_bandwidth_mbps=d.write_bandwidth_mbps,
             distance=d.distance,
+            memory_tier=d.memory_tier,
+            memdev_serials=d.memdev_serials,
+            health_reasons=d.health_reasons,
         )
         for d in inv.devices
     ]

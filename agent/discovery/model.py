@@ -109,9 +109,7 @@ def _cxl_region_of(dax_region: DaxRegion, cxl: CxlInventory) -> Region | None:
     return None
 
 
-def _perf(
-    device: PoolDevice, node: Node | None, region_access: AccessCoordinates | None
-) -> None:
+def _perf(device: PoolDevice, node: Node | None, region_access: AccessCoordinates | None) -> None:
     """HMAT numbers of the node (CPU initiators first), else the CXL region's CDAT-derived
     numbers (regionN/accessY, Linux 6.9+)."""
     source: NodeAccess | AccessCoordinates | None = None
@@ -192,8 +190,10 @@ def build_pool_devices(
             )
         else:
             starts = [m.start for d in dax_region.devices for m in d.mappings]
-            start = dax_region.resource if dax_region.resource is not None else min(
-                starts, default=None
+            start = (
+                dax_region.resource
+                if dax_region.resource is not None
+                else min(starts, default=None)
             )
             where = f"resource={start:#x}" if start is not None else f"region={dax_region.id}"
             device.uid, device.host_scoped = f"dax:{where}:size={dax_region.size}", True

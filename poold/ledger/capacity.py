@@ -8,9 +8,11 @@ from sqlalchemy import select
 
 from poold import extents
 from poold.api.schemas import DeviceStatus, HostStatus, PoolStatus
+from poold.errors import UnknownDevice
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATES
 from poold.ledger.db import Ledger
+from poold.ledger.devices import admin_annotation
 from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine
 
 LIVE = [s.value for s in LIVE_STATES]
@@ -49,7 +51,8 @@ def pool_status(ledger: Ledger) -> PoolStatus:
     host_free: dict[int, int] = defaultdict(int)
     for dev in devices:
         free = extents.free_bytes(dev.capacity_bytes, used[dev.id])
-        dev_paths = paths[dev.id]
+        # Sorted by host name so "the" NUMA node and tier shown are stable.
+        dev_paths = sorted(paths[dev.id], key=lambda p: host_names[p.host_id])
         for p in dev_paths:
             host_capacity[p.host_id] += dev.capacity_bytes
             host_free[p.host_id] += free
@@ -73,6 +76,12 @@ def pool_status(ledger: Ledger) -> PoolStatus:
                 ),
                 live_leases=live[dev.id],
                 alignment_bytes=dev.alignment_bytes,
+                provenance=dev.provenance,
+                cost_per_gib_month=dev.cost_per_gib_month,
+                memory_tier=dev_paths[0].memory_tier if dev_paths else None,
+                memdev_serials=list(dev.memdev_serials or []),
+                health_reasons=list(dev.health_reasons or []),
+                admin_annotations=admin_annotation(dev),
             )
         )
     host_rows = [
@@ -94,3 +103,11 @@ def pool_status(ledger: Ledger) -> PoolStatus:
         leased_bytes=sum(d.leased_bytes for d in device_rows),
         free_bytes=sum(d.free_bytes for d in device_rows),
     )
+
+
+def device_status(ledger: Ledger, uid: str) -> DeviceStatus:
+    """One device's row of :func:`pool_status`."""
+    for row in pool_status(ledger).devices:
+        if row.uid == uid:
+            return row
+    raise UnknownDevice(f"no device with uid {uid!r}", uid=uid)

@@ -11,7 +11,7 @@ import hashlib
 import secrets
 from datetime import timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import Connection, bindparam, select, update
 from sqlalchemy.orm import Session
 
 from poold.api.schemas import (
@@ -24,9 +24,9 @@ from poold.api.schemas import (
 )
 from poold.errors import AlreadyExists, PoolError, Unauthorized, UnknownHost
 from poold.lease_states import LeaseState
-from poold.ledger import events, leases
+from poold.ledger import devices, events, leases
 from poold.ledger.models import Device, DevicePath, Host, Lease
-from poold.ledger.types import utcnow
+from poold.ledger.types import check_ints_fit, utcnow
 
 
 def hash_credential(credential: str) -> str:
@@ -68,6 +68,17 @@ def get_by_name(session: Session, name: str) -> Host:
     return host
 
 
+_NAME_BY_CREDENTIAL = select(Host.name).where(Host.credential_hash == bindparam("digest"))
+
+
+def authenticate_name(conn: Connection, credential_digest: str) -> str:
+    """The host whose agent credential hashes to this digest (Core: every request does it)."""
+    name = conn.execute(_NAME_BY_CREDENTIAL, {"digest": credential_digest}).scalar()
+    if name is None:
+        raise Unauthorized("unknown agent credential")
+    return str(name)
+
+
 def authenticate(session: Session, credential: str) -> Host:
     host = session.scalar(select(Host).where(Host.credential_hash == hash_credential(credential)))
     if host is None:
@@ -85,6 +96,9 @@ def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevi
     now = utcnow()
     seen: set[int] = set()
     for item in inventory:
+        reported = item.model_dump()
+        check_ints_fit(Device.__table__, reported)
+        check_ints_fit(DevicePath.__table__, reported)
         dev = session.scalar(select(Device).where(Device.uid == item.uid))
         if dev is None:
             dev = Device(
@@ -98,13 +112,17 @@ def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevi
             )
             session.add(dev)
         dev.kind = item.kind
-        dev.media = item.media
-        dev.recycled = item.recycled
-        dev.provenance = item.provenance
-        dev.cost_per_gib_month = item.cost_per_gib_month
+        # What the agent says about media/recycled/provenance/cost; an administrator's
+        # annotation of the same field still wins (devices.apply_effective).
+        dev.reported_annotations = devices.reported(item)
+        if dev.admin_annotations is None:
+            dev.admin_annotations = {}  # a row not yet flushed has no column default yet
+        devices.apply_effective(dev)
         dev.capacity_bytes = item.capacity_bytes
         dev.alignment_bytes = item.alignment_bytes
         dev.health = item.health
+        dev.health_reasons = list(item.health_reasons)
+        dev.memdev_serials = list(item.memdev_serials)
         if dev.state == "missing":
             dev.state = "online"
         dev.updated_at = now
@@ -123,6 +141,7 @@ def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevi
         path.read_bandwidth_mbps = item.read_bandwidth_mbps
         path.write_bandwidth_mbps = item.write_bandwidth_mbps
         path.distance = item.distance
+        path.memory_tier = item.memory_tier
         path.present = True
         path.seen_at = now
     for path in session.scalars(select(DevicePath).where(DevicePath.host_id == host.id)):

@@ -89,6 +89,17 @@ class Device(Base):
     generation: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = _ts()
     updated_at: Mapped[datetime] = _ts()
+    memdev_serials: Mapped[list[Any]] = mapped_column(JSON, default=list, server_default="[]")
+    health_reasons: Mapped[list[Any]] = mapped_column(JSON, default=list, server_default="[]")
+    # media/recycled/provenance/cost_per_gib_month above are what placement and poolctl
+    # use: the administrator's annotation where there is one, else the agent's. Both
+    # sources are kept so that either can change (or an admin field be cleared) later.
+    reported_annotations: Mapped[dict[str, Any]] = mapped_column(
+        JSON, default=dict, server_default="{}"
+    )
+    admin_annotations: Mapped[dict[str, Any]] = mapped_column(
+        JSON, default=dict, server_default="{}"
+    )
 
 
 class DevicePath(Base):
@@ -107,6 +118,7 @@ class DevicePath(Base):
     read_bandwidth_mbps: Mapped[int | None] = mapped_column(Integer)
     write_bandwidth_mbps: Mapped[int | None] = mapped_column(Integer)
     distance: Mapped[int | None] = mapped_column(Integer)
+    memory_tier: Mapped[int | None] = mapped_column(Integer)
     present: Mapped[bool] = mapped_column(Boolean, default=True)
     seen_at: Mapped[datetime] = _ts()
 

@@ -1,0 +1,223 @@
+"""`poolctl devices`: what far memory the pool has, and what administrators say about it.
+
+Lists every device poold knows (kind, media, recycled, capacity, free, NUMA node, health,
+state) from ``GET /v1/status``; ``annotate`` records what sysfs cannot tell (media class,
+recycled DIMMs, provenance, cost), which wins over what agents report.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from cli.poolctl import Ctx, emit_json, fail, json_option, pass_ctx, run
+from cli.units import format_size
+from poold.api.schemas import DeviceAnnotate, DeviceStatus
+from poold.errors import BadRequest, PoolError, UnknownDevice
+
+ANNOTATION_FIELDS = ("media", "recycled", "provenance", "cost_per_gib_month")
+
+
+def _fail(err: PoolError) -> NoReturn:
+    fail(err)
+    raise SystemExit(1)  # fail() exits; this tells the type checker so
+
+
+def _media(d: DeviceStatus) -> str:
+    return d.media + (" (recycled)" if d.recycled else "")
+
+
+def _health(d: DeviceStatus) -> str:
+    return d.health if not d.health_reasons else f"{d.health}: {'; '.join(d.health_reasons)}"
+
+
+def device_rows(items: list[DeviceStatus]) -> list[tuple[Any, ...]]:
+    return [
+        (
+            d.id,
+            d.uid,
+            d.kind,
+            d.media,
+            "yes" if d.recycled else "no",
+            format_size(d.capacity_bytes),
+            format_size(d.free_bytes),
+            d.numa_node,
+            d.memory_tier,
+            _health(d),
+            d.state,
+            ",".join(d.hosts) or "-",
+        )
+        for d in items
+    ]
+
+
+RIGHT_ALIGNED = {"id", "capacity", "free", "node", "tier"}
+
+
+def plain_table(title: str, columns: list[str], rows: list[tuple[Any, ...]]) -> None:
+    """A rich table whose cells are plain text: no markup, and no emoji codes, which
+    device uids are full of ("cxl:ram:serials=..." would print a ram emoji)."""
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col, justify="right" if col in RIGHT_ALIGNED else "left")
+    for row in rows:
+        t.add_row(*[Text("-" if c is None else str(c)) for c in row])
+    Console().print(t)
+
+
+def print_devices(items: list[DeviceStatus]) -> None:
+    plain_table(
+        "devices",
+        [
+            "id",
+            "device",
+            "kind",
+            "media",
+            "recycled",
+            "capacity",
+            "free",
+            "node",
+            "tier",
+            "health",
+            "state",
+            "hosts",
+        ],
+        device_rows(items),
+    )
+
+
+def resolve(items: list[DeviceStatus], name: str) -> DeviceStatus:
+    """A device by uid, numeric id, local name (``dax_region0``) or ``host:local name``."""
+    for d in items:
+        if d.uid == name or str(d.id) == name:
+            return d
+    host, _, local = name.rpartition(":")
+    matches = [
+        d
+        for d in items
+        if name in d.local_names or (host in d.hosts and local and local in d.local_names)
+    ]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        _fail(
+            BadRequest(
+                f"{name!r} names several devices ({', '.join(d.uid for d in matches)}); "
+                "use the uid or the id",
+                name=name,
+            )
+        )
+    _fail(UnknownDevice(f"no device {name!r} (see `poolctl devices`)", name=name))
+
+
+def show_one(d: DeviceStatus, as_json: bool) -> None:
+    if as_json:
+        emit_json(d)
+        return
+    admin = d.admin_annotations.model_dump(exclude_none=True)
+    rows: list[tuple[str, Any]] = [
+        ("id", d.id),
+        ("uid", d.uid),
+        ("kind", d.kind),
+        ("media", _media(d)),
+        ("provenance", d.provenance),
+        ("cost per GiB-month", d.cost_per_gib_month),
+        ("annotated by admin", ", ".join(sorted(admin)) or "-"),
+        ("state", d.state),
+        ("health", _health(d)),
+        ("capacity", format_size(d.capacity_bytes)),
+        ("leased", format_size(d.leased_bytes)),
+        ("free", format_size(d.free_bytes)),
+        ("largest free", format_size(d.largest_free_bytes)),
+        ("alignment", format_size(d.alignment_bytes)),
+        ("live leases", d.live_leases),
+        ("NUMA node", d.numa_node),
+        ("memory tier", d.memory_tier),
+        ("memdev serials", ",".join(str(s) for s in d.memdev_serials) or "-"),
+        ("hosts", ",".join(d.hosts) or "-"),
+        ("local names", ",".join(d.local_names) or "-"),
+    ]
+    for key, value in rows:
+        click.echo(f"{key:>20}: {'-' if value is None else value}")
+
+
+@json_option
+@click.pass_context
+def list_devices(ctx: click.Context, as_json: bool) -> None:
+    """Far-memory devices: kind, media, recycled, capacity, free, NUMA node, health, state."""
+    if ctx.invoked_subcommand is not None:
+        return
+    c = ctx.find_object(Ctx)
+    assert c is not None  # poolctl's main group always sets it
+    st = run(lambda: c.client.status())
+    if as_json:
+        emit_json(st.devices)
+        return
+    print_devices(st.devices)
+
+
+# Built explicitly (not decorated) so that its type is declared: poolctl imports this module
+# at its end, and a decorated name in that import cycle has a type mypy cannot infer.
+devices_command: click.Group = click.group("devices", invoke_without_command=True)(list_devices)
+
+
+@devices_command.command("show")
+@click.argument("device")
+@json_option
+@pass_ctx
+def devices_show(c: Ctx, device: str, as_json: bool) -> None:
+    """One device in full (by uid, id or local name)."""
+    st = run(lambda: c.client.status())
+    show_one(resolve(st.devices, device), as_json)
+
+
+@devices_command.command("annotate")
+@click.argument("device")
+@click.option("--media", default=None, help="media class: ddr4, ddr5, ...")
+@click.option("--recycled/--not-recycled", default=None, help="whether the DIMMs are recycled")
+@click.option("--provenance", default=None, help='where it came from: "rack 12 host 7"')
+@click.option("--cost-per-gib-month", type=click.FloatRange(min=0), default=None, help="cost basis")
+@click.option(
+    "--clear",
+    "clear",
+    multiple=True,
+    type=click.Choice(ANNOTATION_FIELDS),
+    help="drop the admin's value of a field (the agent's applies again); repeatable",
+)
+@json_option
+@pass_ctx
+def devices_annotate(
+    c: Ctx,
+    device: str,
+    media: str | None,
+    recycled: bool | None,
+    provenance: str | None,
+    cost_per_gib_month: float | None,
+    clear: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Say what sysfs cannot tell; it wins over what the host's agent reports."""
+    fields: dict[str, Any] = {
+        "media": media,
+        "recycled": recycled,
+        "provenance": provenance,
+        "cost_per_gib_month": cost_per_gib_month,
+    }
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if not fields and not clear:
+        raise click.UsageError(
+            "nothing to annotate: give --media, --recycled/--not-recycled, --provenance, "
+            "--cost-per-gib-month or --clear"
+        )
+    try:
+        change = DeviceAnnotate.model_validate({**fields, "clear": list(clear)})
+    except ValueError as exc:  # pydantic's ValidationError: e.g. media "DDR 4"
+        _fail(BadRequest(f"invalid annotation: {exc}"))
+    st = run(lambda: c.client.status())
+    target = resolve(st.devices, device)
+    out = run(lambda: c.client.annotate_device(target.uid, change))
+    show_one(out, as_json)

@@ -1,0 +1,98 @@
+"""What do we say about a device: the agent's report, the administrator's word, and which wins.
+
+An agent reports media, recycled, provenance and cost with every inventory; an
+administrator may annotate the same fields (``poolctl devices annotate``). Both are kept
+(``reported_annotations``, ``admin_annotations``) and the device's own columns hold the
+effective value, the administrator's where set, so that placement reads one column and the
+next inventory upsert cannot undo what an administrator said.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from poold.api.schemas import DeviceAnnotate, DeviceAnnotation, InventoryDevice
+from poold.errors import BadRequest, UnknownDevice
+from poold.ledger import events
+from poold.ledger.models import Device
+from poold.ledger.types import utcnow
+
+ANNOTATION_FIELDS = ("media", "recycled", "provenance", "cost_per_gib_month")
+# What a device is when nobody said anything (the models' column defaults).
+UNANNOTATED: dict[str, Any] = {
+    "media": "unknown",
+    "recycled": False,
+    "provenance": None,
+    "cost_per_gib_month": None,
+}
+
+
+def reported(item: InventoryDevice) -> dict[str, Any]:
+    """The annotation fields of one inventory row, as stored in ``reported_annotations``."""
+    return {field: getattr(item, field) for field in ANNOTATION_FIELDS}
+
+
+def effective(reported: dict[str, Any], admin: dict[str, Any]) -> dict[str, Any]:
+    """Field by field: the administrator's value, else the agent's, else the default (pure)."""
+    out: dict[str, Any] = {}
+    for field in ANNOTATION_FIELDS:
+        if field in admin:
+            out[field] = admin[field]
+        elif field in reported:
+            out[field] = reported[field]
+        else:
+            out[field] = UNANNOTATED[field]
+    return out
+
+
+def apply_effective(dev: Device) -> None:
+    """Set the device's media/recycled/provenance/cost columns from both sources."""
+    values = effective(dev.reported_annotations or {}, dev.admin_annotations or {})
+    dev.media = values["media"]
+    dev.recycled = values["recycled"]
+    dev.provenance = values["provenance"]
+    dev.cost_per_gib_month = values["cost_per_gib_month"]
+
+
+def admin_annotation(dev: Device) -> DeviceAnnotation:
+    """The administrator's annotation of a device, as the wire shows it."""
+    return DeviceAnnotation.model_validate(dev.admin_annotations or {})
+
+
+def get_by_uid(session: Session, uid: str) -> Device:
+    dev = session.scalar(select(Device).where(Device.uid == uid))
+    if dev is None:
+        raise UnknownDevice(f"no device with uid {uid!r}", uid=uid)
+    return dev
+
+
+def annotate(session: Session, uid: str, change: DeviceAnnotate, actor: str) -> Device:
+    """Set (or clear) administrator annotations on one device; journaled as an event."""
+    dev = get_by_uid(session, uid)
+    setting = {
+        field: getattr(change, field)
+        for field in ANNOTATION_FIELDS
+        if field in change.model_fields_set and getattr(change, field) is not None
+    }
+    both = sorted(set(setting) & set(change.clear))
+    if both:
+        raise BadRequest(f"cannot both set and clear {', '.join(both)}", fields=both)
+    before = dict(dev.admin_annotations or {})
+    after = {k: v for k, v in before.items() if k not in change.clear}
+    after.update(setting)
+    if after == before:
+        return dev
+    dev.admin_annotations = after  # a new dict: SQLAlchemy sees the JSON change
+    apply_effective(dev)
+    dev.updated_at = utcnow()
+    events.record(
+        session,
+        actor=actor,
+        kind="device.annotate",
+        device_id=dev.id,
+        detail={"uid": uid, "set": setting, "cleared": sorted(change.clear)},
+    )
+    return dev
