@@ -9,6 +9,7 @@ import uvicorn
 from poold.api.app import create_app
 from poold.ledger import migrate
 from poold.ledger.db import Ledger
+from poold.ledger.reaper import Reaper, ReaperPolicy, ReaperThread
 from poold.settings import PooldSettings
 
 log = logging.getLogger("poold")
@@ -21,6 +22,22 @@ def serve(settings: PooldSettings) -> None:
         migrate.upgrade(url)
     ledger = Ledger(url)
     app = create_app(ledger, settings.resolved_admin_token())
+    policy = ReaperPolicy.from_settings(settings)
+    app.state.reaper_policy = policy
+    reaper = Reaper(ledger, policy)
+    # One pass before serving: leases of hosts this poold has not heard yet are
+    # held before their agents' first (replayed) heartbeat can arrive, so a
+    # lease never expires because poold itself was down (reaper.py, outage rule).
+    first = reaper.run_once()
+    log.info(
+        "reaper: first pass held %d lease(s), %d transition(s); every %gs",
+        first.held,
+        first.transitions(),
+        settings.reap_interval_s,
+    )
+    reaper_thread = ReaperThread(reaper, settings.reap_interval_s)
+    if settings.reap_interval_s > 0:  # 0 turns the periodic reaper off (another poold runs it)
+        reaper_thread.start()
     log.info(
         "poold listening on http://%s:%d, ledger %s",
         settings.listen_host,
@@ -36,4 +53,5 @@ def serve(settings: PooldSettings) -> None:
         access_log=False,
         lifespan="off",
     )
+    reaper_thread.stop()
     ledger.dispose()

@@ -19,6 +19,11 @@ def default_state_dir() -> Path:
     return Path(base) / "poold"
 
 
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(f"POOLD_{name.upper()}")
+    return float(raw) if raw else default
+
+
 class PooldSettings(BaseModel):
     state_dir: Path = Field(default_factory=default_state_dir)
     database_url: str | None = None  # None: SQLite in state_dir
@@ -27,6 +32,21 @@ class PooldSettings(BaseModel):
     admin_token: str | None = None  # None: read or create state_dir/admin.token
     upgrade_db: bool = True
     host_down_after_s: float = 60.0
+    # The reaper (poold/ledger/reaper.py): how often it runs and the clocks it enforces.
+    # Each reads POOLD_<NAME> from the environment when not given, so that a unit file
+    # or a test can tune it without a flag for every knob.
+    reap_interval_s: float = Field(default_factory=lambda: _env_float("reap_interval_s", 1.0))
+    activation_deadline_s: float = Field(
+        default_factory=lambda: _env_float("activation_deadline_s", 30.0)
+    )
+    expiry_grace_s: float = Field(default_factory=lambda: _env_float("expiry_grace_s", 30.0))
+    revoke_deadline_s: float = Field(default_factory=lambda: _env_float("revoke_deadline_s", 30.0))
+    host_silent_after_s: float = Field(
+        default_factory=lambda: _env_float("host_silent_after_s", 10.0)
+    )
+    host_silent_grace_s: float = Field(
+        default_factory=lambda: _env_float("host_silent_grace_s", 300.0)
+    )
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{self.state_dir / 'ledger.db'}"

@@ -1,0 +1,554 @@
+"""Which leases and hosts have run out of time? One reaper pass, and the thread that repeats it.
+
+A pass ends what the clocks of DESIGN.md "Lease lifecycle" say has ended:
+
+* active leases past `expires_at` expire (event `expire`), subject to the
+  outage rule below;
+* granted leases not activated within `activation_deadline_s` are aborted;
+* expired leases `expiry_grace_s` after their expiry, and orphaned leases that
+  long after they were orphaned, are reclaimed (`reclaim_event` is the hook for
+  backends whose memory must be zeroed first);
+* live leases of a draining device whose drain deadline passed are revoked;
+  a revoking lease the agent did not confirm by its deadline is reclaimed;
+* hosts whose agent has not beaten for `host_down_after_s` are marked down.
+
+Every transition is its own transaction with one event (actor `poold:reaper`)
+and is a conditional update (`leases.move_if`), so several poold processes may
+reap one PostgreSQL ledger at once: the loser of a race writes nothing.
+
+**The outage rule: a lease does not expire because its agent could not reach
+poold** (poold down, restarting, or the host cut off). The agent holds the
+tenant's renewals and replays them, so poold only expires a lease on evidence:
+
+1. A host is *in contact* when this poold has heard it within
+   `host_silent_after_s` (a heartbeat older than the reaper's own start does
+   not count: a poold that was down has not heard anyone since).
+2. An active lease past `expires_at` is expired only if its host was heard at
+   or after `expires_at` (a heartbeat came, and did not renew it), or the host
+   has been silent for `host_silent_grace_s` (the host is presumed dead).
+   Silence is counted from the later of the last heartbeat and the reaper's
+   start, so poold's own downtime never counts against a host.
+3. While a host is out of contact, and for at most `host_silent_grace_s`, its
+   active leases are *held*: their `expires_at` is pushed to at least
+   `now + host_silent_after_s` each pass. When the host's heartbeats resume,
+   the replayed renewals therefore find their leases still active (the
+   heartbeat's lazy expiry would otherwise end them first), and a lease
+   nobody renews expires once the host is heard after its pushed expiry.
+
+poold runs one pass before it starts serving, so that held leases are pushed
+before the first resumed heartbeat can arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select, update
+
+from poold.lease_states import LeaseEvent, LeaseState
+from poold.ledger import leases
+from poold.ledger.db import Ledger
+from poold.ledger.models import Device, Event, Host, Lease
+from poold.ledger.types import utcnow
+from poold.settings import PooldSettings
+
+log = logging.getLogger("poold.reaper")
+
+ACTOR = "poold:reaper"
+# At most this many transitions of one kind per pass: a backlog drains over a few
+# passes instead of one pass holding the ledger for minutes.
+BATCH = 2000
+# States a drain or an administrator may revoke (the state machine's REVOKE arrows).
+REVOCABLE: tuple[LeaseState, ...] = (LeaseState.ACTIVE, LeaseState.ORPHANED, LeaseState.EXPIRED)
+
+
+@dataclass(frozen=True)
+class ReaperPolicy:
+    """The clocks a pass enforces (from `PooldSettings`)."""
+
+    activation_deadline_s: float = 30.0
+    expiry_grace_s: float = 30.0
+    revoke_deadline_s: float = 30.0
+    host_down_after_s: float = 60.0
+    host_silent_after_s: float = 10.0
+    host_silent_grace_s: float = 300.0
+
+    @classmethod
+    def from_settings(cls, settings: PooldSettings) -> ReaperPolicy:
+        return cls(
+            activation_deadline_s=settings.activation_deadline_s,
+            expiry_grace_s=settings.expiry_grace_s,
+            revoke_deadline_s=settings.revoke_deadline_s,
+            host_down_after_s=settings.host_down_after_s,
+            host_silent_after_s=settings.host_silent_after_s,
+            host_silent_grace_s=settings.host_silent_grace_s,
+        )
+
+
+@dataclass
+class ReapResult:
+    """What one pass did, by lease id (host names for `hosts_down`)."""
+
+    expired: list[str] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    revoked: list[str] = field(default_factory=list)
+    reclaimed: list[str] = field(default_factory=list)
+    hosts_down: list[str] = field(default_factory=list)
+    held: int = 0  # leases whose expiry was pushed because their host is out of contact
+
+    def transitions(self) -> int:
+        return len(self.expired) + len(self.aborted) + len(self.revoked) + len(self.reclaimed)
+
+
+def reclaim_event(device_kind: str) -> LeaseEvent:
+    """How a lease that ended without its holder's release gives its range back.
+
+    The hook for scrubbing: every backend today hands out fresh memory (a new
+    memfd, or a devdax sub-device the agent destroys), so the range is free at
+    once (`reclaim`). A backend whose bytes are reused as they are must return
+    `LeaseEvent.RECLAIM_DIRTY` for its kind here: the lease then goes to
+    `scrubbing` and its range is free only after the agent reports `scrubbed`.
+    """
+    del device_kind
+    return LeaseEvent.RECLAIM
+
+
+@dataclass(frozen=True)
+class HostContact:
+    """How recently this poold heard a host, for the outage rule."""
+
+    host_id: int
+    name: str
+    last_heartbeat_at: datetime | None
+    silence_s: float  # since the later of its last heartbeat and the reaper's start
+    in_contact: bool
+
+
+def host_contact(
+    host_id: int,
+    name: str,
+    last_heartbeat_at: datetime | None,
+    *,
+    now: datetime,
+    started_at: datetime,
+    silent_after_s: float,
+) -> HostContact:
+    """Rule 1 of the module docstring, pure."""
+    heard = last_heartbeat_at
+    since = started_at if heard is None or heard < started_at else heard
+    in_contact = (
+        heard is not None
+        and heard >= started_at
+        and (now - heard).total_seconds() <= silent_after_s
+    )
+    return HostContact(host_id, name, heard, max(0.0, (now - since).total_seconds()), in_contact)
+
+
+def may_expire(
+    expires_at: datetime, contact: HostContact, *, now: datetime, silent_grace_s: float
+) -> str | None:
+    """Rule 2, pure: the reason to expire this active lease now, or None to keep it."""
+    if expires_at > now:
+        return None
+    if contact.last_heartbeat_at is not None and contact.last_heartbeat_at >= expires_at:
+        return "ttl passed without renewal"
+    if contact.silence_s >= silent_grace_s:
+        return f"ttl passed and host {contact.name} silent for {contact.silence_s:.0f}s"
+    return None
+
+
+class Reaper:
+    """Runs reaper passes over one ledger; `started_at` anchors the outage rule."""
+
+    def __init__(
+        self, ledger: Ledger, policy: ReaperPolicy, *, started_at: datetime | None = None
+    ) -> None:
+        self.ledger = ledger
+        self.policy = policy
+        self.started_at = started_at or utcnow()
+
+    def run_once(self, now: datetime | None = None) -> ReapResult:
+        """One pass: every clock once, each transition in its own transaction."""
+        now = now or utcnow()
+        result = ReapResult()
+        contacts = self._contacts(now)
+        self._mark_hosts_down(now, result)
+        self._hold(contacts, now, result)
+        due = self._due(now)
+        self._expire(due.get(LeaseState.ACTIVE.value, []), contacts, now, result)
+        self._abort_stale(due.get(LeaseState.GRANTED.value, []), now, result)
+        self._revoke_drained(now, result)
+        self._reclaim(due, now, result)
+        return result
+
+    # --- steps ---------------------------------------------------------------
+
+    def _contacts(self, now: datetime) -> dict[int, HostContact]:
+        with self.ledger.read() as s:
+            rows = s.execute(select(Host.id, Host.name, Host.last_heartbeat_at)).all()
+        return {
+            row.id: host_contact(
+                row.id,
+                row.name,
+                row.last_heartbeat_at,
+                now=now,
+                started_at=self.started_at,
+                silent_after_s=self.policy.host_silent_after_s,
+            )
+            for row in rows
+        }
+
+    def _mark_hosts_down(self, now: datetime, result: ReapResult) -> None:
+        cutoff = now - timedelta(seconds=self.policy.host_down_after_s)
+        with self.ledger.read() as s:
+            stale = s.execute(
+                select(Host.id, Host.name).where(
+                    Host.status == "up", Host.last_heartbeat_at < cutoff
+                )
+            ).all()
+        for host_id, name in stale:
+            with self.ledger.write() as s:
+                changed = s.execute(
+                    update(Host)
+                    .where(Host.id == host_id, Host.status == "up", Host.last_heartbeat_at < cutoff)
+                    .values(status="down")
+                ).rowcount  # type: ignore[attr-defined]
+                if changed == 1:
+                    s.add(
+                        Event(
+                            at=now,
+                            actor=ACTOR,
+                            kind="host.down",
+                            host_id=host_id,
+                            reason=f"no heartbeat for {self.policy.host_down_after_s:g}s",
+                            detail={},
+                        )
+                    )
+                    result.hosts_down.append(name)
+                    log.warning("host %s marked down: no heartbeat since %s", name, cutoff)
+
+    def _hold(self, contacts: dict[int, HostContact], now: datetime, result: ReapResult) -> None:
+        until = now + timedelta(seconds=self.policy.host_silent_after_s)
+        for contact in contacts.values():
+            if contact.in_contact or contact.silence_s >= self.policy.host_silent_grace_s:
+                continue
+            with self.ledger.write() as s:
+                held = s.execute(
+                    update(Lease)
+                    .where(
+                        Lease.host_id == contact.host_id,
+                        Lease.state == LeaseState.ACTIVE.value,
+                        Lease.expires_at < until,
+                    )
+                    .values(expires_at=until)
+                ).rowcount  # type: ignore[attr-defined]
+            if held:
+                log.info(
+                    "host %s out of contact for %.0fs: held %d lease(s)",
+                    contact.name,
+                    contact.silence_s,
+                    held,
+                )
+            result.held += int(held)
+
+    def _due(self, now: datetime) -> dict[str, list[Any]]:
+        """Every lease some clock may have ended, by state, in one scan of `leases`.
+
+        One statement instead of one per clock: without an index on `state`
+        each is a full scan, and a pass runs every second.
+        """
+        grace_cutoff = now - timedelta(seconds=self.policy.expiry_grace_s)
+        activation_cutoff = now - timedelta(seconds=self.policy.activation_deadline_s)
+        with self.ledger.read() as s:
+            rows = s.execute(
+                select(
+                    Lease.id,
+                    Lease.state,
+                    Lease.host_id,
+                    Lease.expires_at,
+                    Device.kind,
+                )
+                .join(Device, Device.id == Lease.device_id)
+                .where(
+                    or_(
+                        and_(Lease.state == LeaseState.ACTIVE.value, Lease.expires_at <= now),
+                        and_(
+                            Lease.state == LeaseState.GRANTED.value,
+                            Lease.granted_at <= activation_cutoff,
+                        ),
+                        and_(
+                            Lease.state == LeaseState.EXPIRED.value,
+                            Lease.expires_at <= grace_cutoff,
+                        ),
+                        and_(Lease.state == LeaseState.REVOKING.value, Lease.expires_at <= now),
+                    )
+                )
+                .order_by(Lease.expires_at)
+                .limit(BATCH)
+            ).all()
+        due: dict[str, list[Any]] = defaultdict(list)
+        for row in rows:
+            due[row.state].append(row)
+        return due
+
+    def _expire(
+        self, rows: list[Any], contacts: dict[int, HostContact], now: datetime, result: ReapResult
+    ) -> None:
+        grace_cutoff = now - timedelta(seconds=self.policy.expiry_grace_s)
+        for row in rows:
+            contact = contacts.get(row.host_id)
+            if contact is None:  # a host added after this pass read the hosts
+                continue
+            reason = may_expire(
+                row.expires_at, contact, now=now, silent_grace_s=self.policy.host_silent_grace_s
+            )
+            if reason is None:
+                continue
+            if not self._move(
+                row.id,
+                LeaseState.ACTIVE,
+                LeaseEvent.EXPIRE,
+                reason,
+                now,
+                where=(Lease.expires_at <= now,),
+            ):
+                continue
+            result.expired.append(row.id)
+            if row.expires_at <= grace_cutoff and self._move(
+                # Lapsed longer ago than the grace (its host was silent): reclaim it now.
+                row.id,
+                LeaseState.EXPIRED,
+                reclaim_event(row.kind),
+                f"expired for {self.policy.expiry_grace_s:g}s (grace)",
+                now,
+                where=(Lease.expires_at <= grace_cutoff,),
+            ):
+                result.reclaimed.append(row.id)
+
+    def _abort_stale(self, rows: list[Any], now: datetime, result: ReapResult) -> None:
+        cutoff = now - timedelta(seconds=self.policy.activation_deadline_s)
+        reason = f"not activated within {self.policy.activation_deadline_s:g}s"
+        for row in rows:
+            if self._move(
+                row.id,
+                LeaseState.GRANTED,
+                LeaseEvent.ABORT,
+                reason,
+                now,
+                where=(Lease.granted_at <= cutoff,),
+            ):
+                result.aborted.append(row.id)
+
+    def _revoke_drained(self, now: datetime, result: ReapResult) -> None:
+        for device_id, uid, deadline in drain_deadlines(self.ledger):
+            if deadline is not None and deadline > now:
+                continue
+            with self.ledger.read() as s:
+                rows = s.execute(
+                    select(Lease.id, Lease.state)
+                    .where(
+                        Lease.device_id == device_id,
+                        Lease.state.in_([st.value for st in REVOCABLE]),
+                    )
+                    .limit(BATCH)
+                ).all()
+            for lease_id, state in rows:
+                if revoke_in(
+                    self.ledger,
+                    lease_id,
+                    LeaseState(state),
+                    actor=ACTOR,
+                    reason=f"device {uid} drained",
+                    now=now,
+                    deadline_s=self.policy.revoke_deadline_s,
+                ):
+                    result.revoked.append(lease_id)
+
+    def _reclaim(self, due: dict[str, list[Any]], now: datetime, result: ReapResult) -> None:
+        grace = timedelta(seconds=self.policy.expiry_grace_s)
+        for row in due.get(LeaseState.EXPIRED.value, []):
+            if self._move(
+                row.id,
+                LeaseState.EXPIRED,
+                reclaim_event(row.kind),
+                f"expired for {self.policy.expiry_grace_s:g}s (grace)",
+                now,
+                where=(Lease.expires_at <= now - grace,),
+            ):
+                result.reclaimed.append(row.id)
+        for row in due.get(LeaseState.REVOKING.value, []):
+            if self._move(
+                row.id,
+                LeaseState.REVOKING,
+                reclaim_event(row.kind),
+                "revocation deadline passed without the agent's confirmation",
+                now,
+                where=(Lease.expires_at <= now,),
+            ):
+                result.reclaimed.append(row.id)
+        with self.ledger.read() as s:
+            orphaned = orphaned_since(s.connection(), limit=BATCH)
+        for lease_id, kind, since in orphaned:
+            if since > now - grace:
+                continue
+            if self._move(
+                lease_id,
+                LeaseState.ORPHANED,
+                reclaim_event(kind),
+                f"orphaned for {self.policy.expiry_grace_s:g}s (grace)",
+                now,
+            ):
+                result.reclaimed.append(lease_id)
+
+    def _move(
+        self,
+        lease_id: str,
+        expected: LeaseState,
+        event: LeaseEvent,
+        reason: str,
+        now: datetime,
+        where: Iterable[Any] = (),
+    ) -> bool:
+        with self.ledger.write() as s:
+            moved = leases.move_if(
+                s.connection(),
+                lease_id,
+                expected,
+                event,
+                actor=ACTOR,
+                reason=reason,
+                now=now,
+                where=tuple(where),
+            )
+        if moved:
+            log.info("lease %s: %s (%s)", lease_id, event.value, reason)
+        return moved
+
+
+def revoke_in(
+    ledger: Ledger,
+    lease_id: str,
+    state: LeaseState,
+    *,
+    actor: str,
+    reason: str,
+    now: datetime,
+    deadline_s: float,
+) -> bool:
+    """Revoke one lease in its own transaction; its `expires_at` becomes the revocation deadline.
+
+    A revoking lease cannot be renewed, so `expires_at` is free to say when the
+    holder's claim ends: the agent must confirm (`confirm_revoked`) before it,
+    or the reaper reclaims the lease when it passes.
+    """
+    deadline = now + timedelta(seconds=deadline_s)
+    with ledger.write() as s:
+        return leases.move_if(
+            s.connection(),
+            lease_id,
+            state,
+            LeaseEvent.REVOKE,
+            actor=actor,
+            reason=reason,
+            now=now,
+            values={"expires_at": deadline},
+            detail={"deadline_at": deadline.isoformat()},
+        )
+
+
+def drain_deadlines(ledger: Ledger) -> list[tuple[int, str, datetime | None]]:
+    """Each draining device with the deadline of its latest `device.drain` (None: at once)."""
+    with ledger.read() as s:
+        devices = s.execute(select(Device.id, Device.uid).where(Device.state == "draining")).all()
+        if not devices:
+            return []
+        latest = (
+            select(Event.device_id, func.max(Event.id).label("event_id"))
+            .where(Event.kind == "device.drain", Event.device_id.in_([d.id for d in devices]))
+            .group_by(Event.device_id)
+            .subquery()
+        )
+        details: dict[int, dict[str, Any]] = {
+            device_id: detail
+            for device_id, detail in s.execute(
+                select(Event.device_id, Event.detail).join(latest, latest.c.event_id == Event.id)
+            )
+        }
+    out: list[tuple[int, str, datetime | None]] = []
+    for device_id, uid in devices:
+        raw = (details.get(device_id) or {}).get("deadline_at")
+        out.append((device_id, uid, datetime.fromisoformat(raw) if raw else None))
+    return out
+
+
+def orphaned_since(conn: Any, *, limit: int | None = None) -> list[tuple[str, str, datetime]]:
+    """Orphaned leases, their device kind, and when they became orphaned (their latest event)."""
+    stmt = (
+        select(Lease.id, Device.kind, Lease.expires_at)
+        .join(Device, Device.id == Lease.device_id)
+        .where(Lease.state == LeaseState.ORPHANED.value)
+    )
+    if limit is not None:
+        stmt = stmt.limit(limit)
+    rows = conn.execute(stmt).all()
+    if not rows:
+        return []  # the common case: no scan of the (large) events table at all
+    since: dict[str, datetime] = {}
+    ids = [row.id for row in rows]
+    for i in range(0, len(ids), 500):  # bounded IN lists; events are indexed by lease_id
+        since.update(
+            (lease_id, _aware(at))
+            for lease_id, at in conn.execute(
+                select(Event.lease_id, func.max(Event.at))
+                .where(
+                    Event.lease_id.in_(ids[i : i + 500]),
+                    Event.to_state == LeaseState.ORPHANED.value,
+                )
+                .group_by(Event.lease_id)
+            )
+        )
+    # A lease orphaned without an event breaks invariant 3 (the audit reports it);
+    # its expiry is the best guess of when its holder stopped.
+    return [
+        (lease_id, kind, since.get(lease_id, expires_at)) for lease_id, kind, expires_at in rows
+    ]
+
+
+def _aware(value: Any) -> datetime:
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    assert isinstance(value, datetime)
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class ReaperThread:
+    """Runs `Reaper.run_once` every `interval_s` in a daemon thread until stopped."""
+
+    def __init__(self, reaper: Reaper, interval_s: float) -> None:
+        self.reaper = reaper
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="poold-reaper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.reaper.run_once()
+            except Exception:
+                # A failed pass (database restarting, lock timeout) is retried next
+                # interval; the reaper thread must outlive it.
+                log.exception("reaper pass failed")
