@@ -11,7 +11,7 @@ from types import FrameType
 
 from agent.backends.emulated import EmulatedBackend
 from agent.config import AgentConfig
-from agent.inventory import host_inventory
+from agent.inventory import InventoryWatcher, host_inventory
 from agent.link import PooldLink
 from agent.server import AgentServer
 from agent.service import AgentService
@@ -60,9 +60,16 @@ def run(config: AgentConfig) -> int:
             client.close()
             return 2
         log.warning("poold not reachable yet (%s); serving and retrying", exc.message)
-    server = AgentServer(config.socket_path, service, mode=config.socket_mode,
-                         group=config.socket_group, listen_socket=systemd_listen_socket())
+    server = AgentServer(
+        config.socket_path,
+        service,
+        mode=config.socket_mode,
+        group=config.socket_group,
+        listen_socket=systemd_listen_socket(),
+    )
     link.start(config.heartbeat_interval_s)
+    watcher = InventoryWatcher(config, set(backends), link)
+    watcher.start()
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -78,6 +85,7 @@ def run(config: AgentConfig) -> int:
         server.serve_forever()
     finally:
         server.shutdown()
+        watcher.stop()
         link.stop()
         service.close()
         client.close()

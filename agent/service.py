@@ -19,6 +19,8 @@ from typing import Any
 
 from agent import protocol as p
 from agent.backends import Backend, Materialised
+from agent.backends.devdax import DevdaxBackend, DevdaxMaterialised
+from agent.backends.numa import HugepageMode, NumaBackend
 from agent.link import PooldLink
 from agent.server import Peer
 from agent.warm import WarmPool
@@ -31,6 +33,15 @@ log = logging.getLogger("pool_agent")
 
 PROTOCOL_VERSION = 1
 ENDED_MEMORY = 4096  # how many ended lease ids the agent remembers, for clear errors
+
+
+@dataclass(frozen=True)
+class LocalDevice:
+    """Where a pool device lives on this host: its dax region or NUMA node."""
+
+    kind: str
+    dax_region_id: int | None = None
+    numa_node: int | None = None
 
 
 @dataclass
@@ -50,8 +61,9 @@ class HeldLease:
 class AgentService:
     """Handler of every socket operation (the server checks all are present at start)."""
 
-    def __init__(self, host: str, link: PooldLink, backends: dict[str, Backend],
-                 warm: WarmPool | None = None) -> None:
+    def __init__(
+        self, host: str, link: PooldLink, backends: dict[str, Backend], warm: WarmPool | None = None
+    ) -> None:
         self.host = host
         self.warm = warm
         self.link = link
@@ -60,6 +72,8 @@ class AgentService:
         self._lock = threading.Lock()
         self._held: dict[str, HeldLease] = {}
         self._ended: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (state, uid)
+        self._local: dict[str, LocalDevice] = {}
+        self.hugepages: HugepageMode = "off"
         link.on_reply = self._on_heartbeat_reply
 
     # --- helpers -----------------------------------------------------------
@@ -214,13 +228,37 @@ class AgentService:
         )
         return self._result(held), memory.fd
 
+    def set_local_devices(self, devices: dict[str, LocalDevice]) -> None:
+        """How this host reaches each pool device (dax region, NUMA node), by device uid."""
+        with self._lock:
+            self._local = dict(devices)
+
+    def _make(self, backend: Backend, lease: LeaseOut) -> Materialised:
+        """Memory for a placed lease, made the way its device kind needs."""
+        name = f"poold-lease-{lease.id}"
+        with self._lock:
+            local = self._local.get(lease.device_uid)
+        if isinstance(backend, DevdaxBackend):
+            if local is None or local.dax_region_id is None:
+                raise BackendFailed(f"device {lease.device_uid} has no dax region on this host")
+            # The ledger offset is the sub-device's real range inside the region.
+            return backend.materialise_at(
+                local.dax_region_id, lease.offset_bytes, lease.length_bytes, name
+            )
+        if isinstance(backend, NumaBackend):
+            node = local.numa_node if local is not None else lease.numa_node
+            if node is None:
+                raise BackendFailed(f"device {lease.device_uid} has no NUMA node on this host")
+            return backend.materialise_on(node, lease.length_bytes, name, self.hugepages)
+        return backend.materialise(lease.length_bytes, name)
+
     def _materialise_placed(self, lease: LeaseOut) -> Materialised:
         """Two-step path: memory made after placement, then activated in the ledger."""
         backend = self.backends.get(lease.device_kind)
         try:
             if backend is None:
                 raise BackendFailed(f"no backend for device kind {lease.device_kind}")
-            memory = backend.materialise(lease.length_bytes, f"poold-lease-{lease.id}")
+            memory = self._make(backend, lease)
         except BaseException as exc:
             self.link.abort_now(lease.id, f"materialise failed: {exc}")
             if isinstance(exc, PoolError):
@@ -252,16 +290,39 @@ class AgentService:
         if held is None:  # a concurrent release won
             raise LeaseNotActive(f"lease {args.lease_id} is released", lease_id=args.lease_id)
         self._drop_memory(held)
+        if isinstance(held.memory, DevdaxMaterialised):
+            # The bytes stay taken (scrubbing) until the agent has zeroed them.
+            self.link.enqueue(
+                LeaseOp(lease_id=held.lease.id, op="release_dirty", reason="holder released")
+            )
+            self._scrub_later(held.memory, held.lease.id)
+            return p.ReleaseResult(lease_id=held.lease.id, state="scrubbing")
         self.link.enqueue(LeaseOp(lease_id=held.lease.id, op="release", reason="holder released"))
         return p.ReleaseResult(lease_id=held.lease.id, state="released")
+
+    def _scrub_later(self, memory: DevdaxMaterialised, lease_id: str) -> None:
+        """Zero a released devdax range off the request path, then tell poold how it went."""
+        backend = self.backends.get("devdax")
+
+        def run() -> None:
+            ok = False
+            try:
+                if isinstance(backend, DevdaxBackend):
+                    ok = backend.scrub(memory.region_id, memory.offset_bytes, memory.length_bytes)
+            except Exception:
+                log.exception("scrub of lease %s failed", lease_id)
+            op = "scrubbed" if ok else "scrub_failed"
+            reason = "range zeroed" if ok else "scrub failed: range goes to quarantine"
+            self.link.enqueue(LeaseOp(lease_id=lease_id, op=op, reason=reason))
+
+        threading.Thread(target=run, name=f"scrub-{lease_id}", daemon=True).start()
 
     def list(self, peer: Peer, args: p.ListArgs) -> p.ListResult:
         with self._lock:
             mine = [h for h in self._held.values() if h.holder_uid == peer.uid or peer.uid == 0]
         return p.ListResult(
             leases=[
-                p.LeaseListing(**self._result(h).model_dump(), state=h.lease.state)
-                for h in mine
+                p.LeaseListing(**self._result(h).model_dump(), state=h.lease.state) for h in mine
             ]
         )
 

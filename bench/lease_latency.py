@@ -66,7 +66,11 @@ def pct(values: list[float], q: float) -> float:
 
 def summary(values: list[float]) -> dict[str, float]:
     ms = [v * 1000 for v in values]
-    return {"p50_ms": statistics.median(ms), "p99_ms": pct(ms, 0.99), "mean_ms": statistics.fmean(ms)}
+    return {
+        "p50_ms": statistics.median(ms),
+        "p99_ms": pct(ms, 0.99),
+        "mean_ms": statistics.fmean(ms),
+    }
 
 
 def main() -> int:
@@ -85,13 +89,23 @@ def main() -> int:
         admin = procs.admin_client(state, port)
         cred = work / "cred"
         cred.write_text(admin.add_host("bench").credential)
-        admin.create_tenant(TenantSpec(name="bench", quota_bytes=1 << 34, quota_leases=10_000,
-                                       allowed_uids=[os.getuid()]))
+        admin.create_tenant(
+            TenantSpec(
+                name="bench", quota_bytes=1 << 34, quota_leases=10_000, allowed_uids=[os.getuid()]
+            )
+        )
         sock = work / "agent.sock"
-        children.append(procs.start_agent(work, host="bench", poold_url=admin.base_url,
-                                          credential_file=cred, socket_path=sock,
-                                          emulated_capacity_bytes=1 << 32,
-                                          heartbeat_interval_s=5))
+        children.append(
+            procs.start_agent(
+                work,
+                host="bench",
+                poold_url=admin.base_url,
+                credential_file=cred,
+                socket_path=sock,
+                emulated_capacity_bytes=1 << 32,
+                heartbeat_interval_s=5,
+            )
+        )
         floor: list[float] = []
         floor_touch: list[float] = []
         cycles: list[float] = []
@@ -125,8 +139,9 @@ def main() -> int:
         "target_p50_over_floor_ms": 1.5,
         "target_p99_over_floor_ms": 5.0,
     }
-    result["meets_target"] = (result["p50_over_floor_ms"] <= 1.5
-                              and result["p99_over_floor_ms"] <= 5.0)
+    result["meets_target"] = (
+        result["p50_over_floor_ms"] <= 1.5 and result["p99_over_floor_ms"] <= 5.0
+    )
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -134,10 +149,14 @@ def main() -> int:
     print(f"{'':28}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}")
     for name, s in (("floor (memfd+mmap)", f), ("floor + touch", ft), ("lease cycle", c)):
         print(f"{name:28}{s['p50_ms']:>10.3f}{s['p99_ms']:>10.3f}{s['mean_ms']:>10.3f}")
-    print(f"{'cycle - floor':28}{result['p50_over_floor_ms']:>10.3f}"
-          f"{result['p99_over_floor_ms']:>10.3f}")
-    print(f"target: p50 <= floor + 1.5 ms, p99 <= floor + 5 ms -> "
-          f"{'MET' if result['meets_target'] else 'MISSED'}")
+    print(
+        f"{'cycle - floor':28}{result['p50_over_floor_ms']:>10.3f}"
+        f"{result['p99_over_floor_ms']:>10.3f}"
+    )
+    print(
+        f"target: p50 <= floor + 1.5 ms, p99 <= floor + 5 ms -> "
+        f"{'MET' if result['meets_target'] else 'MISSED'}"
+    )
     return 0
 
 

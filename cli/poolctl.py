@@ -540,3 +540,18 @@ def _redact(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
+
+
+from cli.devices import devices_command  # noqa: E402  (cli.devices imports this module's helpers)
+
+main.add_command(devices_command, "devices")
+
+from cli import lifecycle  # noqa: E402  (cli.lifecycle imports this module's helpers)
+from cli.audit import audit  # noqa: E402
+
+leases.add_command(lifecycle.revoke_command)
+hosts.add_command(lifecycle.host_drain_command)
+hosts.add_command(lifecycle.host_undrain_command)
+devices_command.add_command(lifecycle.device_drain_command)
+devices_command.add_command(lifecycle.device_undrain_command)
+main.add_command(audit)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -20,6 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from poold import __version__
 from poold.api.schemas import (
     AgentOps,
+    AuditReport,
+    DeviceAnnotate,
+    DeviceDrainRequest,
+    DeviceStatus,
+    DrainResult,
     EndRequest,
     GrantRequest,
     Heartbeat,
@@ -31,14 +37,25 @@ from poold.api.schemas import (
     LeaseOut,
     PoolStatus,
     RenewRequest,
+    RevokedConfirm,
+    RevokeRequest,
     TenantOut,
     TenantSpec,
     TenantUpdate,
 )
-from poold.errors import BadRequest, Forbidden, NotFound, PoolError, Unauthorized
+from poold.errors import (
+    BadRequest,
+    Forbidden,
+    InvalidSize,
+    NotFound,
+    NotOwner,
+    PoolError,
+    Unauthorized,
+)
 from poold.lease_states import LeaseEvent
-from poold.ledger import capacity, events, hosts, leases, tenants
+from poold.ledger import admin_ops, audit, capacity, devices, events, hosts, leases, tenants
 from poold.ledger.db import Ledger
+from poold.ledger.reaper import ReaperPolicy
 
 log = logging.getLogger("poold.api")
 
@@ -55,8 +72,20 @@ class Principal:
         return "admin" if self.admin else f"agent:{self.host}"
 
 
-def principal(request: Request) -> Principal:
-    """Authenticate the bearer token: the admin token, or one host's agent credential."""
+AUTH_CACHE_TTL_S = 5.0
+
+
+async def principal(request: Request) -> Principal:
+    """Authenticate the bearer token: the admin token, or one host's agent credential.
+
+    Agent credentials are looked up once and cached for a few seconds: every
+    agent request carries one, and the lookup was a third of poold's CPU time
+    per lease. Hosts are never renamed, so a cached name cannot be wrong.
+    """
+    if "\x00" in request.url.path:
+        # Every endpoint but /v1/health authenticates, so this is the one place
+        # to refuse what PostgreSQL cannot compare (SQLite would just not match).
+        raise BadRequest("the request path contains a NUL byte")
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
@@ -64,10 +93,19 @@ def principal(request: Request) -> Principal:
     admin_token: str = request.app.state.admin_token
     if hmac.compare_digest(token.encode(), admin_token.encode()):
         return Principal(admin=True)
+    cache: dict[str, tuple[str, float]] = request.app.state.auth_cache
+    digest = hosts.hash_credential(token)
+    now = time.monotonic()
+    hit = cache.get(digest)
+    if hit is not None and now - hit[1] < AUTH_CACHE_TTL_S:
+        return Principal(admin=False, host=hit[0])
     ledger: Ledger = request.app.state.ledger
     with ledger.read() as session:
-        host = hosts.authenticate(session, token)
-        return Principal(admin=False, host=host.name)
+        name = hosts.authenticate_name(session.connection(), digest)
+    if len(cache) > 10_000:
+        cache.clear()
+    cache[digest] = (name, now)
+    return Principal(admin=False, host=name)
 
 
 # Module level: FastAPI resolves string annotations against module globals.
@@ -82,27 +120,35 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
     app = FastAPI(title="poold", version=__version__, docs_url=None, redoc_url=None)
     app.state.ledger = ledger
     app.state.admin_token = admin_token
+    app.state.auth_cache = {}
     registry = CollectorRegistry()
     requests_total = Counter(
         "poold_api_errors_total", "API errors by code", ["code"], registry=registry
     )
 
     @app.exception_handler(PoolError)
-    def _pool_error(_req: Request, err: PoolError) -> JSONResponse:
+    async def _pool_error(_req: Request, err: PoolError) -> JSONResponse:
         requests_total.labels(err.code).inc()
         log.info("refused: %s: %s", err.code, err.message)
         return _error(err)
 
     @app.exception_handler(RequestValidationError)
-    def _invalid(_req: Request, err: RequestValidationError) -> JSONResponse:
+    async def _invalid(_req: Request, err: RequestValidationError) -> JSONResponse:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in err.errors()
         )
-        requests_total.labels("bad_request").inc()
-        return _error(BadRequest(f"invalid request: {problems}"))
+        # As on the agent socket (agent/protocol.py): a bad size is invalid_size,
+        # so a tenant sees the same code whichever hop refused it.
+        cls = (
+            InvalidSize
+            if any(tuple(e.get("loc", ()))[:2] == ("body", "size_bytes") for e in err.errors())
+            else BadRequest
+        )
+        requests_total.labels(cls.code).inc()
+        return _error(cls(f"invalid request: {problems}"))
 
     @app.exception_handler(StarletteHTTPException)
-    def _http(_req: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def _http(_req: Request, err: StarletteHTTPException) -> JSONResponse:
         if err.status_code == 404:
             return _error(NotFound(f"no such endpoint: {err.detail}"))
         body = {
@@ -112,7 +158,7 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
         return JSONResponse(body, status_code=err.status_code)
 
     @app.exception_handler(Exception)
-    def _crash(_req: Request, err: Exception) -> JSONResponse:
+    async def _crash(_req: Request, err: Exception) -> JSONResponse:
         log.exception("internal error")
         return JSONResponse(
             {"code": "internal", "message": f"internal error: {type(err).__name__}"},
@@ -129,22 +175,22 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
         return p.host
 
     @app.get("/v1/health")
-    def health() -> dict[str, str]:
+    async def health() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
 
     @app.get("/metrics")
-    def metrics() -> Response:
+    async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     # --- tenants ---------------------------------------------------------
     @app.post("/v1/tenants", status_code=201)
-    def create_tenant(spec: TenantSpec, p: Caller) -> TenantOut:
+    async def create_tenant(spec: TenantSpec, p: Caller) -> TenantOut:
         admin_only(p)
         with ledger.write() as s:
             return tenants.to_out(s, tenants.create(s, spec, p.actor))
 
     @app.get("/v1/tenants")
-    def list_tenants(p: Caller) -> list[TenantOut]:
+    async def list_tenants(p: Caller) -> list[TenantOut]:
         admin_only(p)
         from sqlalchemy import select
 
@@ -154,19 +200,19 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
             return [tenants.to_out(s, t) for t in s.scalars(select(Tenant).order_by(Tenant.name))]
 
     @app.get("/v1/tenants/{name}")
-    def get_tenant(name: str, p: Caller) -> TenantOut:
+    async def get_tenant(name: str, p: Caller) -> TenantOut:
         admin_only(p)
         with ledger.read() as s:
             return tenants.to_out(s, tenants.get_by_name(s, name))
 
     @app.patch("/v1/tenants/{name}")
-    def update_tenant(name: str, change: TenantUpdate, p: Caller) -> TenantOut:
+    async def update_tenant(name: str, change: TenantUpdate, p: Caller) -> TenantOut:
         admin_only(p)
         with ledger.write() as s:
             return tenants.to_out(s, tenants.update(s, name, change, p.actor))
 
     @app.delete("/v1/tenants/{name}", status_code=204)
-    def delete_tenant(name: str, p: Caller) -> Response:
+    async def delete_tenant(name: str, p: Caller) -> Response:
         admin_only(p)
         with ledger.write() as s:
             tenants.delete(s, name, p.actor)
@@ -174,14 +220,14 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
 
     # --- hosts -----------------------------------------------------------
     @app.post("/v1/hosts", status_code=201)
-    def add_host(spec: HostSpec, p: Caller) -> HostCreated:
+    async def add_host(spec: HostSpec, p: Caller) -> HostCreated:
         admin_only(p)
         with ledger.write() as s:
             host, credential = hosts.add(s, spec.name, p.actor)
             return HostCreated(**hosts.to_out(host).model_dump(), credential=credential)
 
     @app.get("/v1/hosts")
-    def list_hosts(p: Caller) -> list[HostOut]:
+    async def list_hosts(p: Caller) -> list[HostOut]:
         admin_only(p)
         from sqlalchemy import select
 
@@ -191,7 +237,7 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
             return [hosts.to_out(h) for h in s.scalars(select(Host).order_by(Host.name))]
 
     @app.post("/v1/agent/register")
-    def register(beat: Heartbeat, p: Caller) -> HeartbeatReply:
+    async def register(beat: Heartbeat, p: Caller) -> HeartbeatReply:
         name = agent_only(p)
         if beat.inventory is None:
             raise BadRequest("register needs the host's inventory")
@@ -207,42 +253,42 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
             return hosts.heartbeat(s, host, beat)
 
     @app.post("/v1/agent/heartbeat")
-    def heartbeat(beat: Heartbeat, p: Caller) -> HeartbeatReply:
+    async def heartbeat(beat: Heartbeat, p: Caller) -> HeartbeatReply:
         name = agent_only(p)
         with ledger.write() as s:
             return hosts.heartbeat(s, hosts.get_by_name(s, name), beat)
 
     # --- leases ----------------------------------------------------------
     @app.post("/v1/agent/ops")
-    def agent_ops(body: AgentOps, p: Caller) -> list[LeaseOpResult]:
+    async def agent_ops(body: AgentOps, p: Caller) -> list[LeaseOpResult]:
         return leases.apply_ops(ledger, agent_only(p), body.ops, p.actor)
 
     @app.post("/v1/leases", status_code=201)
-    def grant(req: GrantRequest, p: Caller) -> LeaseOut:
+    async def grant(req: GrantRequest, p: Caller) -> LeaseOut:
         return leases.grant(ledger, agent_only(p), req, p.actor)
 
     @app.post("/v1/leases/{lease_id}/activate")
-    def activate(lease_id: str, p: Caller) -> LeaseOut:
+    async def activate(lease_id: str, p: Caller) -> LeaseOut:
         return leases.activate(ledger, agent_only(p), lease_id, p.actor)
 
     @app.post("/v1/leases/{lease_id}/renew")
-    def renew(lease_id: str, body: RenewRequest, p: Caller) -> LeaseOut:
+    async def renew(lease_id: str, body: RenewRequest, p: Caller) -> LeaseOut:
         return leases.renew(ledger, agent_only(p), lease_id, body.ttl_s)
 
     @app.post("/v1/leases/{lease_id}/release")
-    def release(lease_id: str, body: EndRequest, p: Caller) -> LeaseOut:
+    async def release(lease_id: str, body: EndRequest, p: Caller) -> LeaseOut:
         return leases.end(
             ledger, lease_id, LeaseEvent.RELEASE, p.actor, body.reason, host_name=p.host
         )
 
     @app.post("/v1/leases/{lease_id}/abort")
-    def abort(lease_id: str, body: EndRequest, p: Caller) -> LeaseOut:
+    async def abort(lease_id: str, body: EndRequest, p: Caller) -> LeaseOut:
         return leases.end(
             ledger, lease_id, LeaseEvent.ABORT, p.actor, body.reason, host_name=agent_only(p)
         )
 
     @app.get("/v1/leases")
-    def list_leases(
+    async def list_leases(
         p: Caller,
         tenant: str | None = None,
         host: str | None = None,
@@ -257,15 +303,79 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
         )
 
     @app.get("/v1/leases/{lease_id}")
-    def show_lease(lease_id: str, p: Caller) -> LeaseOut:
+    async def show_lease(lease_id: str, p: Caller) -> LeaseOut:
         out = leases.show(ledger, lease_id)
         if not p.admin and out.host != p.host:
-            raise Forbidden("that lease is not on your host")
+            # The same code renew/release/activate give for another host's lease.
+            raise NotOwner(f"lease {lease_id} is not held on host {p.host!r}", lease_id=lease_id)
         return out
 
     @app.get("/v1/status")
-    def status(p: Caller) -> PoolStatus:
+    async def status(p: Caller) -> PoolStatus:
         admin_only(p)
         return capacity.pool_status(ledger)
+
+    # --- devices ---------------------------------------------------------
+    # `:path`: device uids contain "/" (host-scoped ones are "host/numa:node2").
+    @app.get("/v1/devices/{uid:path}")
+    async def show_device(uid: str, p: Caller) -> DeviceStatus:
+        admin_only(p)
+        return capacity.device_status(ledger, uid)
+
+    @app.patch("/v1/devices/{uid:path}")
+    async def annotate_device(uid: str, change: DeviceAnnotate, p: Caller) -> DeviceStatus:
+        admin_only(p)
+        with ledger.write() as s:
+            devices.annotate(s, uid, change, p.actor)
+        return capacity.device_status(ledger, uid)
+
+    # --- lifecycle: revoke, drain, audit (poold/ledger/admin_ops.py, audit.py) ---
+    def policy() -> ReaperPolicy:
+        # server.py sets the configured one; an app built by a test uses the defaults.
+        found = getattr(app.state, "reaper_policy", None)
+        return found if isinstance(found, ReaperPolicy) else ReaperPolicy()
+
+    @app.post("/v1/leases/{lease_id}/revoke")
+    async def revoke_lease(lease_id: str, body: RevokeRequest, p: Caller) -> LeaseOut:
+        admin_only(p)
+        deadline_s = body.deadline_s if body.deadline_s is not None else policy().revoke_deadline_s
+        return admin_ops.revoke_lease(ledger, lease_id, body.reason, p.actor, deadline_s=deadline_s)
+
+    @app.post("/v1/agent/revoked")
+    async def revoked(body: RevokedConfirm, p: Caller) -> list[LeaseOpResult]:
+        return admin_ops.confirm_revoked(ledger, agent_only(p), body.lease_ids, p.actor)
+
+    # Declared after GET/PATCH /v1/devices/{uid:path}: a POST matches only these.
+    @app.post("/v1/devices/{uid:path}/drain")
+    async def drain_device(uid: str, body: DeviceDrainRequest, p: Caller) -> DrainResult:
+        admin_only(p)
+        return admin_ops.drain_device(
+            ledger,
+            uid,
+            p.actor,
+            deadline_s=body.deadline_s,
+            now_=body.now,
+            revoke_deadline_s=policy().revoke_deadline_s,
+        )
+
+    @app.post("/v1/devices/{uid:path}/undrain")
+    async def undrain_device(uid: str, p: Caller) -> DrainResult:
+        admin_only(p)
+        return admin_ops.undrain_device(ledger, uid, p.actor)
+
+    @app.post("/v1/hosts/{name}/drain")
+    async def drain_host(name: str, p: Caller) -> DrainResult:
+        admin_only(p)
+        return admin_ops.drain_host(ledger, name, p.actor, draining=True)
+
+    @app.post("/v1/hosts/{name}/undrain")
+    async def undrain_host(name: str, p: Caller) -> DrainResult:
+        admin_only(p)
+        return admin_ops.drain_host(ledger, name, p.actor, draining=False)
+
+    @app.post("/v1/audit")
+    async def run_audit(p: Caller, reclaim: bool = False) -> AuditReport:
+        admin_only(p)
+        return audit.run_audit(ledger, policy(), reclaim_safe=reclaim)
 
     return app

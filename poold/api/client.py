@@ -7,12 +7,18 @@ code); a poold that cannot be reached is `poold_unreachable`.
 from __future__ import annotations
 
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel, TypeAdapter
 
 from poold.api.schemas import (
     AgentOps,
+    AuditReport,
+    DeviceAnnotate,
+    DeviceDrainRequest,
+    DeviceStatus,
+    DrainResult,
     EndRequest,
     GrantRequest,
     Heartbeat,
@@ -24,6 +30,8 @@ from poold.api.schemas import (
     LeaseOut,
     PoolStatus,
     RenewRequest,
+    RevokedConfirm,
+    RevokeRequest,
     TenantOut,
     TenantSpec,
     TenantUpdate,
@@ -179,3 +187,60 @@ class PooldClient:
 
     def status(self) -> PoolStatus:
         return self._model(PoolStatus, "GET", "/v1/status")
+
+    # devices
+    def show_device(self, uid: str) -> DeviceStatus:
+        return self._model(DeviceStatus, "GET", f"/v1/devices/{quote(uid, safe='')}")
+
+    def annotate_device(self, uid: str, change: DeviceAnnotate) -> DeviceStatus:
+        return self._model(DeviceStatus, "PATCH", f"/v1/devices/{quote(uid, safe='')}", change)
+
+    # lifecycle: revoke, drain, audit
+    def revoke(self, lease_id: str, reason: str, deadline_s: float | None = None) -> LeaseOut:
+        return self._model(
+            LeaseOut,
+            "POST",
+            f"/v1/leases/{lease_id}/revoke",
+            RevokeRequest(reason=reason, deadline_s=deadline_s),
+        )
+
+    def confirm_revoked(self, lease_ids: list[str]) -> list[LeaseOpResult]:
+        """The agent's side: these revoked leases are torn down (revoking → reclaimed)."""
+        return TypeAdapter(list[LeaseOpResult]).validate_python(
+            self._call("POST", "/v1/agent/revoked", RevokedConfirm(lease_ids=lease_ids))
+        )
+
+    def drain_device(
+        self, uid: str, *, deadline_s: float = 300.0, now: bool = False
+    ) -> DrainResult:
+        return self._model(
+            DrainResult,
+            "POST",
+            f"/v1/devices/{quote(uid, safe='')}/drain",
+            DeviceDrainRequest(deadline_s=deadline_s, now=now),
+        )
+
+    def undrain_device(self, uid: str) -> DrainResult:
+        return self._model(DrainResult, "POST", f"/v1/devices/{quote(uid, safe='')}/undrain")
+
+    def drain_host(self, name: str) -> DrainResult:
+        return self._model(DrainResult, "POST", f"/v1/hosts/{name}/drain")
+
+    def undrain_host(self, name: str) -> DrainResult:
+        return self._model(DrainResult, "POST", f"/v1/hosts/{name}/undrain")
+
+    def audit(self, *, reclaim: bool = False, timeout_s: float = 600.0) -> AuditReport:
+        """Run one reclamation audit in poold (it may take seconds on a large ledger)."""
+        try:
+            resp = self._http.post("/v1/audit", params={"reclaim": reclaim}, timeout=timeout_s)
+        except httpx.TransportError as exc:
+            raise PooldUnreachable(f"cannot reach poold at {self.base_url}: {exc}") from exc
+        if resp.status_code >= 400:
+            try:
+                data = resp.json()
+            except ValueError:
+                data = None
+            if isinstance(data, dict) and "code" in data:
+                raise from_wire(str(data["code"]), str(data.get("message", "")), data.get("detail"))
+            raise PoolError(f"poold answered HTTP {resp.status_code}: {resp.text[:200]}")
+        return AuditReport.model_validate_json(resp.content)

@@ -45,6 +45,14 @@ class InventoryDevice(Model):
     read_bandwidth_mbps: int | None = None
     write_bandwidth_mbps: int | None = None
     distance: int | None = None
+    # Kernel memory tier (/sys/devices/virtual/memory_tiering) of numa_node on this host.
+    memory_tier: int | None = None
+    # CXL memdev serials behind the device (empty for non-CXL memory).
+    memdev_serials: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=4096)
+    # Why health is not "ok" ("serial 3: life used 95%"), from cxl-cli.
+    health_reasons: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list, max_length=1024
+    )
 
 
 # --- errors ---------------------------------------------------------------
@@ -170,7 +178,9 @@ class LeaseOp(Model):
     """A lease transition an agent queued (its outbox), delivered with its next request."""
 
     lease_id: Annotated[str, Field(min_length=1, max_length=64)]
-    op: Literal["release", "abort"]
+    # release_dirty: the holder is done but the bytes need zeroing (devdax);
+    # scrubbed / scrub_failed: the agent's verdict on that zeroing.
+    op: Literal["release", "release_dirty", "abort", "scrubbed", "scrub_failed"]
     reason: Annotated[str, Field(max_length=1024)] = ""
 
 
@@ -247,6 +257,27 @@ class EndRequest(Model):
 # --- status ---------------------------------------------------------------
 
 
+class DeviceAnnotation(Model):
+    """What an administrator says about a device that sysfs cannot tell.
+
+    A field left out (None) is not touched; ``clear`` names fields to drop so that the
+    agent's value applies again.
+    """
+
+    media: MediaClass | None = None
+    recycled: bool | None = None
+    provenance: Annotated[str, Field(max_length=1024)] | None = None
+    cost_per_gib_month: float | None = Field(default=None, ge=0)
+
+
+class DeviceAnnotate(DeviceAnnotation):
+    """Body of ``PATCH /v1/devices/{uid}``."""
+
+    clear: list[Literal["media", "recycled", "provenance", "cost_per_gib_month"]] = Field(
+        default_factory=list
+    )
+
+
 class DeviceStatus(Model):
     id: int
     uid: str
@@ -264,6 +295,13 @@ class DeviceStatus(Model):
     largest_free_bytes: int
     live_leases: int
     alignment_bytes: int
+    provenance: str | None = None
+    cost_per_gib_month: float | None = None
+    memory_tier: int | None = None
+    memdev_serials: list[int] = Field(default_factory=list)
+    health_reasons: list[str] = Field(default_factory=list)
+    # What an administrator set with `poolctl devices annotate` (wins over the agent's).
+    admin_annotations: DeviceAnnotation = Field(default_factory=DeviceAnnotation)
 
 
 class HostStatus(Model):
@@ -282,3 +320,81 @@ class PoolStatus(Model):
     capacity_bytes: int
     leased_bytes: int
     free_bytes: int
+
+
+# --- lifecycle: revoke, drain, the agent's confirmation ---------------------------
+
+
+class RevokeRequest(Model):
+    """`poolctl leases revoke`: why, and how long the agent has to give the memory back."""
+
+    reason: Annotated[str, Field(min_length=1, max_length=1024)]
+    deadline_s: float | None = Field(default=None, ge=0, le=MAX_TTL_S)  # None: poold's default
+
+
+class DeviceDrainRequest(Model):
+    """`poolctl devices drain`: no new leases; live ones are revoked at the deadline."""
+
+    deadline_s: float = Field(default=300.0, ge=0, le=MAX_TTL_S)
+    now: bool = False  # revoke the live leases at once (same as deadline_s=0)
+
+
+class DrainResult(Model):
+    target: str  # device uid or host name
+    state: str
+    deadline_at: datetime | None = None
+    live_leases: int = 0
+    revoked: list[str] = Field(default_factory=list)
+
+
+class RevokedConfirm(Model):
+    """The agent's word that it tore down these revoked leases (the memory is gone)."""
+
+    lease_ids: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(max_length=100_000)
+
+
+# --- the reclamation audit (DESIGN.md "Reclamation audit") ------------------------
+
+
+class AuditItem(Model):
+    """One finding: what, on which lease/device/tenant, and what the audit did about it."""
+
+    kind: str  # e.g. overlap, out_of_bounds, expired, stale_grant
+    lease_id: str | None = None
+    device_id: int | None = None
+    device_uid: str | None = None
+    tenant: str | None = None
+    host: str | None = None
+    state: str | None = None
+    message: str
+    action: str | None = None  # reclaimed / aborted / lost_race, when --reclaim acted
+
+
+class AgentFindings(Model):
+    """What agents report (live fds, holders, sub-devices): leaked and stale memory.
+
+    Placeholder: agents do not report this yet, so `available` is False and the
+    lists are empty. The audit fills it once the heartbeat carries the report.
+    """
+
+    available: bool = False
+    leaked: list[AuditItem] = Field(default_factory=list)  # memory in use, no live lease
+    stale: list[AuditItem] = Field(default_factory=list)  # live lease, no memory behind it
+    note: str = "agents do not report live fds, holders or sub-devices yet"
+
+
+class AuditReport(Model):
+    run_id: int | None = None
+    started_at: datetime
+    finished_at: datetime
+    audit_s: float
+    reclaim: bool
+    exit_code: int  # 0 clean, 1 reclaimed something, 2 needs a human
+    leases: int  # leases examined (every row)
+    live_leases: int
+    devices: int
+    violations: list[AuditItem] = Field(default_factory=list)  # invariants: need a human
+    reclaimable: list[AuditItem] = Field(default_factory=list)  # safe to reclaim now
+    pending: list[AuditItem] = Field(default_factory=list)  # ended, within their grace
+    agents: AgentFindings = Field(default_factory=AgentFindings)
+    reclaimed: int = 0

@@ -13,8 +13,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.exc import DataError
 from sqlalchemy.orm import Session, sessionmaker
+
+from poold.errors import BadRequest
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 
@@ -59,6 +62,22 @@ def _configure_sqlite(engine: Engine) -> None:
             conn.exec_driver_sql("BEGIN")
 
 
+@contextmanager
+def _refused_values() -> Iterator[None]:
+    """A value the database cannot store is the caller's error, not poold's.
+
+    PostgreSQL refuses what SQLite takes (NUL in text, integers past int4,
+    strings past their varchar length) with a DataError; reaching the API as
+    a 500 it would read as a crash. Callers validate what they can first;
+    this is the net under them.
+    """
+    try:
+        yield
+    except DataError as exc:
+        first_line = str(exc.orig).splitlines()[0] if exc.orig is not None else str(exc)
+        raise BadRequest(f"the ledger cannot store a value in this request: {first_line}") from exc
+
+
 class Ledger:
     """The ledger database: hands out read and write transactions."""
 
@@ -68,6 +87,8 @@ class Ledger:
         self._write_engine = self.engine.execution_options(poold_write=True)
         self._read = sessionmaker(self.engine, expire_on_commit=False)
         self._write = sessionmaker(self._write_engine, expire_on_commit=False)
+        # Host name -> id. Hosts are never renamed or deleted, so this cannot go stale.
+        self.host_ids: dict[str, int] = {}
 
     @property
     def is_sqlite(self) -> bool:
@@ -76,12 +97,18 @@ class Ledger:
     @contextmanager
     def write(self) -> Iterator[Session]:
         """One write transaction: committed on success, rolled back on any error."""
-        with self._write() as session, session.begin():
+        with _refused_values(), self._write() as session, session.begin():
             yield session
 
     @contextmanager
+    def write_conn(self) -> Iterator[Connection]:
+        """A write transaction on a bare Core connection: the lease hot path skips the ORM."""
+        with _refused_values(), self._write_engine.begin() as conn:
+            yield conn
+
+    @contextmanager
     def read(self) -> Iterator[Session]:
-        with self._read() as session, session.begin():
+        with _refused_values(), self._read() as session, session.begin():
             yield session
 
     def dispose(self) -> None:

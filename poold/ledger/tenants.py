@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, bindparam, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -13,7 +13,7 @@ from poold.errors import AlreadyExists, NotOwner, TenantInUse, UnknownTenant
 from poold.lease_states import LIVE_STATES
 from poold.ledger import events
 from poold.ledger.models import Lease, Tenant
-from poold.ledger.types import utcnow
+from poold.ledger.types import check_ints_fit, utcnow
 
 LIVE = [s.value for s in LIVE_STATES]
 
@@ -53,6 +53,7 @@ def to_out(session: Session, tenant: Tenant) -> TenantOut:
 
 
 def create(session: Session, spec: TenantSpec, actor: str) -> Tenant:
+    check_ints_fit(Tenant.__table__, spec.model_dump())
     if session.scalar(select(Tenant.id).where(Tenant.name == spec.name)) is not None:
         raise AlreadyExists(f"tenant {spec.name!r} already exists", tenant=spec.name)
     tenant = Tenant(
@@ -80,6 +81,7 @@ def create(session: Session, spec: TenantSpec, actor: str) -> Tenant:
 def update(session: Session, name: str, change: TenantUpdate, actor: str) -> Tenant:
     tenant = get_by_name(session, name)
     fields = change.model_dump(exclude_none=True)
+    check_ints_fit(Tenant.__table__, fields)
     for key, value in fields.items():
         setattr(tenant, key, sorted(set(value)) if isinstance(value, list) else value)
     # A quota change must not race a grant that read the old quota.
@@ -99,12 +101,29 @@ def delete(session: Session, name: str, actor: str) -> None:
         tenant.quota_leases = 0
         tenant.allowed_uids = []
         tenant.allowed_gids = []
-        tenant.name = f"{tenant.name}~deleted~{tenant.id}"
+        # The tombstone must fit the column (String(128)) that a 128-character
+        # name already fills; PostgreSQL refuses an overlong value outright.
+        suffix = f"~deleted~{tenant.id}"
+        tenant.name = tenant.name[: Tenant.name.type.length - len(suffix)] + suffix
     else:
         session.delete(tenant)
     events.record(
         session, actor=actor, kind="tenant.delete", tenant_id=tenant.id, detail={"name": name}
     )
+
+
+_TENANT_ROWS = select(
+    Tenant.id,
+    Tenant.name,
+    Tenant.quota_bytes,
+    Tenant.quota_leases,
+    Tenant.allowed_media,
+    Tenant.allowed_uids,
+    Tenant.allowed_gids,
+    Tenant.allowed_hosts,
+    Tenant.generation,
+)
+_TENANT_BY_NAME = _TENANT_ROWS.where(Tenant.name == bindparam("name"))
 
 
 def resolve_row(conn: Connection, name: str | None, uid: int, gids: list[int], host: str) -> Any:
@@ -131,7 +150,7 @@ def resolve_row(conn: Connection, name: str | None, uid: int, gids: list[int], h
                 uid=uid,
             )
         return row
-    matches = [row for row in conn.execute(cols) if may_act(row, uid, gids, host)]
+    matches = [row for row in conn.execute(_TENANT_ROWS) if may_act(row, uid, gids, host)]
     if not matches:
         raise NotOwner(f"uid {uid} on host {host!r} may not act for any tenant", uid=uid)
     if len(matches) > 1:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import DateTime
+from sqlalchemy import BigInteger, DateTime, FromClause, Integer
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
+
+from poold.errors import BadRequest
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -37,3 +40,31 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+INT32_RANGE = (-(1 << 31), (1 << 31) - 1)
+INT64_RANGE = (-(1 << 63), (1 << 63) - 1)
+
+
+def check_ints_fit(table: FromClause, values: Mapping[str, Any]) -> None:
+    """Refuse (bad_request) an integer that its column cannot hold on every backend.
+
+    The wire schemas allow some values (uids up to 2**32, unbounded pids and
+    NUMA numbers) that an INTEGER column refuses on PostgreSQL and that
+    SQLite's driver cannot even bind past 2**63: without this check they
+    surface as a 500 on one backend and pass on the other.
+    """
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or name not in table.c:
+            continue
+        col_type = table.c[name].type
+        if isinstance(col_type, BigInteger):
+            low, high = INT64_RANGE
+        elif isinstance(col_type, Integer):
+            low, high = INT32_RANGE
+        else:
+            continue
+        if not low <= value <= high:
+            raise BadRequest(
+                f"{name} = {value} is out of range ({low}..{high})", field=name, value=str(value)
+            )

@@ -1,0 +1,119 @@
+"""The agent service against a real poold API: devdax leases carved at the ledger's offset.
+
+The kernel is faked only at the sysfs boundary (the recorded QEMU machine plus
+the FakeDaxKernel of the devdax backend tests); poold, its ledger and the
+agent's poold link are real.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import insert, select
+
+from agent import protocol as p
+from agent.backends.devdax import DevdaxBackend
+from agent.link import PooldLink
+from agent.server import Peer
+from agent.service import AgentService, LocalDevice
+from poold.api.client import PooldClient
+from poold.api.schemas import InventoryDevice, TenantSpec
+from poold.ledger.db import Ledger
+from poold.ledger.models import Device, Quarantine
+from poold.ledger.types import utcnow
+from tests.agent.backends.test_devdax import BASE0, FakeDaxKernel, _add_write_only_attrs
+from tests.conftest import ThreadedServer
+from tests.fixtures.machines.loader import Machine
+
+MIB = 1 << 20
+UID = "cxl:test-region0"
+
+
+@pytest.fixture
+def devdax_agent(
+    api: ThreadedServer, admin: PooldClient, ledger: Ledger, tmp_path: Path
+) -> Iterator[tuple[AgentService, FakeDaxKernel, Path]]:
+    root = Machine("qemu-single-03-partitioned").extract(tmp_path / "machine")
+    _add_write_only_attrs(root)
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    kernel = FakeDaxKernel(root, dev)
+    backend = DevdaxBackend(root, dev, apply=kernel, require_char_device=False)
+    credential = admin.add_host("h1").credential
+    admin.create_tenant(TenantSpec(name="t", quota_bytes=GIB, allowed_uids=[os.getuid()]))
+    client = PooldClient(api.url, credential)
+    link = PooldLink(client, "test")
+    link.register(
+        [
+            InventoryDevice(
+                uid=UID,
+                kind="devdax",
+                media="ddr5",
+                capacity_bytes=256 * MIB,
+                alignment_bytes=2 * MIB,
+                local_name="dax_region0",
+            )
+        ]
+    )
+    with ledger.write() as s:
+        device_id = s.scalar(select(Device.id).where(Device.uid == UID))
+        # dax0.0 and dax0.1 already use the first 192 MiB: not ours to hand out.
+        s.execute(
+            insert(Quarantine).values(
+                device_id=device_id,
+                offset_bytes=0,
+                length_bytes=192 * MIB,
+                reason="in use",
+                created_at=utcnow(),
+            )
+        )
+    service = AgentService("h1", link, {"devdax": backend})  # type: ignore[dict-item]
+    service.set_local_devices({UID: LocalDevice("devdax", dax_region_id=0)})
+    yield service, kernel, dev
+    service.close()
+    client.close()
+
+
+GIB = 1 << 30
+PEER = Peer(connection_id=1, pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
+
+
+def test_devdax_lease_is_its_own_sub_device_at_the_ledger_offset(
+    devdax_agent: tuple[AgentService, FakeDaxKernel, Path], admin: PooldClient
+) -> None:
+    service, kernel, dev = devdax_agent
+    result, fd = service.lease(PEER, p.LeaseArgs(size_bytes=4 * MIB))
+    assert result.backend == "devdax" and result.offset_bytes == 192 * MIB
+    # The fd is the new sub-device's node, sized exactly to the lease.
+    assert os.path.samefile(f"/proc/self/fd/{fd}", dev / "dax0.2")
+    assert os.fstat(fd).st_size == 4 * MIB
+    start = BASE0 + 192 * MIB
+    assert ("dax0.2/mapping", f"{start:#x}-{start + 4 * MIB - 1:#x}") in kernel.writes
+    assert admin.show_lease(result.lease_id).state == "active"
+
+    released = service.release(PEER, p.ReleaseArgs(lease_id=result.lease_id))
+    assert released.state == "scrubbing"
+    assert not (dev / "dax0.2").exists()  # the sub-device is gone
+    deadline = time.monotonic() + 10
+    while admin.show_lease(result.lease_id).state != "reclaimed":
+        service.link.flush()
+        assert time.monotonic() < deadline, admin.show_lease(result.lease_id).state
+        time.sleep(0.05)
+
+
+def test_devdax_failure_aborts_the_grant_and_leaves_no_sub_device(
+    devdax_agent: tuple[AgentService, FakeDaxKernel, Path], admin: PooldClient
+) -> None:
+    service, kernel, dev = devdax_agent
+    kernel.refuse["bus/dax/drivers/device_dax/new_id"] = 16  # EBUSY
+    from poold.errors import BackendFailed
+
+    with pytest.raises(BackendFailed):
+        service.lease(PEER, p.LeaseArgs(size_bytes=4 * MIB))
+    assert list(dev.iterdir()) == []
+    (lease,) = admin.list_leases()
+    assert lease.state == "aborted"

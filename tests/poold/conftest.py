@@ -1,0 +1,70 @@
+"""Helpers for poold's tests: seeding a ledger, and snapshots of every table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+
+from poold.api.schemas import InventoryDevice, TenantSpec
+from poold.ledger import hosts, tenants
+from poold.ledger.db import Ledger
+from poold.ledger.models import Base
+
+MiB = 1 << 20
+GiB = 1 << 30
+UID = 1000
+GID = 2000
+
+
+def snapshot(ledger: Ledger) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of every ledger table, in primary-key order: equal means unchanged."""
+    out: dict[str, list[tuple[Any, ...]]] = {}
+    with ledger.read() as session:
+        for table in Base.metadata.sorted_tables:
+            stmt = select(table).order_by(*table.primary_key.columns)
+            out[table.name] = [tuple(row) for row in session.execute(stmt)]
+    return out
+
+
+def device(uid: str = "dev-0", **kw: Any) -> InventoryDevice:
+    fields: dict[str, Any] = {
+        "uid": uid,
+        "kind": "devdax",
+        "media": "ddr5",
+        "capacity_bytes": 64 * MiB,
+        "alignment_bytes": 2 * MiB,
+        "health": "ok",
+        "local_name": "dax0.0",
+        "numa_node": 2,
+    }
+    fields.update(kw)
+    return InventoryDevice(**fields)
+
+
+def seed(
+    ledger: Ledger,
+    *,
+    host: str = "h1",
+    devices: list[InventoryDevice] | None = None,
+    tenant: str | None = "t1",
+    quota_bytes: int = GiB,
+    quota_leases: int = 100,
+    uids: tuple[int, ...] = (UID,),
+) -> str:
+    """A host with `devices` and (optionally) a tenant; returns the host's credential."""
+    with ledger.write() as session:
+        row, credential = hosts.add(session, host, "test")
+        hosts.upsert_inventory(session, row, devices if devices is not None else [device()])
+        if tenant is not None:
+            tenants.create(
+                session,
+                TenantSpec(
+                    name=tenant,
+                    quota_bytes=quota_bytes,
+                    quota_leases=quota_leases,
+                    allowed_uids=list(uids),
+                ),
+                "test",
+            )
+    return credential
