@@ -8,6 +8,7 @@ users, never what the request claims. A lease's memory is made by a backend
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import threading
@@ -73,6 +74,7 @@ class AgentService:
         self._held: dict[str, HeldLease] = {}
         self._ended: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (state, uid)
         self._local: dict[str, LocalDevice] = {}
+        self._scrubbing: set[str] = set()  # lease ids whose range is being (or was) zeroed
         self.hugepages: HugepageMode = "off"
         link.on_reply = self._on_heartbeat_reply
 
@@ -295,20 +297,27 @@ class AgentService:
             self.link.enqueue(
                 LeaseOp(lease_id=held.lease.id, op="release_dirty", reason="holder released")
             )
-            self._scrub_later(held.memory, held.lease.id)
+            m = held.memory
+            self._scrub_later(m.region_id, m.offset_bytes, m.length_bytes, held.lease.id)
             return p.ReleaseResult(lease_id=held.lease.id, state="scrubbing")
         self.link.enqueue(LeaseOp(lease_id=held.lease.id, op="release", reason="holder released"))
         return p.ReleaseResult(lease_id=held.lease.id, state="released")
 
-    def _scrub_later(self, memory: DevdaxMaterialised, lease_id: str) -> None:
+    def _scrub_later(
+        self, region_id: int, offset_bytes: int, length_bytes: int, lease_id: str
+    ) -> None:
         """Zero a released devdax range off the request path, then tell poold how it went."""
         backend = self.backends.get("devdax")
+        with self._lock:
+            if lease_id in self._scrubbing:
+                return
+            self._scrubbing.add(lease_id)
 
         def run() -> None:
             ok = False
             try:
                 if isinstance(backend, DevdaxBackend):
-                    ok = backend.scrub(memory.region_id, memory.offset_bytes, memory.length_bytes)
+                    ok = backend.scrub(region_id, offset_bytes, length_bytes)
             except Exception:
                 log.exception("scrub of lease %s failed", lease_id)
             op = "scrubbed" if ok else "scrub_failed"
@@ -359,6 +368,33 @@ class AgentService:
                     held = self._held.get(result.lease_id)
                 if held is not None:
                     held.expires_at = result.expires_at
+        if reply.revocations:
+            self._revoke([r.lease_id for r in reply.revocations])
+        for order in reply.scrub:
+            with self._lock:
+                local = self._local.get(order.device_uid)
+            if local is not None and local.dax_region_id is not None:
+                self._scrub_later(
+                    local.dax_region_id, order.offset_bytes, order.length_bytes, order.lease_id
+                )
+
+    def _revoke(self, lease_ids: builtins.list[str]) -> None:
+        """Tear down revoked leases, then confirm to poold (revoking -> reclaimed/scrubbing).
+
+        devdax memory is taken back by the kernel (the sub-device goes; the holder's
+        next access is SIGBUS). A memfd cannot be taken from a live mapping: the
+        agent drops its copy and the holder learns of the revocation at its next
+        renewal (`lease_not_active`, the client's on_lost callback).
+        """
+        for lease_id in lease_ids:
+            held = self._forget(lease_id, "revoked")
+            if held is not None:
+                log.warning("lease %s revoked by poold; tearing it down", lease_id)
+                self._drop_memory(held)
+        try:
+            self.link.client.confirm_revoked(lease_ids)
+        except PoolError as err:
+            log.warning("could not confirm revocations to poold: %s", err.message)
 
     def close(self) -> None:
         if self.warm is not None:

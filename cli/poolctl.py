@@ -16,6 +16,7 @@ import click
 from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from cli.units import format_size, parse_size
 from poold.api.client import PooldClient
@@ -104,7 +105,8 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> 
             else "left",
         )
     for row in rows:
-        t.add_row(*[str(c) if c is not None else "-" for c in row])
+        # Text, not str: device uids like "cxl:ram:..." must not turn into markup or emoji.
+        t.add_row(*[Text(str(c) if c is not None else "-") for c in row])
     Console().print(t)
 
 

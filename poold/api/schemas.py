@@ -151,10 +151,20 @@ class Revocation(Model):
     deadline_at: datetime | None = None
 
 
+class ScrubOrder(Model):
+    """A released or reclaimed devdax range the agent must zero before it is free again."""
+
+    lease_id: str
+    device_uid: str
+    offset_bytes: int
+    length_bytes: int
+
+
 class HeartbeatReply(Model):
     server_time: datetime
     renewed: list[RenewResult] = Field(default_factory=list)
     revocations: list[Revocation] = Field(default_factory=list)
+    scrub: list[ScrubOrder] = Field(default_factory=list)
     # True when poold has no (or a stale) inventory for this host.
     want_inventory: bool = False
 

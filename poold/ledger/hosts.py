@@ -21,6 +21,7 @@ from poold.api.schemas import (
     InventoryDevice,
     RenewResult,
     Revocation,
+    ScrubOrder,
 )
 from poold.errors import AlreadyExists, PoolError, Unauthorized, UnknownHost
 from poold.lease_states import LeaseState
@@ -198,9 +199,25 @@ def heartbeat(
     revoking = session.scalars(
         select(Lease).where(Lease.host_id == host.id, Lease.state == LeaseState.REVOKING.value)
     )
-    revocations = [Revocation(lease_id=lease.id, reason="revoked") for lease in revoking]
+    # A revoking lease's expires_at is the revocation deadline (reaper.revoke_in).
+    revocations = [
+        Revocation(lease_id=lease.id, reason="revoked", deadline_at=lease.expires_at)
+        for lease in revoking
+    ]
+    scrub = [
+        ScrubOrder(lease_id=lease_id, device_uid=uid, offset_bytes=offset, length_bytes=length)
+        for lease_id, uid, offset, length in session.execute(
+            select(Lease.id, Device.uid, Lease.offset_bytes, Lease.length_bytes)
+            .join(Device, Device.id == Lease.device_id)
+            .where(Lease.host_id == host.id, Lease.state == LeaseState.SCRUBBING.value)
+        )
+    ]
     return HeartbeatReply(
-        server_time=now, renewed=renewed, revocations=revocations, want_inventory=want_inventory
+        server_time=now,
+        renewed=renewed,
+        revocations=revocations,
+        scrub=scrub,
+        want_inventory=want_inventory,
     )
 
 

@@ -109,14 +109,13 @@ class ReapResult:
 def reclaim_event(device_kind: str) -> LeaseEvent:
     """How a lease that ended without its holder's release gives its range back.
 
-    The hook for scrubbing: every backend today hands out fresh memory (a new
-    memfd, or a devdax sub-device the agent destroys), so the range is free at
-    once (`reclaim`). A backend whose bytes are reused as they are must return
-    `LeaseEvent.RECLAIM_DIRTY` for its kind here: the lease then goes to
-    `scrubbing` and its range is free only after the agent reports `scrubbed`.
+    memfd-backed kinds (emulated, numa) hand out fresh pages every time, so the
+    range is free at once (`reclaim`). A devdax range is the same physical
+    memory for the next sub-device: it goes to `scrubbing` (`reclaim_dirty`)
+    and is free only after the agent reports `scrubbed` (the heartbeat reply
+    orders the scrub; a failed scrub quarantines the range).
     """
-    del device_kind
-    return LeaseEvent.RECLAIM
+    return LeaseEvent.RECLAIM_DIRTY if device_kind == "devdax" else LeaseEvent.RECLAIM
 
 
 @dataclass(frozen=True)

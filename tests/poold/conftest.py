@@ -30,12 +30,12 @@ def snapshot(ledger: Ledger) -> dict[str, list[tuple[Any, ...]]]:
 def device(uid: str = "dev-0", **kw: Any) -> InventoryDevice:
     fields: dict[str, Any] = {
         "uid": uid,
-        "kind": "devdax",
+        "kind": "numa",  # memfd-backed far memory: reclaimed ranges are free at once
         "media": "ddr5",
         "capacity_bytes": 64 * MiB,
         "alignment_bytes": 2 * MiB,
         "health": "ok",
-        "local_name": "dax0.0",
+        "local_name": "node2",
         "numa_node": 2,
     }
     fields.update(kw)

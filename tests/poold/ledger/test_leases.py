@@ -96,7 +96,7 @@ def test_grant_places_aligned_best_fit_extents(ledger: Ledger) -> None:
         "t1",
         "h1",
         "dev-0",
-        "dax0.0",
+        "node2",
         2,
     )
     assert a.holder_uid == UID and a.holder_pid == 42

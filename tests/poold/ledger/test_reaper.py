@@ -365,3 +365,24 @@ def test_drained_host_refuses_grants_keeps_leases(ledger: Ledger) -> None:
     assert reply.renewed[0].code is None
     admin_ops.drain_host(ledger, "h1", "admin", draining=False)
     assert grant(ledger).state == "active"
+
+
+def test_devdax_ranges_are_scrubbed_before_they_are_free(ledger: Ledger) -> None:
+    """devdax reuses the same physical bytes: reclaim goes through scrubbing."""
+    from poold.api.schemas import LeaseOp
+    from poold.ledger.reaper import reclaim_event
+
+    assert reclaim_event("devdax") is LeaseEvent.RECLAIM_DIRTY
+    assert reclaim_event("numa") is LeaseEvent.RECLAIM
+    seed(ledger, devices=[device(kind="devdax", local_name="dax_region0")])
+    out = grant(ledger, 4 * MiB)
+    leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=out.id, op="release_dirty")], "agent:h1")
+    with ledger.write() as s:
+        reply = hosts.heartbeat(s, hosts.get_by_name(s, "h1"), Heartbeat())
+    (order,) = reply.scrub
+    assert (order.lease_id, order.offset_bytes, order.length_bytes) == (out.id, 0, 4 * MiB)
+    # Still taken: a second grant cannot land on the dirty range.
+    again = grant(ledger, 4 * MiB)
+    assert again.offset_bytes != 0
+    leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=out.id, op="scrubbed")], "agent:h1")
+    assert leases.show(ledger, out.id).state == "reclaimed"
