@@ -9,7 +9,10 @@ import socket
 import threading
 from types import FrameType
 
+from agent.backends import Backend
+from agent.backends.devdax import DevdaxBackend
 from agent.backends.emulated import EmulatedBackend
+from agent.backends.numa import NumaBackend
 from agent.config import AgentConfig
 from agent.inventory import InventoryWatcher, host_inventory
 from agent.link import PooldLink
@@ -43,13 +46,18 @@ def run(config: AgentConfig) -> int:
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
-    backends = {"emulated": EmulatedBackend()}
+    backends: dict[str, Backend] = {
+        "emulated": EmulatedBackend(),
+        "devdax": DevdaxBackend(config.sysfs_root),
+        "numa": NumaBackend(sysfs_root=config.sysfs_root, hugepages=config.hugepages),
+    }
     client = PooldClient(config.poold_url, credential)
     link = PooldLink(client, __version__)
     inventory = host_inventory(config, set(backends))
     warm = WarmPool(backends["emulated"], config.warm_pool_bytes)
     warm.start()
-    service = AgentService(config.host, link, backends, warm)  # type: ignore[arg-type]
+    service = AgentService(config.host, link, backends, warm)
+    service.hugepages = config.hugepages
     link.inventory = inventory
     try:
         link.register(inventory)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import logging
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -43,6 +44,17 @@ class LocalDevice:
     kind: str
     dax_region_id: int | None = None
     numa_node: int | None = None
+
+
+_DAX_REGION_NAME = re.compile(r"^dax_region(\d+)$|^dax(\d+)\.\d+$")
+
+
+def local_device(device: InventoryDevice) -> LocalDevice:
+    """The local facts behind a wire inventory entry (discovery names dax regions
+    `dax_region<N>`; a static pmem namespace goes by its device, `dax<N>.0`)."""
+    match = _DAX_REGION_NAME.match(device.local_name)
+    region = next((int(g) for g in match.groups() if g is not None), None) if match else None
+    return LocalDevice(device.kind, dax_region_id=region, numa_node=device.numa_node)
 
 
 @dataclass
@@ -235,11 +247,21 @@ class AgentService:
         with self._lock:
             self._local = dict(devices)
 
+    def _locate(self, device_uid: str) -> LocalDevice | None:
+        """Where a device lives here: set explicitly, or read off the current inventory."""
+        with self._lock:
+            local = self._local.get(device_uid)
+        if local is not None:
+            return local
+        for device in self.link.inventory:
+            if device.uid == device_uid:
+                return local_device(device)
+        return None
+
     def _make(self, backend: Backend, lease: LeaseOut) -> Materialised:
         """Memory for a placed lease, made the way its device kind needs."""
         name = f"poold-lease-{lease.id}"
-        with self._lock:
-            local = self._local.get(lease.device_uid)
+        local = self._locate(lease.device_uid)
         if isinstance(backend, DevdaxBackend):
             if local is None or local.dax_region_id is None:
                 raise BackendFailed(f"device {lease.device_uid} has no dax region on this host")
@@ -371,8 +393,7 @@ class AgentService:
         if reply.revocations:
             self._revoke([r.lease_id for r in reply.revocations])
         for order in reply.scrub:
-            with self._lock:
-                local = self._local.get(order.device_uid)
+            local = self._locate(order.device_uid)
             if local is not None and local.dax_region_id is not None:
                 self._scrub_later(
                     local.dax_region_id, order.offset_bytes, order.length_bytes, order.lease_id
