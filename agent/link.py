@@ -25,6 +25,7 @@ from poold.api.schemas import (
     InventoryDevice,
     LeaseOp,
     LeaseOut,
+    LeaseReport,
     Renewal,
 )
 from poold.errors import PooldUnreachable
@@ -56,6 +57,11 @@ class PooldLink:
         self.reachable = False
         self.last_heartbeat_at: datetime | None = None
         self.on_reply: Callable[[HeartbeatReply], None] | None = None
+        # The lease reports that changed since the last call (set by the agent service);
+        # each heartbeat carries them. Reports a failed heartbeat could not deliver wait
+        # in _unsent_reports, unless a newer report of the same lease replaces them.
+        self.reports_provider: Callable[[], list[LeaseReport]] | None = None
+        self._unsent_reports: dict[str, LeaseReport] = {}
 
     # --- synchronous calls ----------------------------------------------
     def register(self, inventory: list[InventoryDevice]) -> HeartbeatReply:
@@ -130,15 +136,24 @@ class PooldLink:
         with self._lock:
             return len(self._outbox)
 
+    def _take_reports(self) -> list[LeaseReport]:
+        fresh = self.reports_provider() if self.reports_provider is not None else []
+        with self._lock:
+            reports, self._unsent_reports = self._unsent_reports, {}
+        reports.update((r.lease_id, r) for r in fresh)
+        return list(reports.values())
+
     def heartbeat(self) -> HeartbeatReply | None:
         with self._lock:
             renewals, self._renewals = self._renewals, {}
+        reports = self._take_reports()
         digest = inventory_digest(self.inventory)
         beat = Heartbeat(
             agent_version=self.agent_version,
             inventory_digest=digest,
             inventory=self.inventory if digest != self._sent_digest else None,
             renewals=[Renewal(lease_id=k, ttl_s=v) for k, v in renewals.items()],
+            reports=reports,
         )
         try:
             reply = self.client.heartbeat(beat)
@@ -148,7 +163,11 @@ class PooldLink:
             with self._lock:
                 for k, v in renewals.items():
                     self._renewals.setdefault(k, v)
+                for r in reports:
+                    self._unsent_reports.setdefault(r.lease_id, r)
             return None
+        for refusal in reply.report_errors:
+            log.warning("report for lease %s refused: %s", refusal.lease_id, refusal.message)
         self._sent_digest = digest if beat.inventory is not None else self._sent_digest
         if reply.want_inventory:
             self._sent_digest = None

@@ -27,7 +27,14 @@ from agent.link import PooldLink
 from agent.server import Peer
 from agent.warm import WarmPool
 from poold import __version__
-from poold.api.schemas import GrantRequest, HeartbeatReply, InventoryDevice, LeaseOp, LeaseOut
+from poold.api.schemas import (
+    GrantRequest,
+    HeartbeatReply,
+    InventoryDevice,
+    LeaseOp,
+    LeaseOut,
+    LeaseReport,
+)
 from poold.errors import BackendFailed, LeaseNotActive, NotOwner, PoolError, UnknownLease
 from poold.extents import align_up
 
@@ -88,7 +95,10 @@ class AgentService:
         self._local: dict[str, LocalDevice] = {}
         self._scrubbing: set[str] = set()  # lease ids whose range is being (or was) zeroed
         self.hugepages: HugepageMode = "off"
+        # Latest accounting report per lease, not yet handed to the link's heartbeat.
+        self._reports: dict[str, LeaseReport] = {}
         link.on_reply = self._on_heartbeat_reply
+        link.reports_provider = self.take_reports
 
     # --- helpers -----------------------------------------------------------
     def _inventory(self) -> list[InventoryDevice]:
@@ -371,7 +381,16 @@ class AgentService:
     def report(self, peer: Peer, args: p.ReportArgs) -> p.ReportResult:
         held = self._owned(peer, args.lease_id, "report on")
         held.extra["report"] = args.model_dump()
+        # Only the latest counts: the next heartbeat carries it (DESIGN.md: batched).
+        with self._lock:
+            self._reports[args.lease_id] = LeaseReport(**held.extra["report"])
         return p.ReportResult(accepted=True)
+
+    def take_reports(self) -> builtins.list[LeaseReport]:
+        """The reports changed since the last call, of leases still held (the link's provider)."""
+        with self._lock:
+            pending, self._reports = self._reports, {}
+            return [r for lease_id, r in pending.items() if lease_id in self._held]
 
     def disconnected(self, peer: Peer) -> None:
         """A connection closed. Its leases stay: a holder may reconnect (lifecycle issue)."""

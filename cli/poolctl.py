@@ -557,3 +557,7 @@ hosts.add_command(lifecycle.host_undrain_command)
 devices_command.add_command(lifecycle.device_drain_command)
 devices_command.add_command(lifecycle.device_undrain_command)
 main.add_command(audit)
+
+from cli.accounting import accounting  # noqa: E402  (cli.accounting imports this module's helpers)
+
+main.add_command(accounting)

@@ -24,6 +24,11 @@ def _env_float(name: str, default: float) -> float:
     return float(raw) if raw else default
 
 
+def _env_optional_float(name: str) -> float | None:
+    raw = os.environ.get(f"POOLD_{name.upper()}")
+    return float(raw) if raw else None
+
+
 class PooldSettings(BaseModel):
     state_dir: Path = Field(default_factory=default_state_dir)
     database_url: str | None = None  # None: SQLite in state_dir
@@ -46,6 +51,11 @@ class PooldSettings(BaseModel):
     )
     host_silent_grace_s: float = Field(
         default_factory=lambda: _env_float("host_silent_grace_s", 300.0)
+    )
+    # What new DDR5 far memory costs per GiB-month: `poolctl accounting` prices what
+    # recycled DDR4 saved against it. None: not configured, no savings shown.
+    ddr5_cost_per_gib_month: float | None = Field(
+        default_factory=lambda: _env_optional_float("ddr5_cost_per_gib_month"), ge=0
     )
 
     def resolved_database_url(self) -> str:

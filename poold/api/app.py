@@ -10,6 +10,7 @@ import hmac
 import logging
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Query, Request, Response
@@ -20,6 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from poold import __version__
 from poold.api.schemas import (
+    AccountingBy,
+    AccountingReport,
     AgentOps,
     AuditReport,
     DeviceAnnotate,
@@ -53,7 +56,17 @@ from poold.errors import (
     Unauthorized,
 )
 from poold.lease_states import LeaseEvent
-from poold.ledger import admin_ops, audit, capacity, devices, events, hosts, leases, tenants
+from poold.ledger import (
+    accounting,
+    admin_ops,
+    audit,
+    capacity,
+    devices,
+    events,
+    hosts,
+    leases,
+    tenants,
+)
 from poold.ledger.db import Ledger
 from poold.ledger.reaper import ReaperPolicy
 
@@ -378,4 +391,31 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
         admin_only(p)
         return audit.run_audit(ledger, policy(), reclaim_safe=reclaim)
 
+    # --- accounting (poold/ledger/accounting.py) ---------------------------------
+    @app.get("/v1/accounting")
+    async def get_accounting(
+        p: Caller,
+        by: AccountingBy = "tenant",
+        since: datetime | None = None,
+        until: datetime | None = None,
+    ) -> AccountingReport:
+        admin_only(p)
+        # A time without a zone is UTC, as everywhere in the ledger.
+        until = _utc(until) if until is not None else datetime.now(UTC)
+        since = _utc(since) if since is not None else until - ACCOUNTING_PERIOD
+        if since >= until:
+            raise BadRequest(f"since ({since.isoformat()}) must be before until")
+        # server.py sets the configured price; an app built by a test has none.
+        ddr5 = getattr(app.state, "ddr5_cost_per_gib_month", None)
+        return accounting.report(
+            ledger, by, since, until, float(ddr5) if ddr5 is not None else None
+        )
+
     return app
+
+
+ACCOUNTING_PERIOD = timedelta(days=30)  # --since left out: the last 30 days
+
+
+def _utc(at: datetime) -> datetime:
+    return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)

@@ -6,6 +6,7 @@ code); a poold that cannot be reached is `poold_unreachable`.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -13,6 +14,8 @@ import httpx
 from pydantic import BaseModel, TypeAdapter
 
 from poold.api.schemas import (
+    AccountingBy,
+    AccountingReport,
     AgentOps,
     AuditReport,
     DeviceAnnotate,
@@ -228,6 +231,21 @@ class PooldClient:
 
     def undrain_host(self, name: str) -> DrainResult:
         return self._model(DrainResult, "POST", f"/v1/hosts/{name}/undrain")
+
+    def accounting(
+        self,
+        by: AccountingBy = "tenant",
+        *,
+        since: datetime | None = None,
+        until: datetime | None = None,
+    ) -> AccountingReport:
+        """Usage per group now, and GiB-hours and cost over [since, until] (default 30 days)."""
+        params: dict[str, Any] = {"by": by}
+        if since is not None:
+            params["since"] = since.isoformat()
+        if until is not None:
+            params["until"] = until.isoformat()
+        return self._model(AccountingReport, "GET", "/v1/accounting", params=params)
 
     def audit(self, *, reclaim: bool = False, timeout_s: float = 600.0) -> AuditReport:
         """Run one reclamation audit in poold (it may take seconds on a large ledger)."""

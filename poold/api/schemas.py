@@ -128,6 +128,24 @@ class Renewal(Model):
     ttl_s: int = Field(gt=0, le=MAX_TTL_S)
 
 
+MAX_BLOCKS = 1 << 48  # as the agent socket protocol allows (agent/protocol.py)
+
+
+class LeaseReport(Model):
+    """A tenant's exclusive/replica accounting of one lease, as the agent forwards it.
+
+    Counts are the tenant's word; poold checks them per item when it stores them
+    (exclusive + replica within used, used within the lease).
+    """
+
+    lease_id: Annotated[str, Field(min_length=1, max_length=64)]
+    used_bytes: int = Field(ge=0, le=MAX_LEASE_BYTES)
+    exclusive_bytes: int = Field(ge=0, le=MAX_LEASE_BYTES)
+    replica_bytes: int = Field(ge=0, le=MAX_LEASE_BYTES)
+    exclusive_blocks: int = Field(default=0, ge=0, le=MAX_BLOCKS)
+    replica_blocks: int = Field(default=0, ge=0, le=MAX_BLOCKS)
+
+
 class Heartbeat(Model):
     """One request per host per interval: inventory, all renewals, agent facts."""
 
@@ -136,6 +154,8 @@ class Heartbeat(Model):
     # Sent only when it changed (digest differs) or poold asked for it.
     inventory: list[InventoryDevice] | None = None
     renewals: list[Renewal] = Field(default_factory=list, max_length=100_000)
+    # The latest accounting of every lease whose report changed since the last heartbeat.
+    reports: list[LeaseReport] = Field(default_factory=list, max_length=100_000)
 
 
 class RenewResult(Model):
@@ -160,11 +180,21 @@ class ScrubOrder(Model):
     length_bytes: int
 
 
+class ReportRefusal(Model):
+    """A lease report poold did not store (not this host's lease, ended, inconsistent)."""
+
+    lease_id: str
+    code: str
+    message: str
+
+
 class HeartbeatReply(Model):
     server_time: datetime
     renewed: list[RenewResult] = Field(default_factory=list)
     revocations: list[Revocation] = Field(default_factory=list)
     scrub: list[ScrubOrder] = Field(default_factory=list)
+    # Reports refused one by one; the rest of the heartbeat still applies.
+    report_errors: list[ReportRefusal] = Field(default_factory=list)
     # True when poold has no (or a stale) inventory for this host.
     want_inventory: bool = False
 
@@ -408,3 +438,48 @@ class AuditReport(Model):
     pending: list[AuditItem] = Field(default_factory=list)  # ended, within their grace
     agents: AgentFindings = Field(default_factory=AgentFindings)
     reclaimed: int = 0
+
+
+# --- accounting (DESIGN.md "Exclusive-copy accounting") ------------------------------
+
+AccountingBy = Literal["tenant", "host", "device", "media"]
+
+
+class UsageRow(Model):
+    """Live leases of one group (or the whole pool): leased, and what tenants reported."""
+
+    group: str
+    leases: int = 0
+    reported_leases: int = 0  # leases with at least one report; the rest count as unused
+    leased_bytes: int = 0
+    used_bytes: int = 0
+    exclusive_bytes: int = 0
+    replica_bytes: int = 0
+    exclusive_blocks: int = 0
+    replica_blocks: int = 0
+    exclusive_ratio: float = 0.0  # exclusive / leased: what the memory is worth to the pool
+
+
+class ServedRow(Model):
+    """GiB-hours one tenant was served on one media class over a period, and their cost."""
+
+    tenant: str
+    media: str
+    gib_hours: float = 0.0
+    recycled_gib_hours: float = 0.0
+    cost: float = 0.0  # over the GiB-hours whose device has a cost basis
+    unpriced_gib_hours: float = 0.0  # on devices without a cost basis
+    # What recycled DDR4 saved against new DDR5 (None: no DDR5 price configured).
+    savings: float | None = None
+
+
+class AccountingReport(Model):
+    by: AccountingBy
+    generated_at: datetime
+    pool: UsageRow
+    groups: list[UsageRow]
+    since: datetime
+    until: datetime
+    ddr5_cost_per_gib_month: float | None = None
+    served: list[ServedRow]
+    served_total: ServedRow

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, bindparam, select, update
 from sqlalchemy.orm import Session
@@ -19,13 +19,24 @@ from poold.api.schemas import (
     HeartbeatReply,
     HostOut,
     InventoryDevice,
+    LeaseReport,
     RenewResult,
+    ReportRefusal,
     Revocation,
     ScrubOrder,
 )
-from poold.errors import AlreadyExists, PoolError, Unauthorized, UnknownHost
+from poold.errors import (
+    AlreadyExists,
+    BadRequest,
+    LeaseNotActive,
+    NotOwner,
+    PoolError,
+    Unauthorized,
+    UnknownHost,
+    UnknownLease,
+)
 from poold.lease_states import LeaseState
-from poold.ledger import devices, events, leases
+from poold.ledger import accounting, devices, events, leases
 from poold.ledger.models import Device, DevicePath, Host, Lease
 from poold.ledger.types import check_ints_fit, utcnow
 
@@ -171,6 +182,54 @@ def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevi
                 )
 
 
+REPORT_BATCH = 1000  # lease ids per IN (...) lookup
+
+
+def store_reports(
+    session: Session, host: Host, reports: list[LeaseReport], now: datetime
+) -> list[ReportRefusal]:
+    """Store each lease's latest accounting report; refuse (per item) what cannot be true.
+
+    A report is for a lease held on this host whose holder still has the memory
+    (accounting.MEMORY_HELD); anything else is refused with the code a lease call
+    would get (unknown_lease, not_owner, lease_not_active) and the rest still apply.
+    """
+    latest = {r.lease_id: r for r in reports}  # the last report of a lease in a batch wins
+    ids = sorted(latest)
+    found: dict[str, Lease] = {}
+    for i in range(0, len(ids), REPORT_BATCH):
+        chunk = ids[i : i + REPORT_BATCH]
+        found.update(
+            (row.id, row) for row in session.scalars(select(Lease).where(Lease.id.in_(chunk)))
+        )
+    refused: list[ReportRefusal] = []
+    for lease_id in ids:
+        report = latest[lease_id]
+        lease = found.get(lease_id)
+        err: PoolError | None = None
+        if lease is None:
+            err = UnknownLease(f"no lease {lease_id!r}")
+        elif lease.host_id != host.id:
+            err = NotOwner(f"lease {lease_id} is not held on host {host.name!r}")
+        elif lease.state not in accounting.MEMORY_HELD:
+            err = LeaseNotActive(f"lease {lease_id} is {lease.state}; its report is not stored")
+        else:
+            problem = accounting.report_problem(report, lease.length_bytes)
+            if problem is not None:
+                err = BadRequest(f"report for lease {lease_id}: {problem}")
+        if err is not None:
+            refused.append(ReportRefusal(lease_id=lease_id, code=err.code, message=err.message))
+            continue
+        assert lease is not None
+        lease.used_bytes = report.used_bytes
+        lease.exclusive_bytes = report.exclusive_bytes
+        lease.replica_bytes = report.replica_bytes
+        lease.exclusive_blocks = report.exclusive_blocks
+        lease.replica_blocks = report.exclusive_blocks
+        lease.reported_at = now
+    return refused
+
+
 def heartbeat(
     session: Session, host: Host, beat: Heartbeat, ttl_grace_s: int = 0
 ) -> HeartbeatReply:
@@ -196,6 +255,8 @@ def heartbeat(
             renewed.append(
                 RenewResult(lease_id=renewal.lease_id, code=err.code, message=err.message)
             )
+    # After the renewals: a lease that lazily expired just now still held its memory.
+    report_errors = store_reports(session, host, beat.reports, now) if beat.reports else []
     revoking = session.scalars(
         select(Lease).where(Lease.host_id == host.id, Lease.state == LeaseState.REVOKING.value)
     )
@@ -217,6 +278,7 @@ def heartbeat(
         renewed=renewed,
         revocations=revocations,
         scrub=scrub,
+        report_errors=report_errors,
         want_inventory=want_inventory,
     )
 

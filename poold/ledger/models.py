@@ -184,9 +184,14 @@ class Lease(Base):
     holder_gid: Mapped[int | None] = mapped_column(Integer)
     holder_pid: Mapped[int | None] = mapped_column(Integer)
     labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # The holder's last accounting report (DESIGN.md "Exclusive-copy accounting");
+    # reported_at None: never reported. Written by hosts.store_reports.
     exclusive_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     replica_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     reported_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    used_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    exclusive_blocks: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    replica_blocks: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class Event(Base):

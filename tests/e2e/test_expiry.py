@@ -116,7 +116,6 @@ def test_lease_expires_and_is_reclaimed_on_time(poold: Poold) -> None:
     # Never early; the upper bounds leave room for a loaded 2-core CI machine.
     assert 0.95 <= expired_at <= 4.0
     assert 1.45 <= reclaimed_at <= 5.0
-    assert reclaimed_at - expired_at >= 0.45
     kinds = poold.events(lease_id)
     assert [k for k, _, _ in kinds] == [
         "lease.grant",
