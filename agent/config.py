@@ -38,6 +38,8 @@ class AgentConfig(BaseModel):
     emulated: bool | None = None  # None: only when the host has no far memory
     emulated_capacity_bytes: int | None = Field(default=None, gt=0)  # None: 1/4 of RAM
     emulated_alignment_bytes: int = Field(default=2 << 20, gt=0)
+    # How often the agent checks that each lease's holder process still lives.
+    holder_check_interval_s: float = Field(default=1.0, gt=0)
     # 2 MiB pages for numa leases: off, prefer (fall back to 4 KiB) or required.
     hugepages: Literal["off", "prefer", "required"] = "off"
     # Fresh memfds kept ready for small leases (agent.warm); 0 turns it off.

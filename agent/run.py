@@ -15,6 +15,7 @@ from agent.backends.emulated import EmulatedBackend
 from agent.backends.numa import NumaBackend
 from agent.config import AgentConfig
 from agent.inventory import InventoryWatcher, host_inventory
+from agent.journal import Journal
 from agent.link import PooldLink
 from agent.server import AgentServer
 from agent.service import AgentService
@@ -58,6 +59,10 @@ def run(config: AgentConfig) -> int:
     warm.start()
     service = AgentService(config.host, link, backends, warm)
     service.hugepages = config.hugepages
+    service.journal = Journal(config.state_dir / "journal.db")
+    adopted, orphaned = service.adopt()
+    if adopted or orphaned:
+        log.info("journal: re-adopted %d live lease(s), orphaned %d", adopted, orphaned)
     link.inventory = inventory
     try:
         link.register(inventory)
@@ -76,6 +81,7 @@ def run(config: AgentConfig) -> int:
         listen_socket=systemd_listen_socket(),
     )
     link.start(config.heartbeat_interval_s)
+    service.start_holder_watch(config.holder_check_interval_s)
     watcher = InventoryWatcher(config, set(backends), link)
     watcher.start()
     stop = threading.Event()

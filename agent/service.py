@@ -9,6 +9,7 @@ users, never what the request claims. A lease's memory is made by a backend
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import os
 import re
@@ -23,6 +24,10 @@ from agent import protocol as p
 from agent.backends import Backend, Materialised
 from agent.backends.devdax import DevdaxBackend, DevdaxMaterialised
 from agent.backends.numa import HugepageMode, NumaBackend
+from agent.holders import Holder
+from agent.holders import alive as holder_alive
+from agent.journal import Entry as JournalEntry
+from agent.journal import Journal
 from agent.link import PooldLink
 from agent.server import Peer
 from agent.warm import WarmPool
@@ -67,13 +72,18 @@ def local_device(device: InventoryDevice) -> LocalDevice:
 @dataclass
 class HeldLease:
     lease: LeaseOut
-    memory: Materialised
+    # None for a lease re-adopted after an agent restart: the holder keeps its
+    # own mapping; the agent lost its fd (devdax: the sub-device is by name).
+    memory: Materialised | None
     holder_uid: int
     holder_pid: int
     conn_id: int
     ttl_s: int
     expires_at: datetime
     page_size_bytes: int
+    holder: Holder | None = None
+    sub_device: str | None = None
+    region_id: int | None = None
     lost: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -93,6 +103,8 @@ class AgentService:
         self._held: dict[str, HeldLease] = {}
         self._ended: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (state, uid)
         self._local: dict[str, LocalDevice] = {}
+        self.journal: Journal | None = None
+        self._stop = threading.Event()
         self._scrubbing: set[str] = set()  # lease ids whose range is being (or was) zeroed
         self.hugepages: HugepageMode = "off"
         # Latest accounting report per lease, not yet handed to the link's heartbeat.
@@ -131,9 +143,9 @@ class AgentService:
             offset_bytes=lease.offset_bytes,
             epoch=lease.epoch,
             media=lease.media,
-            backend=held.memory.backend,
+            backend=held.memory.backend if held.memory is not None else lease.device_kind,
             numa_node=held.memory.numa_node
-            if held.memory.numa_node is not None
+            if held.memory is not None and held.memory.numa_node is not None
             else lease.numa_node,
             device_uid=lease.device_uid,
             alignment_bytes=lease.alignment_bytes,
@@ -169,9 +181,21 @@ class AgentService:
                 self._ended[lease_id] = (state, held.holder_uid)
                 while len(self._ended) > ENDED_MEMORY:
                     self._ended.popitem(last=False)
+        if held is not None and self.journal is not None:
+            self.journal.remove(lease_id)
         return held
 
     def _drop_memory(self, held: HeldLease) -> None:
+        if held.memory is None:
+            # Re-adopted: a devdax sub-device is destroyed by name; a memfd's pages
+            # go when the holder unmaps them (the agent has no fd left to close).
+            backend = self.backends.get("devdax")
+            if isinstance(backend, DevdaxBackend) and held.sub_device is not None:
+                try:
+                    backend.revoke(held.region_id or 0, held.sub_device)
+                except Exception:
+                    log.exception("destroying %s of lease %s", held.sub_device, held.lease.id)
+            return
         backend = self.backends.get(held.memory.backend)
         try:
             if backend is not None:
@@ -239,7 +263,12 @@ class AgentService:
             ttl_s=lease.ttl_s,
             expires_at=lease.expires_at,
             page_size_bytes=memory.page_size_bytes,
+            holder=Holder.of(peer.pid, peer.uid),
+            sub_device=memory.device if isinstance(memory, DevdaxMaterialised) else None,
+            region_id=memory.region_id if isinstance(memory, DevdaxMaterialised) else None,
         )
+        # Journalled before the fd leaves: a crash after this point is re-adopted.
+        self._journal(held)
         with self._lock:
             self._held[lease.id] = held
         log.info(
@@ -393,7 +422,109 @@ class AgentService:
             return [r for lease_id, r in pending.items() if lease_id in self._held]
 
     def disconnected(self, peer: Peer) -> None:
-        """A connection closed. Its leases stay: a holder may reconnect (lifecycle issue)."""
+        """A connection closed. Its leases stay while the holder lives (it may reconnect)."""
+        with self._lock:
+            mine = [h for h in self._held.values() if h.holder_pid == peer.pid]
+        if mine:
+            self.check_holders(mine)
+
+    # --- holders, orphans, restarts ---------------------------------------------
+    def _journal(self, held: HeldLease) -> None:
+        if self.journal is None:
+            return
+        lease = held.lease
+        self.journal.add(
+            JournalEntry(
+                lease_id=lease.id,
+                device_uid=lease.device_uid,
+                backend=held.memory.backend if held.memory is not None else lease.device_kind,
+                offset_bytes=lease.offset_bytes,
+                length_bytes=lease.length_bytes,
+                epoch=lease.epoch,
+                holder_pid=held.holder_pid,
+                holder_uid=held.holder_uid,
+                holder_start=held.holder.start_time if held.holder else None,
+                ttl_s=held.ttl_s,
+                sub_device=held.sub_device,
+                region_id=held.region_id,
+                lease_json=lease.model_dump_json(),
+            )
+        )
+
+    def check_holders(self, candidates: builtins.list[HeldLease] | None = None) -> int:
+        """Orphan the leases whose holder process is gone (pid + start time); return how many.
+
+        The agent drops its side of the memory (a devdax sub-device is destroyed)
+        and tells poold, which reclaims the range after its grace period.
+        """
+        if candidates is None:
+            with self._lock:
+                candidates = list(self._held.values())
+        orphaned = 0
+        for held in candidates:
+            if held.holder is None or holder_alive(held.holder):
+                continue
+            if self._forget(held.lease.id, "orphaned") is None:
+                continue
+            log.warning(
+                "holder pid %d of lease %s is gone: orphaned", held.holder_pid, held.lease.id
+            )
+            self._drop_memory(held)
+            self.link.enqueue(
+                LeaseOp(
+                    lease_id=held.lease.id,
+                    op="orphan",
+                    reason=f"holder pid {held.holder_pid} exited",
+                )
+            )
+            orphaned += 1
+        return orphaned
+
+    def adopt(self) -> tuple[int, int]:
+        """After a restart: keep journalled leases whose holder lives, orphan the rest.
+
+        Returns (adopted, orphaned). Renewals of adopted leases work again at
+        once; their memory stays with the holder, which never noticed the restart.
+        """
+        if self.journal is None:
+            return 0, 0
+        adopted = orphaned = 0
+        for entry in self.journal.entries():
+            lease = LeaseOut.model_validate_json(entry.lease_json)
+            holder = Holder(
+                pid=entry.holder_pid, uid=entry.holder_uid, start_time=entry.holder_start
+            )
+            held = HeldLease(
+                lease=lease,
+                memory=None,
+                holder_uid=entry.holder_uid,
+                holder_pid=entry.holder_pid,
+                conn_id=0,
+                ttl_s=entry.ttl_s,
+                expires_at=lease.expires_at,
+                page_size_bytes=lease.alignment_bytes,
+                holder=holder,
+                sub_device=entry.sub_device,
+                region_id=entry.region_id,
+            )
+            with self._lock:
+                self._held[lease.id] = held
+            if holder_alive(holder):
+                adopted += 1
+                self.link.renew_later(lease.id, entry.ttl_s)
+            else:
+                orphaned += self.check_holders([held])
+        return adopted, orphaned
+
+    def start_holder_watch(self, interval_s: float) -> None:
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.check_holders()
+                except Exception:
+                    log.exception("holder check failed")
+
+        threading.Thread(target=loop, name="agent-holders", daemon=True).start()
 
     # --- poold's answers ------------------------------------------------------
     def _on_heartbeat_reply(self, reply: HeartbeatReply) -> None:
@@ -437,9 +568,16 @@ class AgentService:
             log.warning("could not confirm revocations to poold: %s", err.message)
 
     def close(self) -> None:
+        self._stop.set()
         if self.warm is not None:
             self.warm.stop()
         with self._lock:
             held, self._held = list(self._held.values()), {}
+        # Shutting down is not releasing: tenants keep their mappings (a devdax
+        # sub-device stays), the journal keeps the leases for the next start.
         for h in held:
-            self._drop_memory(h)
+            if h.memory is not None:
+                with contextlib.suppress(OSError):
+                    os.close(h.memory.fd)
+        if self.journal is not None:
+            self.journal.close()

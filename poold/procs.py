@@ -66,7 +66,12 @@ class Child:
 
 
 def start_poold(
-    state_dir: Path, port: int, *, database_url: str | None = None, timeout_s: float = 30.0
+    state_dir: Path,
+    port: int,
+    *,
+    database_url: str | None = None,
+    timeout_s: float = 30.0,
+    env: dict[str, str] | None = None,
 ) -> Child:
     argv = [
         sys.executable,
@@ -82,7 +87,7 @@ def start_poold(
     ]
     if database_url:
         argv += ["--database-url", database_url]
-    child = Child("poold", argv, state_dir.parent / f"poold-{port}.log")
+    child = Child("poold", argv, state_dir.parent / f"poold-{port}.log", env=env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not child.alive():
@@ -137,11 +142,21 @@ def start_agent(
     while time.monotonic() < deadline:
         if not child.alive():
             raise RuntimeError(f"pool-agent exited at start:\n{child.log_tail()}")
-        if socket_path.exists():
+        if socket_path.exists() and _accepts(socket_path):
             return child
         time.sleep(0.02)
     child.kill()
     raise RuntimeError(f"pool-agent socket did not appear:\n{child.log_tail()}")
+
+
+def _accepts(path: Path) -> bool:
+    """True when an agent listens there (a stale socket file from a crash refuses)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def admin_client(state_dir: Path, port: int) -> PooldClient:

@@ -111,6 +111,7 @@ _OP_EVENTS = {
     "abort": LeaseEvent.ABORT,
     "scrubbed": LeaseEvent.SCRUBBED,
     "scrub_failed": LeaseEvent.SCRUB_FAILED,
+    "orphan": LeaseEvent.ORPHAN,
 }
 _SET_STATE = (
     update(Lease)

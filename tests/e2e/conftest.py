@@ -8,7 +8,7 @@ import pwd
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,15 @@ class Cluster:
     socket_path: Path
     admin: PooldClient
     host: str = "e2e-host"
+    agent_args: dict[str, Any] = field(default_factory=dict)
+
+    def restart_agent(self, *, kill: bool = True) -> None:
+        """Stop the agent (SIGKILL by default: a crash) and start it on the same state."""
+        if kill:
+            self.agent.kill()
+        else:
+            self.agent.stop()
+        self.agent = procs.start_agent(self.work, **self.agent_args)
 
     @property
     def url(self) -> str:
@@ -65,7 +74,13 @@ class Cluster:
 def _start(tmp_path: Path, database_url: str | None) -> Iterator[Cluster]:
     state_dir = tmp_path / "poold"
     port = procs.free_port()
-    poold = procs.start_poold(state_dir, port, database_url=database_url)
+    # Fast lifecycle for tests: reaper every 0.2 s, 1 s of grace before reclaiming.
+    poold = procs.start_poold(
+        state_dir,
+        port,
+        database_url=database_url,
+        env={"POOLD_REAP_INTERVAL_S": "0.2", "POOLD_EXPIRY_GRACE_S": "1"},
+    )
     children = [poold]
     cleanup: list[Path] = []
     try:
@@ -100,7 +115,19 @@ def _start(tmp_path: Path, database_url: str | None) -> Iterator[Cluster]:
         )
         children.append(agent)
         url = database_url or f"sqlite:///{state_dir / 'ledger.db'}"
-        yield Cluster(tmp_path, state_dir, port, url, poold, agent, sock, admin)
+        cluster = Cluster(tmp_path, state_dir, port, url, poold, agent, sock, admin)
+        cluster.agent_args = {
+            "host": "e2e-host",
+            "poold_url": f"http://127.0.0.1:{port}",
+            "credential_file": cred,
+            "socket_path": sock,
+            "emulated_capacity_bytes": AGENT_CAPACITY,
+            "heartbeat_interval_s": 0.2,
+            "extra": extra,
+        }
+        yield cluster
+        agent = cluster.agent  # a test may have restarted it
+        children[-1] = agent
         admin.close()
     finally:
         for child in reversed(children):
