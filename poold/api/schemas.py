@@ -220,7 +220,8 @@ class LeaseOp(Model):
     lease_id: Annotated[str, Field(min_length=1, max_length=64)]
     # release_dirty: the holder is done but the bytes need zeroing (devdax);
     # scrubbed / scrub_failed: the agent's verdict on that zeroing.
-    op: Literal["release", "release_dirty", "abort", "scrubbed", "scrub_failed"]
+    # orphan: the holder process is gone (the agent saw it exit).
+    op: Literal["release", "release_dirty", "abort", "scrubbed", "scrub_failed", "orphan"]
     reason: Annotated[str, Field(max_length=1024)] = ""
 
 

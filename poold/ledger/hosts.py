@@ -225,7 +225,7 @@ def store_reports(
         lease.exclusive_bytes = report.exclusive_bytes
         lease.replica_bytes = report.replica_bytes
         lease.exclusive_blocks = report.exclusive_blocks
-        lease.replica_blocks = report.exclusive_blocks
+        lease.replica_blocks = report.replica_blocks
         lease.reported_at = now
     return refused
 
