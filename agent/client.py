@@ -74,6 +74,8 @@ _PREFAULT_BYTES_PER_S: Final = 1 << 30
 _RENEW_FRACTION: Final = 1 / 3
 _MIN_RENEW_RETRY_S: Final = 0.1
 
+# on_shrink(lease, target_bytes, deadline_at): poold asks for memory back (pressure).
+ShrinkCallback = Callable[["Lease", int, datetime], None]
 _ResultT = TypeVar("_ResultT", bound=Model)
 _ArgsT = TypeVar("_ArgsT", bound=Model)
 
@@ -98,6 +100,11 @@ class Lease:
     ``lost`` turns True when the agent says the lease is no longer active (expired,
     revoked, reclaimed) during background renewal; ``on_lost`` is called once then, on
     the renewal thread.
+
+    Under pool pressure poold asks for memory back in the reply to a renewal:
+    ``on_shrink(lease, target_bytes, deadline_at)`` is called then, on the thread that
+    renewed (the renewal thread, or the caller of :meth:`renew`). ``KVStore.open``
+    sets it when it is None.
     """
 
     def __init__(
@@ -106,12 +113,14 @@ class Lease:
         granted: LeaseResult,
         fd: int,
         on_lost: Callable[[Lease], None] | None = None,
+        on_shrink: ShrinkCallback | None = None,
     ) -> None:
         self._client = client
         self._fd = fd
         self._lock = threading.Lock()
         self._released = False
         self.on_lost = on_lost
+        self.on_shrink = on_shrink
         self.lost = False
         self.lease_id: str = granted.lease_id
         self.size_bytes: int = granted.size_bytes
@@ -150,7 +159,24 @@ class Lease:
         self.expires_at = renewed.expires_at
         if ttl_s is not None:
             self.ttl_s = ttl_s
+        if renewed.shrink_target_bytes is not None and renewed.shrink_deadline_at is not None:
+            self._shrink(renewed.shrink_target_bytes, renewed.shrink_deadline_at)
         return renewed.expires_at
+
+    def _shrink(self, target_bytes: int, deadline_at: datetime) -> None:
+        log.info(
+            "pool pressure: lease %s asked to give back %d bytes by %s",
+            self.lease_id,
+            target_bytes,
+            deadline_at.isoformat(),
+        )
+        callback = self.on_shrink
+        if callback is None:
+            return
+        try:
+            callback(self, target_bytes, deadline_at)
+        except Exception:
+            log.exception("on_shrink callback failed for lease %s", self.lease_id)
 
     def report(
         self,
@@ -336,6 +362,7 @@ class PoolClient:
         labels: Mapping[str, str] | None = None,
         renew: bool = True,
         on_lost: Callable[[Lease], None] | None = None,
+        on_shrink: ShrinkCallback | None = None,
     ) -> Lease:
         """Lease ``size_bytes`` of far memory; renewed in the background unless ``renew=False``.
 
@@ -354,7 +381,7 @@ class PoolClient:
         granted, fd = self._call(OPERATIONS["lease"], args, LeaseResult, timeout_s=timeout_s)
         if fd is None:  # _call guarantees one for carries_fd operations
             raise AgentProtocolError("lease reply carried no fd")
-        lease = Lease(self, granted, fd, on_lost)
+        lease = Lease(self, granted, fd, on_lost, on_shrink)
         with self._leases_lock:
             self._leases[lease.lease_id] = lease
         if renew:

@@ -62,7 +62,9 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Literal, Protocol
 
@@ -335,6 +337,10 @@ class KVStore:
         self.misses = 0
         self.evictions = 0
         self.reporter: Reporter | None = None
+        # Pool pressure: (target_bytes, deadline_at) poold asked for, not yet given back.
+        self.pending_shrink: tuple[int, datetime] | None = None
+        self._engine_lock: AbstractContextManager[object] | None = None
+        self._lease: Lease | None = None
 
         mismatch = header_mismatch(view, lease_bytes, epoch, self.geometry)
         if mismatch is None and recover:
@@ -359,10 +365,18 @@ class KVStore:
         on_evict: Callable[[Key, str | None], None] | None = None,
         report: bool = True,
         report_interval_s: float = 1.0,
+        lock: AbstractContextManager[object] | None = None,
     ) -> KVStore:
         """A store on a fresh mapping of ``lease``, reporting through the agent unless told not.
 
         :meth:`close` flushes the last report and unmaps.
+
+        Unless the lease has its own ``on_shrink``, the store answers poold's pressure
+        hints by dropping replicas (never exclusive blocks) and reporting at once. The
+        hint arrives on the lease's renewal thread and the store is not thread-safe:
+        given ``lock`` (the one the engine holds around its store calls) it is applied
+        there and then; otherwise it waits in :attr:`pending_shrink` until the engine
+        calls :meth:`apply_shrink`.
         """
         mapping = lease.mmap()
         store = cls(
@@ -378,6 +392,11 @@ class KVStore:
         if report:
             store.reporter = Reporter(store, lease.report, min_interval_s=report_interval_s)
             store.reporter.start()
+        store._engine_lock = lock
+        # getattr: a lease-like object without on_shrink (a test double) gets no handler.
+        if getattr(lease, "on_shrink", False) is None:
+            store._lease = lease
+            lease.on_shrink = store.on_shrink
         return store
 
     # --- layout ---------------------------------------------------------------
@@ -705,6 +724,35 @@ class KVStore:
             self._evict(block)
         return freed
 
+    def on_shrink(self, lease: Lease, target_bytes: int, deadline_at: datetime) -> None:
+        """The default ``Lease.on_shrink`` of :meth:`open`: see there."""
+        self.pending_shrink = (target_bytes, deadline_at)
+        if self._engine_lock is not None:
+            with self._engine_lock:
+                self.apply_shrink()
+
+    def apply_shrink(self) -> int:
+        """Give back what poold asked for, from replicas only, and report now; bytes freed.
+
+        On the engine's thread (or under its lock). Exclusive blocks are never dropped
+        here: what replicas cannot cover is the engine's call (:meth:`shrink`).
+        """
+        pending, self.pending_shrink = self.pending_shrink, None
+        if pending is None or self._mapping is None:
+            return 0
+        target_bytes, deadline_at = pending
+        freed = self.drop_replicas(target_bytes)
+        log.info(
+            "kv store on lease %s: pool pressure asked %d bytes by %s, dropped %d of replicas",
+            self.lease_id,
+            target_bytes,
+            deadline_at.isoformat(),
+            freed,
+        )
+        if self.reporter is not None:
+            self.reporter.flush()
+        return freed
+
     # --- introspection --------------------------------------------------------
 
     def __len__(self) -> int:
@@ -772,6 +820,9 @@ class KVStore:
 
     def close(self) -> None:
         """Stop and flush the reporter; unmap when :meth:`open` mapped. Safe to call twice."""
+        lease, self._lease = self._lease, None
+        if lease is not None and lease.on_shrink == self.on_shrink:
+            lease.on_shrink = None
         if self.reporter is not None:
             self.reporter.stop()
             self.reporter = None

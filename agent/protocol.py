@@ -116,6 +116,10 @@ class RenewArgs(Model):
 class RenewResult(Model):
     lease_id: str
     expires_at: datetime
+    # Pool pressure (poold's shrink hint): give this many bytes of the lease back by
+    # the deadline, replicas first. Each hint is handed out once; None: nothing asked.
+    shrink_target_bytes: int | None = Field(default=None, gt=0)
+    shrink_deadline_at: datetime | None = None
 
 
 class ReleaseArgs(Model):

@@ -39,6 +39,7 @@ from poold.api.schemas import (
     LeaseOp,
     LeaseOut,
     LeaseReport,
+    ShrinkHint,
 )
 from poold.errors import BackendFailed, LeaseNotActive, NotOwner, PoolError, UnknownLease
 from poold.extents import align_up
@@ -109,6 +110,8 @@ class AgentService:
         self.hugepages: HugepageMode = "off"
         # Latest accounting report per lease, not yet handed to the link's heartbeat.
         self._reports: dict[str, LeaseReport] = {}
+        # poold's shrink hints (pressure) per held lease, handed out once in `renew`.
+        self._shrink: dict[str, ShrinkHint] = {}
         link.on_reply = self._on_heartbeat_reply
         link.reports_provider = self.take_reports
 
@@ -345,7 +348,14 @@ class AgentService:
         # poold applies it with the next heartbeat; the tenant's clock starts now.
         held.expires_at = datetime.now(UTC) + timedelta(seconds=ttl_s)
         self.link.renew_later(held.lease.id, ttl_s)
-        return p.RenewResult(lease_id=held.lease.id, expires_at=held.expires_at)
+        with self._lock:
+            hint = self._shrink.pop(held.lease.id, None)
+        return p.RenewResult(
+            lease_id=held.lease.id,
+            expires_at=held.expires_at,
+            shrink_target_bytes=hint.target_bytes if hint is not None else None,
+            shrink_deadline_at=hint.deadline_at if hint is not None else None,
+        )
 
     def release(self, peer: Peer, args: p.ReleaseArgs) -> p.ReleaseResult:
         self._owned(peer, args.lease_id, "release")
@@ -540,6 +550,7 @@ class AgentService:
                     held = self._held.get(result.lease_id)
                 if held is not None:
                     held.expires_at = result.expires_at
+        self._store_shrink_hints(reply.shrink)
         if reply.revocations:
             self._revoke([r.lease_id for r in reply.revocations])
         for order in reply.scrub:
@@ -548,6 +559,22 @@ class AgentService:
                 self._scrub_later(
                     local.dax_region_id, order.offset_bytes, order.length_bytes, order.lease_id
                 )
+
+    def _store_shrink_hints(self, hints: builtins.list[ShrinkHint]) -> None:
+        """Keep the latest hint of each held lease; a lease poold no longer asks has none.
+
+        A hint not yet handed to its tenant keeps its earlier deadline.
+        """
+        with self._lock:
+            fresh: dict[str, ShrinkHint] = {}
+            for hint in hints:
+                if hint.lease_id not in self._held:
+                    continue
+                pending = self._shrink.get(hint.lease_id)
+                if pending is not None and pending.deadline_at < hint.deadline_at:
+                    hint = hint.model_copy(update={"deadline_at": pending.deadline_at})
+                fresh[hint.lease_id] = hint
+            self._shrink = fresh
 
     def _revoke(self, lease_ids: builtins.list[str]) -> None:
         """Tear down revoked leases, then confirm to poold (revoking -> reclaimed/scrubbing).

@@ -25,6 +25,7 @@ def serve(settings: PooldSettings) -> None:
     policy = ReaperPolicy.from_settings(settings)
     app.state.reaper_policy = policy
     app.state.ddr5_cost_per_gib_month = settings.ddr5_cost_per_gib_month
+    app.state.pressure_watermark = settings.pressure_watermark
     reaper = Reaper(ledger, policy)
     # One pass before serving: leases of hosts this poold has not heard yet are
     # held before their agents' first (replayed) heartbeat can arrive, so a

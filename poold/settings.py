@@ -52,6 +52,12 @@ class PooldSettings(BaseModel):
     host_silent_grace_s: float = Field(
         default_factory=lambda: _env_float("host_silent_grace_s", 300.0)
     )
+    # Pressure (poold/pressure.py): a device whose free bytes fall under this fraction of
+    # its capacity makes poold ask tenants, replica bytes first, to give memory back.
+    # 0 turns it off.
+    pressure_watermark: float = Field(
+        default_factory=lambda: _env_float("pressure_watermark", 0.05), ge=0, lt=1
+    )
     # What new DDR5 far memory costs per GiB-month: `poolctl accounting` prices what
     # recycled DDR4 saved against it. None: not configured, no savings shown.
     ddr5_cost_per_gib_month: float | None = Field(

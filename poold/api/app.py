@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from poold import __version__
+from poold import __version__, pressure
 from poold.api.schemas import (
     AccountingBy,
     AccountingReport,
@@ -249,6 +249,10 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
         with ledger.read() as s:
             return [hosts.to_out(h) for h in s.scalars(select(Host).order_by(Host.name))]
 
+    def watermark() -> float:
+        """PooldSettings.pressure_watermark, as serve() put it on the app (else the default)."""
+        return float(getattr(app.state, "pressure_watermark", pressure.DEFAULT_WATERMARK))
+
     @app.post("/v1/agent/register")
     async def register(beat: Heartbeat, p: Caller) -> HeartbeatReply:
         name = agent_only(p)
@@ -263,13 +267,15 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
                 host_id=host.id,
                 detail={"agent_version": beat.agent_version, "devices": len(beat.inventory)},
             )
-            return hosts.heartbeat(s, host, beat)
+            return hosts.heartbeat(s, host, beat, pressure_watermark=watermark())
 
     @app.post("/v1/agent/heartbeat")
     async def heartbeat(beat: Heartbeat, p: Caller) -> HeartbeatReply:
         name = agent_only(p)
         with ledger.write() as s:
-            return hosts.heartbeat(s, hosts.get_by_name(s, name), beat)
+            return hosts.heartbeat(
+                s, hosts.get_by_name(s, name), beat, pressure_watermark=watermark()
+            )
 
     # --- leases ----------------------------------------------------------
     @app.post("/v1/agent/ops")

@@ -188,6 +188,18 @@ class ReportRefusal(Model):
     message: str
 
 
+class ShrinkHint(Model):
+    """Give ``target_bytes`` of this lease back by ``deadline_at`` (poold/pressure.py).
+
+    ``replica_bytes`` of them can come from replicas; the rest would be exclusive bytes.
+    """
+
+    lease_id: str
+    target_bytes: int = Field(gt=0)
+    replica_bytes: int = Field(default=0, ge=0)
+    deadline_at: datetime
+
+
 class HeartbeatReply(Model):
     server_time: datetime
     renewed: list[RenewResult] = Field(default_factory=list)
@@ -197,6 +209,8 @@ class HeartbeatReply(Model):
     report_errors: list[ReportRefusal] = Field(default_factory=list)
     # True when poold has no (or a stale) inventory for this host.
     want_inventory: bool = False
+    # Pressure: this host's leases whose tenants are asked to give memory back.
+    shrink: list[ShrinkHint] = Field(default_factory=list)
 
 
 # --- leases ---------------------------------------------------------------

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import Connection, bindparam, select, update
 from sqlalchemy.orm import Session
 
+from poold import extents, pressure
 from poold.api.schemas import (
     Heartbeat,
     HeartbeatReply,
@@ -24,6 +25,7 @@ from poold.api.schemas import (
     ReportRefusal,
     Revocation,
     ScrubOrder,
+    ShrinkHint,
 )
 from poold.errors import (
     AlreadyExists,
@@ -35,9 +37,9 @@ from poold.errors import (
     UnknownHost,
     UnknownLease,
 )
-from poold.lease_states import LeaseState
+from poold.lease_states import LIVE_STATES, LeaseState
 from poold.ledger import accounting, devices, events, leases
-from poold.ledger.models import Device, DevicePath, Host, Lease
+from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine
 from poold.ledger.types import check_ints_fit, utcnow
 
 
@@ -230,8 +232,82 @@ def store_reports(
     return refused
 
 
+def shrink_hints(
+    session: Session, host: Host, now: datetime, watermark: float, deadline_s: float
+) -> list[ShrinkHint]:
+    """Pressure on the devices this host reaches: what its leases' tenants should give back.
+
+    The plan (poold/pressure.py) covers every lease on those devices, whichever host
+    holds it, so each host's heartbeat asks its own share of the same plan.
+    """
+    if watermark <= 0:
+        return []
+    reached = list(
+        session.scalars(
+            select(Device)
+            .join(DevicePath, DevicePath.device_id == Device.id)
+            .where(DevicePath.host_id == host.id, DevicePath.present.is_(True))
+        )
+    )
+    if not reached:
+        return []
+    ids = [d.id for d in reached]
+    live = [s.value for s in LIVE_STATES]
+    used: dict[int, list[extents.Extent]] = {i: [] for i in ids}
+    uses: list[pressure.LeaseUse] = []
+    mine: set[str] = set()
+    for lease in session.scalars(
+        select(Lease).where(Lease.device_id.in_(ids), Lease.state.in_(live))
+    ):
+        used[lease.device_id].append(extents.Extent(lease.offset_bytes, lease.length_bytes))
+        if lease.host_id == host.id:
+            mine.add(lease.id)
+        uses.append(
+            pressure.LeaseUse(
+                lease_id=lease.id,
+                tenant_id=lease.tenant_id,
+                device_id=lease.device_id,
+                length_bytes=lease.length_bytes,
+                # Only a holder that still has the memory can give some back.
+                reported=lease.reported_at is not None and lease.state in accounting.MEMORY_HELD,
+                used_bytes=lease.used_bytes,
+                exclusive_bytes=lease.exclusive_bytes,
+                replica_bytes=lease.replica_bytes,
+            )
+        )
+    for device_id, offset, length in session.execute(
+        select(Quarantine.device_id, Quarantine.offset_bytes, Quarantine.length_bytes).where(
+            Quarantine.device_id.in_(ids)
+        )
+    ):
+        used[device_id].append(extents.Extent(offset, length))
+    free = [
+        pressure.DeviceFree(
+            d.id, d.capacity_bytes, extents.free_bytes(d.capacity_bytes, used[d.id])
+        )
+        for d in reached
+    ]
+    plan = pressure.plan(free, uses, watermark=watermark, now=now, deadline_s=deadline_s)
+    return [
+        ShrinkHint(
+            lease_id=r.lease_id,
+            target_bytes=r.target_bytes,
+            replica_bytes=r.replica_bytes,
+            deadline_at=r.deadline_at,
+        )
+        for r in plan
+        if r.lease_id in mine
+    ]
+
+
 def heartbeat(
-    session: Session, host: Host, beat: Heartbeat, ttl_grace_s: int = 0
+    session: Session,
+    host: Host,
+    beat: Heartbeat,
+    ttl_grace_s: int = 0,
+    *,
+    pressure_watermark: float = pressure.DEFAULT_WATERMARK,
+    shrink_deadline_s: float = pressure.DEFAULT_DEADLINE_S,
 ) -> HeartbeatReply:
     """Apply one heartbeat: inventory, every renewal on the host, and what to revoke."""
     now = utcnow()
@@ -280,6 +356,8 @@ def heartbeat(
         scrub=scrub,
         report_errors=report_errors,
         want_inventory=want_inventory,
+        # After the reports: what tenants already gave back is not asked again.
+        shrink=shrink_hints(session, host, now, pressure_watermark, shrink_deadline_s),
     )
 
 

@@ -1,0 +1,150 @@
+"""When is a device short of free memory, and whom does poold ask to give some back?
+
+Pure: the ledger (poold/ledger/hosts.py, in each heartbeat) gathers what it knows and
+gets back shrink requests; nothing here reads a database or a clock.
+
+A device is under pressure when what it could hand out falls under a low watermark
+(a fraction of its capacity). What it could hand out is its free bytes plus the
+leased bytes no store uses (a reported lease's ``length - used``): a tenant can
+give those back without losing anything. The shortfall is then asked for
+replica-first (DESIGN.md "Exclusive-copy accounting"): the tenants holding the most
+replica bytes first, each of their leases for at most its replica bytes; a lease
+is asked for exclusive bytes only once every replica byte on the device has been
+asked for. Leases that never reported are not asked: poold knows nothing of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+DEFAULT_WATERMARK = 0.05
+# How long a tenant has to give memory back (revocation after it is not done yet).
+DEFAULT_DEADLINE_S = 30.0
+
+
+@dataclass(frozen=True)
+class DeviceFree:
+    device_id: int
+    capacity_bytes: int
+    free_bytes: int  # neither leased (live) nor quarantined
+
+
+@dataclass(frozen=True)
+class LeaseUse:
+    lease_id: str
+    tenant_id: int
+    device_id: int
+    length_bytes: int
+    reported: bool
+    used_bytes: int = 0
+    exclusive_bytes: int = 0
+    replica_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ShrinkRequest:
+    lease_id: str
+    device_id: int
+    target_bytes: int  # bytes to give back
+    replica_bytes: int  # of which replica bytes (the rest: exclusive)
+    deadline_at: datetime
+
+
+def watermark_bytes(capacity_bytes: int, watermark: float) -> int:
+    return math.ceil(capacity_bytes * watermark)
+
+
+def shortfall(device: DeviceFree, leases: Iterable[LeaseUse], watermark: float) -> int:
+    """Bytes the device lacks to be at its watermark (0: not under pressure)."""
+    unused = sum(
+        max(0, lease.length_bytes - lease.used_bytes)
+        for lease in leases
+        if lease.reported and lease.device_id == device.device_id
+    )
+    available = device.free_bytes + unused
+    return max(0, watermark_bytes(device.capacity_bytes, watermark) - available)
+
+
+def plan_device(
+    device: DeviceFree,
+    leases: Iterable[LeaseUse],
+    watermark: float,
+    deadline_at: datetime,
+) -> list[ShrinkRequest]:
+    """Shrink requests for one device, replica-first, covering its shortfall if they can."""
+    on_device = [
+        lease for lease in leases if lease.device_id == device.device_id and lease.reported
+    ]
+    need = shortfall(device, on_device, watermark)
+    if need <= 0:
+        return []
+    tenant_replicas: dict[int, int] = defaultdict(int)
+    for lease in on_device:
+        tenant_replicas[lease.tenant_id] += max(0, lease.replica_bytes)
+    asked_replica: dict[str, int] = {}
+    asked_exclusive: dict[str, int] = {}
+    # Replicas first: the tenant with most replica bytes, its biggest lease first.
+    by_replicas = sorted(
+        (lease for lease in on_device if lease.replica_bytes > 0),
+        key=lambda x: (-tenant_replicas[x.tenant_id], x.tenant_id, -x.replica_bytes, x.lease_id),
+    )
+    for lease in by_replicas:
+        if need <= 0:
+            break
+        take = min(lease.replica_bytes, need)
+        asked_replica[lease.lease_id] = take
+        need -= take
+    # Every replica byte is asked for and it is not enough: exclusive bytes, biggest first.
+    by_exclusive = sorted(
+        (lease for lease in on_device if lease.exclusive_bytes > 0),
+        key=lambda x: (-x.exclusive_bytes, x.lease_id),
+    )
+    for lease in by_exclusive:
+        if need <= 0:
+            break
+        take = min(lease.exclusive_bytes, need)
+        asked_exclusive[lease.lease_id] = take
+        need -= take
+    out: list[ShrinkRequest] = []
+    for lease in on_device:
+        replica = asked_replica.get(lease.lease_id, 0)
+        exclusive = asked_exclusive.get(lease.lease_id, 0)
+        if replica + exclusive > 0:
+            out.append(
+                ShrinkRequest(
+                    lease_id=lease.lease_id,
+                    device_id=device.device_id,
+                    target_bytes=replica + exclusive,
+                    replica_bytes=replica,
+                    deadline_at=deadline_at,
+                )
+            )
+    out.sort(key=lambda r: (-r.replica_bytes, -r.target_bytes, r.lease_id))
+    return out
+
+
+def plan(
+    devices: Iterable[DeviceFree],
+    leases: Iterable[LeaseUse],
+    *,
+    watermark: float = DEFAULT_WATERMARK,
+    now: datetime,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+) -> list[ShrinkRequest]:
+    """Shrink requests for every device under its watermark (0 turns pressure off)."""
+    if not 0 <= watermark < 1:
+        raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+    if watermark == 0:
+        return []
+    deadline_at = now + timedelta(seconds=deadline_s)
+    by_device: dict[int, list[LeaseUse]] = defaultdict(list)
+    for lease in leases:
+        by_device[lease.device_id].append(lease)
+    out: list[ShrinkRequest] = []
+    for device in devices:
+        out.extend(plan_device(device, by_device[device.device_id], watermark, deadline_at))
+    return out
