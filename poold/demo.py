@@ -28,6 +28,8 @@ def step(text: str) -> None:
 
 
 def _poolctl(port: int, state_dir: Path, *args: str) -> None:
+    # Piped output would shrink rich's tables to 80 columns; the demo is read by people.
+    columns = os.environ.get("COLUMNS", "140") if sys.stdout.isatty() else "140"
     subprocess.run(
         [
             sys.executable,
@@ -40,6 +42,7 @@ def _poolctl(port: int, state_dir: Path, *args: str) -> None:
             *args,
         ],
         check=True,
+        env={**os.environ, "COLUMNS": columns},
     )
 
 
