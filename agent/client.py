@@ -75,6 +75,8 @@ _RENEW_FRACTION: Final = 1 / 3
 _MIN_RENEW_RETRY_S: Final = 0.1
 
 # on_shrink(lease, target_bytes, deadline_at): poold asks for memory back (pressure).
+# on_revoke(lease, deadline_at): poold revoked the lease; the memory goes at deadline_at.
+RevokeCallback = Callable[["Lease", datetime], None]
 ShrinkCallback = Callable[["Lease", int, datetime], None]
 _ResultT = TypeVar("_ResultT", bound=Model)
 _ArgsT = TypeVar("_ArgsT", bound=Model)
@@ -114,8 +116,11 @@ class Lease:
         fd: int,
         on_lost: Callable[[Lease], None] | None = None,
         on_shrink: ShrinkCallback | None = None,
+        on_revoke: RevokeCallback | None = None,
     ) -> None:
         self._client = client
+        self.on_revoke = on_revoke
+        self.revoke_deadline_at: datetime | None = None
         self._fd = fd
         self._lock = threading.Lock()
         self._released = False
@@ -161,7 +166,23 @@ class Lease:
             self.ttl_s = ttl_s
         if renewed.shrink_target_bytes is not None and renewed.shrink_deadline_at is not None:
             self._shrink(renewed.shrink_target_bytes, renewed.shrink_deadline_at)
+        if renewed.revoke_deadline_at is not None and self.revoke_deadline_at is None:
+            self._revoked(renewed.revoke_deadline_at)
         return renewed.expires_at
+
+    def _revoked(self, deadline_at: datetime) -> None:
+        """poold revoked the lease: tell the engine once, before the memory goes away."""
+        self.revoke_deadline_at = deadline_at
+        log.warning(
+            "lease %s revoked: memory goes away at %s", self.lease_id, deadline_at.isoformat()
+        )
+        callback = self.on_revoke
+        if callback is None:
+            return
+        try:
+            callback(self, deadline_at)
+        except Exception:
+            log.exception("on_revoke callback failed for lease %s", self.lease_id)
 
     def _shrink(self, target_bytes: int, deadline_at: datetime) -> None:
         log.info(
@@ -363,8 +384,13 @@ class PoolClient:
         renew: bool = True,
         on_lost: Callable[[Lease], None] | None = None,
         on_shrink: ShrinkCallback | None = None,
+        on_revoke: RevokeCallback | None = None,
     ) -> Lease:
         """Lease ``size_bytes`` of far memory; renewed in the background unless ``renew=False``.
+
+        ``on_revoke(lease, deadline_at)`` is called once when poold revokes the lease
+        (admin revoke, device drain): the engine should stop using the memory before
+        ``deadline_at``, when the agent takes it back.
 
         Never retried: a dropped connection mid-request may have granted a lease whose
         fd was lost; the agent sees the disconnect and poold reclaims it.
@@ -381,7 +407,7 @@ class PoolClient:
         granted, fd = self._call(OPERATIONS["lease"], args, LeaseResult, timeout_s=timeout_s)
         if fd is None:  # _call guarantees one for carries_fd operations
             raise AgentProtocolError("lease reply carried no fd")
-        lease = Lease(self, granted, fd, on_lost, on_shrink)
+        lease = Lease(self, granted, fd, on_lost, on_shrink, on_revoke)
         with self._leases_lock:
             self._leases[lease.lease_id] = lease
         if renew:

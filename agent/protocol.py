@@ -116,6 +116,9 @@ class RenewArgs(Model):
 class RenewResult(Model):
     lease_id: str
     expires_at: datetime
+    # Set when poold revoked the lease: the memory goes away at this time
+    # (devdax: the sub-device is destroyed and the mapping SIGBUSes).
+    revoke_deadline_at: datetime | None = None
     # Pool pressure (poold's shrink hint): give this many bytes of the lease back by
     # the deadline, replicas first. Each hint is handed out once; None: nothing asked.
     shrink_target_bytes: int | None = Field(default=None, gt=0)

@@ -39,6 +39,7 @@ from poold.api.schemas import (
     LeaseOp,
     LeaseOut,
     LeaseReport,
+    Revocation,
     ShrinkHint,
 )
 from poold.errors import BackendFailed, LeaseNotActive, NotOwner, PoolError, UnknownLease
@@ -47,7 +48,10 @@ from poold.extents import align_up
 log = logging.getLogger("pool_agent")
 
 PROTOCOL_VERSION = 1
-ENDED_MEMORY = 4096  # how many ended lease ids the agent remembers, for clear errors
+ENDED_MEMORY = 4096
+# Tear a revoked lease down this long before poold's deadline, so the confirmation
+# arrives in time and the reaper never has to reclaim it by force.
+REVOKE_MARGIN_S = 1.0  # how many ended lease ids the agent remembers, for clear errors
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,8 @@ class HeldLease:
     sub_device: str | None = None
     region_id: int | None = None
     lost: bool = False
+    # poold revoked it: torn down at this time (the tenant is told in renew replies).
+    revoke_deadline_at: datetime | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -343,6 +349,15 @@ class AgentService:
 
     def renew(self, peer: Peer, args: p.RenewArgs) -> p.RenewResult:
         held = self._owned(peer, args.lease_id, "renew")
+        if held.revoke_deadline_at is not None:
+            # Revoked: no more renewals; the reply says when the memory goes.
+            with self._lock:
+                self._shrink.pop(held.lease.id, None)
+            return p.RenewResult(
+                lease_id=held.lease.id,
+                expires_at=held.revoke_deadline_at,
+                revoke_deadline_at=held.revoke_deadline_at,
+            )
         ttl_s = args.ttl_s or held.ttl_s
         held.ttl_s = ttl_s
         # poold applies it with the next heartbeat; the tenant's clock starts now.
@@ -531,6 +546,7 @@ class AgentService:
             while not self._stop.wait(interval_s):
                 try:
                     self.check_holders()
+                    self.revoke_due()
                 except Exception:
                     log.exception("holder check failed")
 
@@ -552,7 +568,7 @@ class AgentService:
                     held.expires_at = result.expires_at
         self._store_shrink_hints(reply.shrink)
         if reply.revocations:
-            self._revoke([r.lease_id for r in reply.revocations])
+            self._note_revocations(reply.revocations)
         for order in reply.scrub:
             local = self._locate(order.device_uid)
             if local is not None and local.dax_region_id is not None:
@@ -576,13 +592,47 @@ class AgentService:
                 fresh[hint.lease_id] = hint
             self._shrink = fresh
 
+    def _note_revocations(self, revocations: builtins.list[Revocation]) -> None:
+        """Revoked leases are torn down at their deadline, not at once.
+
+        Until then the tenant's renewals are answered with the deadline, so the
+        engine can move its blocks away before the memory goes. Leases this agent
+        does not hold are confirmed at once (there is nothing to tear down).
+        """
+        now = datetime.now(UTC)
+        unknown: builtins.list[str] = []
+        with self._lock:
+            for r in revocations:
+                held = self._held.get(r.lease_id)
+                if held is None:
+                    unknown.append(r.lease_id)
+                elif held.revoke_deadline_at is None:
+                    # Keep a safety margin before poold's own deadline.
+                    deadline = (r.deadline_at or now) - timedelta(seconds=REVOKE_MARGIN_S)
+                    held.revoke_deadline_at = max(deadline, now)
+        if unknown:
+            self._revoke(unknown)
+        self.revoke_due()
+
+    def revoke_due(self) -> int:
+        """Tear down the revoked leases whose deadline has come; how many."""
+        now = datetime.now(UTC)
+        with self._lock:
+            due = [
+                h.lease.id
+                for h in self._held.values()
+                if h.revoke_deadline_at is not None and h.revoke_deadline_at <= now
+            ]
+        if due:
+            self._revoke(due)
+        return len(due)
+
     def _revoke(self, lease_ids: builtins.list[str]) -> None:
         """Tear down revoked leases, then confirm to poold (revoking -> reclaimed/scrubbing).
 
         devdax memory is taken back by the kernel (the sub-device goes; the holder's
         next access is SIGBUS). A memfd cannot be taken from a live mapping: the
-        agent drops its copy and the holder learns of the revocation at its next
-        renewal (`lease_not_active`, the client's on_lost callback).
+        agent drops its copy and the holder's later renewals get `lease_not_active`.
         """
         for lease_id in lease_ids:
             held = self._forget(lease_id, "revoked")

@@ -23,6 +23,12 @@ from tests import conftest, pg
 AGENT_CAPACITY = 256 << 20
 NOBODY = pwd.getpwnam("nobody")
 NOGROUP = grp.getgrgid(NOBODY.pw_gid).gr_name
+# Fast lifecycle for tests: reaper every 0.2 s, 1 s of grace before reclaiming.
+POOLD_TEST_ENV = {
+    "POOLD_REAP_INTERVAL_S": "0.2",
+    "POOLD_EXPIRY_GRACE_S": "1",
+    "POOLD_REVOKE_DEADLINE_S": "4",
+}
 
 
 @dataclass
@@ -45,6 +51,16 @@ class Cluster:
         else:
             self.agent.stop()
         self.agent = procs.start_agent(self.work, **self.agent_args)
+
+    def restart_poold(self, *, kill: bool = True) -> None:
+        """Stop poold (SIGKILL by default: a crash) and start it on the same ledger and port."""
+        if kill:
+            self.poold.kill()
+        else:
+            self.poold.stop()
+        self.poold = procs.start_poold(
+            self.state_dir, self.port, database_url=self.database_url, env=POOLD_TEST_ENV
+        )
 
     @property
     def url(self) -> str:
@@ -74,13 +90,7 @@ class Cluster:
 def _start(tmp_path: Path, database_url: str | None) -> Iterator[Cluster]:
     state_dir = tmp_path / "poold"
     port = procs.free_port()
-    # Fast lifecycle for tests: reaper every 0.2 s, 1 s of grace before reclaiming.
-    poold = procs.start_poold(
-        state_dir,
-        port,
-        database_url=database_url,
-        env={"POOLD_REAP_INTERVAL_S": "0.2", "POOLD_EXPIRY_GRACE_S": "1"},
-    )
+    poold = procs.start_poold(state_dir, port, database_url=database_url, env=POOLD_TEST_ENV)
     children = [poold]
     cleanup: list[Path] = []
     try:
@@ -126,8 +136,8 @@ def _start(tmp_path: Path, database_url: str | None) -> Iterator[Cluster]:
             "extra": extra,
         }
         yield cluster
-        agent = cluster.agent  # a test may have restarted it
-        children[-1] = agent
+        # A test may have restarted either: stop the processes running now.
+        children[:] = [cluster.poold, cluster.agent]
         admin.close()
     finally:
         for child in reversed(children):
