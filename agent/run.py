@@ -67,6 +67,9 @@ def run(config: AgentConfig) -> int:
     try:
         link.register(inventory)
         log.info("registered with poold at %s: %d device(s)", config.poold_url, len(inventory))
+        stray = service.reconcile()
+        if stray:
+            log.info("reconciled with poold: %d lease(s) had no memory behind them", stray)
     except PoolError as exc:
         if exc.code in ("unauthorized", "forbidden"):
             log.error("poold refused this agent's credential: %s", exc.message)

@@ -541,6 +541,35 @@ class AgentService:
                 orphaned += self.check_holders([held])
         return adopted, orphaned
 
+    def reconcile(self) -> int:
+        """Tell poold about live leases on this host that this agent has no memory for.
+
+        After a crash the ledger can hold leases the agent never journalled (killed
+        between grant and journal) or whose release it never sent: without this
+        they would stand, memoryless, until their ttl ran out. Granted ones are
+        aborted, the others orphaned (reclaimed after poold's grace). Returns how many.
+        """
+        try:
+            live = self.link.client.list_leases(host=self.host, live=True, limit=100_000)
+        except PoolError as err:
+            log.warning("cannot reconcile with poold yet: %s", err.message)
+            return 0
+        with self._lock:
+            known = set(self._held) | self._scrubbing
+        stray = 0
+        for lease in live:
+            if lease.id in known or lease.state not in ("granted", "active"):
+                continue
+            op = "abort" if lease.state == "granted" else "orphan"
+            log.warning(
+                "lease %s is %s in poold but unknown to this agent: %s", lease.id, lease.state, op
+            )
+            self.link.enqueue(
+                LeaseOp(lease_id=lease.id, op=op, reason="agent restarted without this lease")
+            )
+            stray += 1
+        return stray
+
     def start_holder_watch(self, interval_s: float) -> None:
         def loop() -> None:
             while not self._stop.wait(interval_s):

@@ -69,3 +69,22 @@ def test_agent_crash_and_restart_keeps_tenant_mappings(cluster: Cluster) -> None
         mm.close()
         lease.release()
         assert wait_state(cluster, lease.lease_id, "released") == "released"
+
+
+def test_restarted_agent_reconciles_leases_it_has_no_memory_for(cluster: Cluster) -> None:
+    import os
+
+    from poold.api.client import PooldClient
+    from poold.api.schemas import GrantRequest
+
+    # A grant poold committed but the agent never journalled (as if it died in between).
+    cred = (cluster.work / "agent.credential").read_text().strip()
+    with PooldClient(cluster.url, cred) as as_agent:
+        stray = as_agent.grant(
+            GrantRequest(size_bytes=2 << 20, uid=os.getuid(), pid=1, ttl_s=600, activate=True)
+        )
+    assert cluster.admin.show_lease(stray.id).state == "active"
+    cluster.restart_agent(kill=True)
+    assert wait_state(cluster, stray.id, "reclaimed") == "reclaimed"
+    kinds = [r[3] for r in cluster.ledger_rows("events")["events"] if r[4] == stray.id]
+    assert kinds[-2:] == ["lease.orphan", "lease.reclaim"]
