@@ -17,7 +17,6 @@ import mmap
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +25,6 @@ sys.path.insert(0, str(ROOT))
 
 from agent.client import PoolClient  # noqa: E402
 from poold import procs  # noqa: E402
-from poold.api.schemas import TenantSpec  # noqa: E402
 
 SIZE = 2 << 20
 PAGE = mmap.PAGESIZE
@@ -80,48 +78,18 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="poold-bench-"))
-    port = procs.free_port()
-    state = work / "poold"
-    children = []
-    try:
-        children.append(procs.start_poold(state, port))
-        admin = procs.admin_client(state, port)
-        cred = work / "cred"
-        cred.write_text(admin.add_host("bench").credential)
-        admin.create_tenant(
-            TenantSpec(
-                name="bench", quota_bytes=1 << 34, quota_leases=10_000, allowed_uids=[os.getuid()]
-            )
-        )
-        sock = work / "agent.sock"
-        children.append(
-            procs.start_agent(
-                work,
-                host="bench",
-                poold_url=admin.base_url,
-                credential_file=cred,
-                socket_path=sock,
-                emulated_capacity_bytes=1 << 32,
-                heartbeat_interval_s=5,
-            )
-        )
-        floor: list[float] = []
-        floor_touch: list[float] = []
-        cycles: list[float] = []
-        with PoolClient(sock) as client:
-            for _ in range(args.warmup):
-                cycle_once(client)
-                floor_once(True)
-            # Interleave so that both see the same machine state.
-            for _ in range(args.iterations):
-                floor.append(floor_once(False))
-                floor_touch.append(floor_once(True))
-                cycles.append(cycle_once(client))
-        admin.close()
-    finally:
-        for child in reversed(children):
-            child.stop()
+    floor: list[float] = []
+    floor_touch: list[float] = []
+    cycles: list[float] = []
+    with procs.local_pool() as (_admin, sock), PoolClient(sock) as client:
+        for _ in range(args.warmup):
+            cycle_once(client)
+            floor_once(True)
+        # Interleave so that both see the same machine state.
+        for _ in range(args.iterations):
+            floor.append(floor_once(False))
+            floor_touch.append(floor_once(True))
+            cycles.append(cycle_once(client))
 
     f, ft, c = summary(floor), summary(floor_touch), summary(cycles)
     result = {

@@ -35,7 +35,6 @@ import mmap
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +46,6 @@ from agent.backends import numa_sys  # noqa: E402
 from agent.backends.numa import NumaBackend  # noqa: E402
 from agent.client import PoolClient  # noqa: E402
 from poold import procs  # noqa: E402
-from poold.api.schemas import TenantSpec  # noqa: E402
 
 GIB = 1 << 30
 LEASE_BYTES = 4 * GIB
@@ -274,48 +272,23 @@ def main() -> int:
 
     started = time.perf_counter()
     src = b"\xa5" * COPY_BYTES  # real pages, not the shared zero page
-    work = Path(tempfile.mkdtemp(prefix="poold-bench-"))
-    port = procs.free_port()
-    state = work / "poold"
-    children = []
-    try:
-        children.append(procs.start_poold(state, port))
-        admin = procs.admin_client(state, port)
-        cred = work / "cred"
-        cred.write_text(admin.add_host("bench").credential)
-        admin.create_tenant(
-            TenantSpec(
-                name="bench", quota_bytes=1 << 35, quota_leases=1000, allowed_uids=[os.getuid()]
-            )
-        )
-        sock = work / "agent.sock"
-        children.append(
-            procs.start_agent(
-                work,
-                host="bench",
-                poold_url=admin.base_url,
-                credential_file=cred,
-                socket_path=sock,
-                # Ledger capacity only; a release reaches poold on the next grant, so the
-                # previous lease may still count while the next one is granted.
-                emulated_capacity_bytes=4 * LEASE_BYTES,
-                heartbeat_interval_s=5,
-            )
-        )
-        with PoolClient(sock) as client:
-            result: dict[str, object] = {
-                "pairs": args.pairs,
-                "copies_per_pair": args.copies,
-                "lease_bytes": LEASE_BYTES,
-                "copy_bytes": COPY_BYTES,
-                "database": "sqlite",
-                "prefault": "posix_fallocate (emulated backend's method)",
-            }
-            result.update(run_lease(client, src, args))
-        admin.close()
-    finally:
-        for child in reversed(children):
-            child.stop()
+    # Ledger capacity only; a release reaches poold on the next grant, so the
+    # previous lease may still count while the next one is granted.
+    pool = procs.local_pool(
+        tenant_quota_bytes=1 << 35,
+        tenant_quota_leases=1000,
+        emulated_capacity_bytes=4 * LEASE_BYTES,
+    )
+    with pool as (_admin, sock), PoolClient(sock) as client:
+        result: dict[str, object] = {
+            "pairs": args.pairs,
+            "copies_per_pair": args.copies,
+            "lease_bytes": LEASE_BYTES,
+            "copy_bytes": COPY_BYTES,
+            "database": "sqlite",
+            "prefault": "posix_fallocate (emulated backend's method)",
+        }
+        result.update(run_lease(client, src, args))
     if not args.no_numa:
         result["numa_node"] = NODE
         result.update(run_numa(src, args))

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
 from poold.api.client import PooldClient
+from poold.api.schemas import TenantSpec
 
 
 def free_port() -> int:
@@ -162,3 +167,53 @@ def _accepts(path: Path) -> bool:
 def admin_client(state_dir: Path, port: int) -> PooldClient:
     token = (state_dir / "admin.token").read_text().strip()
     return PooldClient(f"http://127.0.0.1:{port}", token)
+
+
+@contextlib.contextmanager
+def local_pool(
+    *,
+    host: str = "bench",
+    tenant_quota_bytes: int = 1 << 34,
+    tenant_quota_leases: int = 10_000,
+    emulated_capacity_bytes: int = 1 << 32,
+    heartbeat_interval_s: float = 5.0,
+) -> Iterator[tuple[PooldClient, Path]]:
+    """poold + one agent as real processes in a temp dir, a host and a tenant for this uid.
+
+    Yields (admin client, agent socket path); stops both on exit. The benchmarks
+    run against this, so they measure the real separate-process path.
+    """
+    work = Path(tempfile.mkdtemp(prefix="poold-bench-"))
+    port = free_port()
+    state = work / "poold"
+    children = [start_poold(state, port)]
+    try:
+        admin = admin_client(state, port)
+        cred = work / "cred"
+        cred.write_text(admin.add_host(host).credential)
+        admin.create_tenant(
+            TenantSpec(
+                name=host,
+                quota_bytes=tenant_quota_bytes,
+                quota_leases=tenant_quota_leases,
+                allowed_uids=[os.getuid()],
+            )
+        )
+        sock = work / "agent.sock"
+        children.append(
+            start_agent(
+                work,
+                host=host,
+                poold_url=admin.base_url,
+                credential_file=cred,
+                socket_path=sock,
+                emulated_capacity_bytes=emulated_capacity_bytes,
+                heartbeat_interval_s=heartbeat_interval_s,
+            )
+        )
+        with admin:
+            yield admin, sock
+    finally:
+        for child in reversed(children):
+            child.stop()
+        shutil.rmtree(work, ignore_errors=True)

@@ -183,7 +183,7 @@ def _grant_once(
     # version spent ~4 ms per grant in Python on the CI machine).
     host_id = _host_id(ledger, conn, host_name)
     _refuse_if_host_draining(conn, host_id, host_name)
-    tenant = tenants.resolve_row(conn, req.tenant, req.uid, req.gids, host_name)
+    tenant = tenants.resolve(conn, req.tenant, req.uid, req.gids, host_name)
     usage = conn.execute(_TENANT_USAGE, {"tenant_id": tenant.id}).one()
     # int(): PostgreSQL's SUM(bigint) is a numeric (Decimal), which would leak
     # into the quota_exceeded detail and fail to serialise to JSON.

@@ -126,21 +126,15 @@ _TENANT_ROWS = select(
 _TENANT_BY_NAME = _TENANT_ROWS.where(Tenant.name == bindparam("name"))
 
 
-def resolve_row(conn: Connection, name: str | None, uid: int, gids: list[int], host: str) -> Any:
-    """`resolve` for the grant hot path: Core rows (same attribute names), no ORM."""
-    cols = select(
-        Tenant.id,
-        Tenant.name,
-        Tenant.quota_bytes,
-        Tenant.quota_leases,
-        Tenant.allowed_media,
-        Tenant.allowed_uids,
-        Tenant.allowed_gids,
-        Tenant.allowed_hosts,
-        Tenant.generation,
-    )
+def resolve(conn: Connection, name: str | None, uid: int, gids: list[int], host: str) -> Any:
+    """The tenant a process may act for: the one named, or the only one its ids map to.
+
+    Identity comes from SO_PEERCRED via the agent; a name the process sends is a
+    claim, checked here against the tenant's allowed uids/gids. Core rows (with
+    the same attribute names as the model): this runs on every grant.
+    """
     if name is not None:
-        row = conn.execute(cols.where(Tenant.name == name)).one_or_none()
+        row = conn.execute(_TENANT_BY_NAME, {"name": name}).one_or_none()
         if row is None:
             raise UnknownTenant(f"no tenant named {name!r}", tenant=name)
         if not may_act(row, uid, gids, host):
@@ -164,27 +158,3 @@ def may_act(tenant: Any, uid: int, gids: list[int], host: str) -> bool:
     if tenant.allowed_hosts and host not in tenant.allowed_hosts:
         return False
     return uid in tenant.allowed_uids or any(g in tenant.allowed_gids for g in gids)
-
-
-def resolve(session: Session, name: str | None, uid: int, gids: list[int], host: str) -> Tenant:
-    """The tenant a process may act for: the one named, or the only one its ids map to.
-
-    Identity comes from SO_PEERCRED via the agent; a name the process sends is a
-    claim, checked here against the tenant's allowed uids/gids.
-    """
-    if name is not None:
-        tenant = get_by_name(session, name)
-        if not may_act(tenant, uid, gids, host):
-            raise NotOwner(
-                f"uid {uid} (gids {gids}) on host {host!r} may not act for tenant {name!r}",
-                tenant=name,
-                uid=uid,
-            )
-        return tenant
-    matches = [t for t in session.scalars(select(Tenant)) if may_act(t, uid, gids, host)]
-    if not matches:
-        raise NotOwner(f"uid {uid} on host {host!r} may not act for any tenant", uid=uid)
-    if len(matches) > 1:
-        names = sorted(t.name for t in matches)
-        raise NotOwner(f"uid {uid} may act for several tenants {names}; name one", uid=uid)
-    return matches[0]

@@ -7,6 +7,7 @@ import os
 import pwd
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,17 @@ class Cluster:
         self.poold = procs.start_poold(
             self.state_dir, self.port, database_url=self.database_url, env=POOLD_TEST_ENV
         )
+
+    def wait_state(self, lease_id: str, want: str, timeout_s: float = 15) -> str:
+        """Poll the ledger until the lease is in `want`; the last state seen otherwise."""
+        deadline = time.monotonic() + timeout_s
+        state = ""
+        while time.monotonic() < deadline:
+            state = self.admin.show_lease(lease_id).state
+            if state == want:
+                break
+            time.sleep(0.05)
+        return state
 
     @property
     def url(self) -> str:

@@ -15,17 +15,6 @@ from agent.client import PoolClient
 from tests.e2e.conftest import Cluster
 
 
-def wait_state(c: Cluster, lease_id: str, want: str, timeout_s: float = 15) -> str:
-    deadline = time.monotonic() + timeout_s
-    state = ""
-    while time.monotonic() < deadline:
-        state = c.admin.show_lease(lease_id).state
-        if state == want:
-            return state
-        time.sleep(0.05)
-    return state
-
-
 def test_dead_holder_is_orphaned_then_reclaimed(cluster: Cluster) -> None:
     script = textwrap.dedent(f"""
         import os
@@ -39,8 +28,8 @@ def test_dead_holder_is_orphaned_then_reclaimed(cluster: Cluster) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     )
     lease_id = out.stdout.strip()
-    assert wait_state(cluster, lease_id, "orphaned") == "orphaned"
-    assert wait_state(cluster, lease_id, "reclaimed") == "reclaimed"
+    assert cluster.wait_state(lease_id, "orphaned") == "orphaned"
+    assert cluster.wait_state(lease_id, "reclaimed") == "reclaimed"
     kinds = [r[3] for r in cluster.ledger_rows("events")["events"] if r[4] == lease_id]
     assert kinds == ["lease.grant", "lease.activate", "lease.orphan", "lease.reclaim"]
     assert cluster.admin.status().leased_bytes == 0
@@ -68,7 +57,7 @@ def test_agent_crash_and_restart_keeps_tenant_mappings(cluster: Cluster) -> None
         assert cluster.admin.show_lease(lease.lease_id).state == "active"
         mm.close()
         lease.release()
-        assert wait_state(cluster, lease.lease_id, "released") == "released"
+        assert cluster.wait_state(lease.lease_id, "released") == "released"
 
 
 def test_restarted_agent_reconciles_leases_it_has_no_memory_for(cluster: Cluster) -> None:
@@ -85,6 +74,6 @@ def test_restarted_agent_reconciles_leases_it_has_no_memory_for(cluster: Cluster
         )
     assert cluster.admin.show_lease(stray.id).state == "active"
     cluster.restart_agent(kill=True)
-    assert wait_state(cluster, stray.id, "reclaimed") == "reclaimed"
+    assert cluster.wait_state(stray.id, "reclaimed") == "reclaimed"
     kinds = [r[3] for r in cluster.ledger_rows("events")["events"] if r[4] == stray.id]
     assert kinds[-2:] == ["lease.orphan", "lease.reclaim"]

@@ -11,17 +11,6 @@ from agent.client import PoolClient
 from tests.e2e.conftest import Cluster
 
 
-def wait_state(cluster: Cluster, lease_id: str, state: str, timeout_s: float = 10) -> str:
-    deadline = time.monotonic() + timeout_s
-    seen = ""
-    while time.monotonic() < deadline:
-        seen = cluster.admin.show_lease(lease_id).state
-        if seen == state:
-            return seen
-        time.sleep(0.02)
-    return seen
-
-
 def test_full_cycle_real_fd_mmap_renew_release(any_cluster: Cluster) -> None:
     c = any_cluster
     with PoolClient(c.socket_path) as client:
@@ -49,7 +38,7 @@ def test_full_cycle_real_fd_mmap_renew_release(any_cluster: Cluster) -> None:
             assert time.monotonic() < deadline, "renewal never reached poold"
             time.sleep(0.05)
         lease.release()
-        assert wait_state(c, lease.lease_id, "released") == "released"
+        assert c.wait_state(lease.lease_id, "released") == "released"
     kinds = [r[3] for r in c.ledger_rows("events")["events"] if r[4] == lease.lease_id]
     assert kinds == ["lease.grant", "lease.activate", "lease.release"]
 
@@ -61,7 +50,7 @@ def test_released_memory_is_fresh_for_the_next_lease(cluster: Cluster) -> None:
             mm[:] = b"\xaa" * len(mm)
             mm.close()
             first_id = first.lease_id
-        wait_state(cluster, first_id, "released")
+        cluster.wait_state(first_id, "released")
         with client.lease(4 << 20) as second:
             mm = second.mmap()
             assert mm[:] == bytes(len(mm))
