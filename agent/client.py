@@ -385,8 +385,14 @@ class PoolClient:
         on_lost: Callable[[Lease], None] | None = None,
         on_shrink: ShrinkCallback | None = None,
         on_revoke: RevokeCallback | None = None,
+        wait_s: float = 0,
     ) -> Lease:
         """Lease ``size_bytes`` of far memory; renewed in the background unless ``renew=False``.
+
+        When the pool is full, ``wait_s`` > 0 waits up to that long (at most 300 s) for
+        capacity that pressure frees, served in arrival order on the agent; past it, or
+        at once with ``wait_s=0``, the request fails with ``no_capacity`` (its details
+        name what is free and where). The wait blocks this client's other calls.
 
         ``on_revoke(lease, deadline_at)`` is called once when poold revokes the lease
         (admin revoke, device drain): the engine should stop using the memory before
@@ -402,8 +408,9 @@ class PoolClient:
             media=media,
             tenant=tenant,
             labels=dict(labels or {}),
+            wait_s=wait_s,
         )
-        timeout_s = self.timeout_s + size_bytes / _PREFAULT_BYTES_PER_S
+        timeout_s = self.timeout_s + size_bytes / _PREFAULT_BYTES_PER_S + args.wait_s
         granted, fd = self._call(OPERATIONS["lease"], args, LeaseResult, timeout_s=timeout_s)
         if fd is None:  # _call guarantees one for carries_fd operations
             raise AgentProtocolError("lease reply carried no fd")

@@ -61,6 +61,7 @@ class PooldLink:
         # each heartbeat carries them. Reports a failed heartbeat could not deliver wait
         # in _unsent_reports, unless a newer report of the same lease replaces them.
         self.reports_provider: Callable[[], list[LeaseReport]] | None = None
+        self.revoked_held_provider: Callable[[], list[str]] | None = None
         self._unsent_reports: dict[str, LeaseReport] = {}
 
     # --- synchronous calls ----------------------------------------------
@@ -154,6 +155,9 @@ class PooldLink:
             inventory=self.inventory if digest != self._sent_digest else None,
             renewals=[Renewal(lease_id=k, ttl_s=v) for k, v in renewals.items()],
             reports=reports,
+            revoked_held=(
+                self.revoked_held_provider() if self.revoked_held_provider is not None else []
+            ),
         )
         try:
             reply = self.client.heartbeat(beat)

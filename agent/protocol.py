@@ -45,6 +45,8 @@ MAX_REPLY_FRAME_BYTES: Final = 16 * 1024 * 1024
 # A reply carries at most one fd; room for a few more lets a reader see (and close)
 # extras a confused or hostile peer attached instead of leaking them.
 MAX_FDS_PER_FRAME: Final = 4
+# Longest a lease request may wait for capacity (LeaseArgs.wait_s).
+MAX_WAIT_S: Final = 300.0
 
 _HEADER = struct.Struct(">I")
 
@@ -88,6 +90,9 @@ class LeaseArgs(Model):
     media: MediaClass | None = None
     tenant: TenantName | None = None  # None: the one tenant the caller's uid/gid may act for
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
+    # When the pool is full: wait up to this long for capacity freed by pressure, in
+    # arrival order on this agent (0: fail at once with no_capacity).
+    wait_s: float = Field(default=0, ge=0, le=MAX_WAIT_S)
 
 
 class LeaseResult(Model):
@@ -153,6 +158,9 @@ class StatsArgs(Model):
 class StatsResult(Model):
     leases_held: int
     bytes_held: int
+    # Revoked memfd leases whose holder still maps them (counted apart from bytes_held).
+    revoked_held_leases: int = 0
+    revoked_held_bytes: int = 0
     uptime_s: float
     poold_reachable: bool
     last_heartbeat_at: datetime | None = None

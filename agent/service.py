@@ -15,7 +15,7 @@ import os
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -42,7 +42,14 @@ from poold.api.schemas import (
     Revocation,
     ShrinkHint,
 )
-from poold.errors import BackendFailed, LeaseNotActive, NotOwner, PoolError, UnknownLease
+from poold.errors import (
+    BackendFailed,
+    LeaseNotActive,
+    NoCapacity,
+    NotOwner,
+    PoolError,
+    UnknownLease,
+)
 from poold.extents import align_up
 
 log = logging.getLogger("pool_agent")
@@ -52,6 +59,9 @@ ENDED_MEMORY = 4096
 # Tear a revoked lease down this long before poold's deadline, so the confirmation
 # arrives in time and the reaper never has to reclaim it by force.
 REVOKE_MARGIN_S = 1.0  # how many ended lease ids the agent remembers, for clear errors
+# A lease request waiting for capacity (wait_s) retries its grant when a heartbeat reply
+# arrives or a local lease is released, and at least this often otherwise.
+ADMISSION_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,9 @@ class HeldLease:
     lost: bool = False
     # poold revoked it: torn down at this time (the tenant is told in renew replies).
     revoke_deadline_at: datetime | None = None
+    # Revoked, but a memfd whose live holder still maps it: nothing can take the
+    # pages back, so the lease stays revoking (used) until the holder exits.
+    revoked_held: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -120,6 +133,12 @@ class AgentService:
         self._shrink: dict[str, ShrinkHint] = {}
         link.on_reply = self._on_heartbeat_reply
         link.reports_provider = self.take_reports
+        # Lease requests waiting for capacity, oldest first: only the oldest retries.
+        self._admission = threading.Condition()
+        self._waiting: deque[object] = deque()
+        self._capacity_epoch = 0  # bumped whenever capacity may have been freed
+        self._last_refusal: NoCapacity | None = None
+        link.revoked_held_provider = self.revoked_held_ids
 
     # --- helpers -----------------------------------------------------------
     def _inventory(self) -> list[InventoryDevice]:
@@ -247,7 +266,7 @@ class AgentService:
             if memory is None:
                 memory = backend.materialise(length, f"poold-lease-{peer.pid}")
             try:
-                lease = self.link.grant(req.model_copy(update={"activate": True}))
+                lease = self._grant(req.model_copy(update={"activate": True}), args.wait_s)
             except BaseException:
                 # Never handed out: still fresh, so it may wait for the next tenant.
                 if self.warm is not None:
@@ -260,7 +279,7 @@ class AgentService:
                 backend.release(memory)
                 memory = None
         else:
-            lease = self.link.grant(req)
+            lease = self._grant(req, args.wait_s)
         if memory is None:
             memory = self._materialise_placed(lease)
         held = HeldLease(
@@ -289,6 +308,67 @@ class AgentService:
             peer.pid,
         )
         return self._result(held), memory.fd
+
+    def _grant(self, req: GrantRequest, wait_s: float) -> LeaseOut:
+        """Grant through poold; on no_capacity, wait up to ``wait_s`` in arrival order.
+
+        Requests waiting on this agent queue FIFO: only the oldest retries (after a
+        heartbeat reply, a local release, or ADMISSION_RETRY_S), so a later one never
+        overtakes it. Past the wait, the request fails with the last no_capacity seen
+        (the details name the free bytes per device).
+        """
+        if wait_s <= 0:
+            return self.link.grant(req)
+        deadline = time.monotonic() + wait_s
+        ticket = object()
+        last: NoCapacity | None = None
+        with self._admission:
+            self._waiting.append(ticket)
+        try:
+            while True:
+                with self._admission:
+                    while self._waiting[0] is not ticket:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0 or self._stop.is_set():
+                            raise self._still_no_capacity(req, wait_s, last)
+                        self._admission.wait(remaining)
+                    epoch = self._capacity_epoch
+                try:
+                    return self.link.grant(req)
+                except NoCapacity as err:
+                    if "host_status" in err.detail:  # draining: no capacity will come
+                        raise
+                    last = err
+                    self._last_refusal = err
+                with self._admission:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or self._stop.is_set():
+                        raise last
+                    if self._capacity_epoch == epoch and not self._stop.is_set():
+                        self._admission.wait(min(remaining, ADMISSION_RETRY_S))
+        finally:
+            with self._admission:
+                self._waiting.remove(ticket)
+                self._admission.notify_all()
+
+    def _still_no_capacity(
+        self, req: GrantRequest, wait_s: float, last: NoCapacity | None
+    ) -> NoCapacity:
+        """The refusal of a request that waited its whole time behind older ones."""
+        seen = last or self._last_refusal
+        details = dict(seen.detail) if seen is not None else {}
+        because = f": {seen.message}" if seen is not None else ""
+        return NoCapacity(
+            f"no capacity for {req.size_bytes} bytes within {wait_s:g} s "
+            f"(older requests were waiting first){because}",
+            **{**details, "waited_s": wait_s},
+        )
+
+    def _capacity_changed(self) -> None:
+        """Capacity may have been freed: the oldest waiting lease request retries."""
+        with self._admission:
+            self._capacity_epoch += 1
+            self._admission.notify_all()
 
     def set_local_devices(self, devices: dict[str, LocalDevice]) -> None:
         """How this host reaches each pool device (dax region, NUMA node), by device uid."""
@@ -377,6 +457,11 @@ class AgentService:
         held = self._forget(args.lease_id, "released")
         if held is None:  # a concurrent release won
             raise LeaseNotActive(f"lease {args.lease_id} is released", lease_id=args.lease_id)
+        if held.revoke_deadline_at is not None:
+            # The holder let go of a revoked lease: that is the revocation done.
+            self._drop_memory(held)
+            self._revoke([held.lease.id])
+            return p.ReleaseResult(lease_id=held.lease.id, state="reclaimed")
         self._drop_memory(held)
         if isinstance(held.memory, DevdaxMaterialised):
             # The bytes stay taken (scrubbing) until the agent has zeroed them.
@@ -387,6 +472,7 @@ class AgentService:
             self._scrub_later(m.region_id, m.offset_bytes, m.length_bytes, held.lease.id)
             return p.ReleaseResult(lease_id=held.lease.id, state="scrubbing")
         self.link.enqueue(LeaseOp(lease_id=held.lease.id, op="release", reason="holder released"))
+        self._capacity_changed()
         return p.ReleaseResult(lease_id=held.lease.id, state="released")
 
     def _scrub_later(
@@ -423,10 +509,14 @@ class AgentService:
 
     def stats(self, peer: Peer, args: p.StatsArgs) -> p.StatsResult:
         with self._lock:
-            held = list(self._held.values())
+            everything = list(self._held.values())
+        held = [h for h in everything if not h.revoked_held]
+        revoked = [h for h in everything if h.revoked_held]
         return p.StatsResult(
             leases_held=len(held),
             bytes_held=sum(h.lease.length_bytes for h in held),
+            revoked_held_leases=len(revoked),
+            revoked_held_bytes=sum(h.lease.length_bytes for h in revoked),
             uptime_s=time.monotonic() - self.started_at,
             poold_reachable=self.link.reachable,
             last_heartbeat_at=self.link.last_heartbeat_at,
@@ -488,6 +578,11 @@ class AgentService:
         orphaned = 0
         for held in candidates:
             if held.holder is None or holder_alive(held.holder):
+                continue
+            if held.revoked_held:
+                # The revoked holder is gone at last: its pages are free; confirm.
+                if self._forget(held.lease.id, "revoked") is not None:
+                    self._revoke([held.lease.id])
                 continue
             if self._forget(held.lease.id, "orphaned") is None:
                 continue
@@ -595,6 +690,7 @@ class AgentService:
                     held = self._held.get(result.lease_id)
                 if held is not None:
                     held.expires_at = result.expires_at
+        self._capacity_changed()
         self._store_shrink_hints(reply.shrink)
         if reply.revocations:
             self._note_revocations(reply.revocations)
@@ -650,7 +746,9 @@ class AgentService:
             due = [
                 h.lease.id
                 for h in self._held.values()
-                if h.revoke_deadline_at is not None and h.revoke_deadline_at <= now
+                if h.revoke_deadline_at is not None
+                and h.revoke_deadline_at <= now
+                and not h.revoked_held
             ]
         if due:
             self._revoke(due)
@@ -663,18 +761,52 @@ class AgentService:
         next access is SIGBUS). A memfd cannot be taken from a live mapping: the
         agent drops its copy and the holder's later renewals get `lease_not_active`.
         """
+        confirm: builtins.list[str] = []
         for lease_id in lease_ids:
+            with self._lock:
+                held = self._held.get(lease_id)
+            if held is not None and self._pages_stay_with_holder(held):
+                if not held.revoked_held:
+                    log.warning(
+                        "lease %s revoked, but holder pid %d still maps its memfd: "
+                        "it counts as used until the holder exits",
+                        lease_id,
+                        held.holder_pid,
+                    )
+                    held.revoked_held = True
+                    if held.memory is not None:  # the agent's own copy goes now
+                        with contextlib.suppress(OSError):
+                            os.close(held.memory.fd)
+                        held.memory = None
+                continue
             held = self._forget(lease_id, "revoked")
             if held is not None:
                 log.warning("lease %s revoked by poold; tearing it down", lease_id)
                 self._drop_memory(held)
+            confirm.append(lease_id)
+        if not confirm:
+            return
         try:
-            self.link.client.confirm_revoked(lease_ids)
+            self.link.client.confirm_revoked(confirm)
         except PoolError as err:
             log.warning("could not confirm revocations to poold: %s", err.message)
 
+    @staticmethod
+    def _pages_stay_with_holder(held: HeldLease) -> bool:
+        """A memfd (emulated, numa) lease whose holder lives: revoking cannot unmap it."""
+        kind = held.memory.backend if held.memory is not None else held.lease.device_kind
+        if kind == "devdax" or held.holder is None:
+            return False
+        return holder_alive(held.holder)
+
+    def revoked_held_ids(self) -> builtins.list[str]:
+        """For the heartbeat: revoked leases still mapped by their live holders."""
+        with self._lock:
+            return [h.lease.id for h in self._held.values() if h.revoked_held]
+
     def close(self) -> None:
         self._stop.set()
+        self._capacity_changed()  # waiting lease requests give up
         if self.warm is not None:
             self.warm.stop()
         with self._lock:

@@ -156,6 +156,11 @@ class Heartbeat(Model):
     renewals: list[Renewal] = Field(default_factory=list, max_length=100_000)
     # The latest accounting of every lease whose report changed since the last heartbeat.
     reports: list[LeaseReport] = Field(default_factory=list, max_length=100_000)
+    # Revoked memfd leases whose holder still maps the pages: the agent cannot take
+    # them back, so they stay `revoking` (and count as used) until the holder exits.
+    revoked_held: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, max_length=100_000
+    )
 
 
 class RenewResult(Model):

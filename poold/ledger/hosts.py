@@ -300,6 +300,27 @@ def shrink_hints(
     ]
 
 
+# How far past "now" a revoked lease still mapped by its live holder is held each
+# heartbeat: it stays revoking (its bytes used) while the agent keeps reporting it.
+REVOKED_HELD_EXTENSION_S = 60.0
+
+
+def hold_revoked(session: Session, host: Host, lease_ids: list[str], now: datetime) -> None:
+    """Keep revoked-but-still-mapped memfd leases from being reclaimed under their holder."""
+    until = now + timedelta(seconds=REVOKED_HELD_EXTENSION_S)
+    session.execute(
+        update(Lease)
+        .where(
+            Lease.id.in_(lease_ids),
+            Lease.host_id == host.id,
+            Lease.state == LeaseState.REVOKING.value,
+            Lease.expires_at < until,
+        )
+        .values(expires_at=until)
+        .execution_options(synchronize_session=False)
+    )
+
+
 def heartbeat(
     session: Session,
     host: Host,
@@ -333,6 +354,8 @@ def heartbeat(
             )
     # After the renewals: a lease that lazily expired just now still held its memory.
     report_errors = store_reports(session, host, beat.reports, now) if beat.reports else []
+    if beat.revoked_held:
+        hold_revoked(session, host, beat.revoked_held, now)
     revoking = session.scalars(
         select(Lease).where(Lease.host_id == host.id, Lease.state == LeaseState.REVOKING.value)
     )

@@ -202,7 +202,8 @@ def _grant_once(
             f"cannot place {req.size_bytes} bytes on host {host_name!r}: {choice.reason}; "
             f"largest free extent is {choice.largest_free_bytes} bytes",
             largest_free_bytes=choice.largest_free_bytes,
-            free_by_device={str(k): v for k, v in choice.free_by_device.items()},
+            # Keyed by device uid: what an operator sees in `poolctl devices`.
+            free_by_device={paths[k]["uid"]: v for k, v in choice.free_by_device.items()},
         )
     length = choice.extent.length
     if used_leases + 1 > tenant.quota_leases:

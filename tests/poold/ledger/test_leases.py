@@ -137,7 +137,7 @@ def test_no_capacity_reports_largest_free(ledger: Ledger) -> None:
         grant(ledger, 6 * MiB)
     assert info.value.code == "no_capacity"
     assert info.value.detail["largest_free_bytes"] == 4 * MiB
-    assert list(info.value.detail["free_by_device"].values()) == [4 * MiB]
+    assert info.value.detail["free_by_device"] == {"dev-0": 4 * MiB}
     assert snapshot(ledger) == before
 
 

@@ -1,0 +1,194 @@
+"""Admission when the pool is full: wait up to `wait_s` (FIFO on the agent) or fail at once.
+
+poold's API and ledger, the agent (PooldLink + AgentService behind a real AgentServer
+socket) and tenant libraries (PoolClient), one client per waiting request (a client's
+calls are serialised). One emulated device holds two 32 MiB leases.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from agent.backends.emulated import EmulatedBackend
+from agent.client import Lease, PoolClient
+from agent.link import PooldLink
+from agent.server import AgentServer
+from agent.service import AgentService
+from poold.api.client import PooldClient
+from poold.api.schemas import InventoryDevice, TenantSpec
+from poold.errors import NoCapacity, PoolError
+from tests.conftest import ThreadedServer
+
+MIB = 1 << 20
+LEASE_BYTES = 32 * MIB
+
+DEVICE = InventoryDevice(
+    uid="h1/emulated:0",
+    kind="emulated",
+    media="emulated",
+    capacity_bytes=2 * LEASE_BYTES,
+    alignment_bytes=2 * MIB,
+    health="ok",
+    local_name="memfd",
+)
+
+
+@dataclass
+class Stack:
+    service: AgentService
+    socket_path: Path
+    holder: PoolClient
+    clients: list[PoolClient] = field(default_factory=list)
+
+    def client(self) -> PoolClient:
+        c = PoolClient(self.socket_path, timeout_s=10)
+        self.clients.append(c)
+        return c
+
+
+@pytest.fixture
+def stack(api: ThreadedServer, admin: PooldClient) -> Iterator[Stack]:
+    credential = admin.add_host("h1").credential
+    for name in ("holder", "waiter"):
+        admin.create_tenant(TenantSpec(name=name, quota_bytes=1 << 30, allowed_uids=[os.getuid()]))
+    poold = PooldClient(api.url, credential)
+    link = PooldLink(poold, "test")
+    link.register([DEVICE])
+    service = AgentService("h1", link, {"emulated": EmulatedBackend()})
+    sock_dir = Path(tempfile.mkdtemp(prefix="poold-admission-"))
+    with AgentServer(sock_dir / "agent.sock", service) as server:
+        server.start_in_thread()
+        with PoolClient(server.socket_path, timeout_s=10) as holder:
+            s = Stack(service, server.socket_path, holder)
+            yield s
+            for c in s.clients:
+                c.close()
+    service.close()
+    poold.close()
+    shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+class Waiter:
+    """A lease request with wait_s, on its own client and thread."""
+
+    def __init__(self, stack: Stack, size_bytes: int, wait_s: float, served: list[str]) -> None:
+        self.client = stack.client()
+        self.lease: Lease | None = None
+        self.error: PoolError | None = None
+        self.elapsed_s = 0.0
+
+        def run() -> None:
+            start = time.monotonic()
+            try:
+                self.lease = self.client.lease(
+                    size_bytes, tenant="waiter", renew=False, wait_s=wait_s
+                )
+                served.append(self.lease.lease_id)
+            except PoolError as err:
+                self.error = err
+            self.elapsed_s = time.monotonic() - start
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout_s: float = 15) -> None:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive()
+
+
+def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def waiting(stack: Stack) -> int:
+    with stack.service._admission:
+        return len(stack.service._waiting)
+
+
+def fill(stack: Stack) -> list[Lease]:
+    return [stack.holder.lease(LEASE_BYTES, tenant="holder", renew=False) for _ in range(2)]
+
+
+def test_full_pool_fails_at_once_or_waits_for_a_release(stack: Stack) -> None:
+    first, second = fill(stack)
+    tenant = stack.client()
+
+    # wait_s=0: no_capacity at once, naming what is free and where.
+    start = time.monotonic()
+    with pytest.raises(NoCapacity) as refused:
+        tenant.lease(LEASE_BYTES, tenant="waiter", renew=False)
+    assert time.monotonic() - start < 2
+    assert refused.value.detail["largest_free_bytes"] == 0
+    # Keyed by poold's device id (not the uid) today: see the ledger's NoCapacity.
+    assert list(refused.value.detail["free_by_device"].values()) == [0]
+    assert "largest free extent is 0 bytes" in refused.value.message
+
+    # wait_s: served as soon as the holder releases, well before the wait ends.
+    served: list[str] = []
+    w = Waiter(stack, LEASE_BYTES, wait_s=15, served=served)
+    until(lambda: waiting(stack) == 1)
+    time.sleep(0.2)
+    assert w.lease is None and w.error is None
+    first.release()
+    w.join()
+    assert w.error is None and w.lease is not None
+    assert w.elapsed_s < 5
+    assert w.lease.length_bytes == LEASE_BYTES
+    assert waiting(stack) == 0
+    second.release()
+
+
+def test_waiters_are_served_in_arrival_order(stack: Stack) -> None:
+    first, second = fill(stack)
+    served: list[str] = []
+    w1 = Waiter(stack, LEASE_BYTES, wait_s=15, served=served)
+    until(lambda: waiting(stack) == 1)
+    w2 = Waiter(stack, LEASE_BYTES, wait_s=15, served=served)
+    until(lambda: waiting(stack) == 2)
+
+    first.release()
+    until(lambda: len(served) == 1)
+    assert w1.lease is not None and served == [w1.lease.lease_id]
+    time.sleep(0.3)
+    assert w2.lease is None and w2.error is None and waiting(stack) == 1
+
+    second.release()
+    w1.join()
+    w2.join()
+    assert w2.lease is not None and served == [w1.lease.lease_id, w2.lease.lease_id]
+
+
+def test_a_later_smaller_request_never_overtakes(stack: Stack) -> None:
+    first, second = fill(stack)
+    served: list[str] = []
+    big = Waiter(stack, 2 * LEASE_BYTES, wait_s=15, served=served)
+    until(lambda: waiting(stack) == 1)
+    small = Waiter(stack, LEASE_BYTES, wait_s=2, served=served)
+    until(lambda: waiting(stack) == 2)
+
+    # Room for the small one, not the big one: the small one must not take it.
+    first.release()
+    time.sleep(0.5)
+    assert served == [] and waiting(stack) == 2
+
+    second.release()
+    big.join()
+    assert big.lease is not None and served == [big.lease.lease_id]
+    small.join()
+    # Its wait ran out behind the big one, which then took the whole device.
+    assert isinstance(small.error, NoCapacity) and small.lease is None
+    assert list(small.error.detail["free_by_device"].values()) == [0]
+    assert 1.5 < small.elapsed_s < 5
+    assert waiting(stack) == 0
