@@ -62,6 +62,7 @@ class PooldLink:
         # in _unsent_reports, unless a newer report of the same lease replaces them.
         self.reports_provider: Callable[[], list[LeaseReport]] | None = None
         self.revoked_held_provider: Callable[[], list[str]] | None = None
+        self.admission_provider: Callable[[], int] | None = None
         self._unsent_reports: dict[str, LeaseReport] = {}
 
     # --- synchronous calls ----------------------------------------------
@@ -157,6 +158,9 @@ class PooldLink:
             reports=reports,
             revoked_held=(
                 self.revoked_held_provider() if self.revoked_held_provider is not None else []
+            ),
+            admission_wanted_bytes=(
+                self.admission_provider() if self.admission_provider is not None else 0
             ),
         )
         try:

@@ -64,6 +64,15 @@ REVOKE_MARGIN_S = 1.0  # how many ended lease ids the agent remembers, for clear
 ADMISSION_RETRY_S = 1.0
 
 
+class _Waiting:
+    """A lease request waiting for capacity; identity is its place in the queue."""
+
+    __slots__ = ("size_bytes",)
+
+    def __init__(self, size_bytes: int) -> None:
+        self.size_bytes = size_bytes
+
+
 @dataclass(frozen=True)
 class LocalDevice:
     """Where a pool device lives on this host: its dax region or NUMA node."""
@@ -135,10 +144,11 @@ class AgentService:
         link.reports_provider = self.take_reports
         # Lease requests waiting for capacity, oldest first: only the oldest retries.
         self._admission = threading.Condition()
-        self._waiting: deque[object] = deque()
+        self._waiting: deque[_Waiting] = deque()
         self._capacity_epoch = 0  # bumped whenever capacity may have been freed
         self._last_refusal: NoCapacity | None = None
         link.revoked_held_provider = self.revoked_held_ids
+        link.admission_provider = self.admission_wanted_bytes
 
     # --- helpers -----------------------------------------------------------
     def _inventory(self) -> list[InventoryDevice]:
@@ -320,7 +330,7 @@ class AgentService:
         if wait_s <= 0:
             return self.link.grant(req)
         deadline = time.monotonic() + wait_s
-        ticket = object()
+        ticket = _Waiting(req.size_bytes)
         last: NoCapacity | None = None
         with self._admission:
             self._waiting.append(ticket)
@@ -363,6 +373,11 @@ class AgentService:
             f"(older requests were waiting first){because}",
             **{**details, "waited_s": wait_s},
         )
+
+    def admission_wanted_bytes(self) -> int:
+        """For the heartbeat: what the oldest waiting lease request needs (FIFO: only it)."""
+        with self._admission:
+            return self._waiting[0].size_bytes if self._waiting else 0
 
     def _capacity_changed(self) -> None:
         """Capacity may have been freed: the oldest waiting lease request retries."""

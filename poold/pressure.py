@@ -31,6 +31,9 @@ class DeviceFree:
     device_id: int
     capacity_bytes: int
     free_bytes: int  # neither leased (live) nor quarantined
+    # A lease request waiting for room on this device (admission wait_s): asked
+    # back on top of the watermark, so pressure makes room for it.
+    wanted_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,8 @@ def shortfall(device: DeviceFree, leases: Iterable[LeaseUse], watermark: float) 
         if lease.reported and lease.device_id == device.device_id
     )
     available = device.free_bytes + unused
-    return max(0, watermark_bytes(device.capacity_bytes, watermark) - available)
+    wanted = watermark_bytes(device.capacity_bytes, watermark) + device.wanted_bytes
+    return max(0, wanted - available)
 
 
 def plan_device(
@@ -138,7 +142,8 @@ def plan(
     """Shrink requests for every device under its watermark (0 turns pressure off)."""
     if not 0 <= watermark < 1:
         raise ValueError(f"watermark must be in [0, 1), got {watermark}")
-    if watermark == 0:
+    devices = list(devices)
+    if watermark == 0 and not any(d.wanted_bytes for d in devices):
         return []
     deadline_at = now + timedelta(seconds=deadline_s)
     by_device: dict[int, list[LeaseUse]] = defaultdict(list)

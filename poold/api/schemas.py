@@ -156,6 +156,9 @@ class Heartbeat(Model):
     renewals: list[Renewal] = Field(default_factory=list, max_length=100_000)
     # The latest accounting of every lease whose report changed since the last heartbeat.
     reports: list[LeaseReport] = Field(default_factory=list, max_length=100_000)
+    # The oldest lease request waiting on this agent for capacity (admission wait_s):
+    # poold asks tenants for that much back, replicas first.
+    admission_wanted_bytes: int = Field(default=0, ge=0, le=MAX_LEASE_BYTES)
     # Revoked memfd leases whose holder still maps the pages: the agent cannot take
     # them back, so they stay `revoking` (and count as used) until the holder exits.
     revoked_held: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(

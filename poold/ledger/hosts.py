@@ -233,14 +233,19 @@ def store_reports(
 
 
 def shrink_hints(
-    session: Session, host: Host, now: datetime, watermark: float, deadline_s: float
+    session: Session,
+    host: Host,
+    now: datetime,
+    watermark: float,
+    deadline_s: float,
+    wanted_bytes: int = 0,
 ) -> list[ShrinkHint]:
     """Pressure on the devices this host reaches: what its leases' tenants should give back.
 
     The plan (poold/pressure.py) covers every lease on those devices, whichever host
     holds it, so each host's heartbeat asks its own share of the same plan.
     """
-    if watermark <= 0:
+    if watermark <= 0 and wanted_bytes <= 0:
         return []
     reached = list(
         session.scalars(
@@ -287,6 +292,22 @@ def shrink_hints(
         )
         for d in reached
     ]
+    if wanted_bytes > 0:
+        # A lease waits on this host: make room on the reachable device that can give
+        # most (free now, plus what its reporting leases leave unused or hold as replicas).
+        def givable(d: pressure.DeviceFree) -> int:
+            on = [u for u in uses if u.device_id == d.device_id and u.reported]
+            return d.free_bytes + sum(
+                max(0, u.length_bytes - u.used_bytes) + u.replica_bytes for u in on
+            )
+
+        best = max(free, key=givable)
+        free = [
+            pressure.DeviceFree(d.device_id, d.capacity_bytes, d.free_bytes, wanted_bytes)
+            if d is best
+            else d
+            for d in free
+        ]
     plan = pressure.plan(free, uses, watermark=watermark, now=now, deadline_s=deadline_s)
     return [
         ShrinkHint(
@@ -380,7 +401,14 @@ def heartbeat(
         report_errors=report_errors,
         want_inventory=want_inventory,
         # After the reports: what tenants already gave back is not asked again.
-        shrink=shrink_hints(session, host, now, pressure_watermark, shrink_deadline_s),
+        shrink=shrink_hints(
+            session,
+            host,
+            now,
+            pressure_watermark,
+            shrink_deadline_s,
+            wanted_bytes=beat.admission_wanted_bytes,
+        ),
     )
 
 

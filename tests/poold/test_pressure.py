@@ -177,3 +177,16 @@ def test_replica_first_invariants(
         - dev.free_bytes
         - sum(x.length_bytes - x.used_bytes for x in reported),
     )
+
+
+def test_a_waiting_lease_request_is_pressure_even_above_the_watermark() -> None:
+    """Admission: room for a waiting request is asked back, replicas first."""
+    leases = [
+        use("rep", 1, length=32 * MIB, exclusive=8 * MIB, replica=24 * MIB),
+        use("exc", 2, length=32 * MIB, exclusive=32 * MIB),
+    ]
+    full = DeviceFree(device_id=1, capacity_bytes=64 * MIB, free_bytes=0)
+    assert plan([full], leases, watermark=0, now=NOW) == []  # pressure off, nobody waits
+    waiting = DeviceFree(device_id=1, capacity_bytes=64 * MIB, free_bytes=0, wanted_bytes=16 * MIB)
+    assert shortfall(waiting, leases, 0) == 16 * MIB
+    assert asked(plan([waiting], leases, watermark=0, now=NOW)) == {"rep": (16 * MIB, 16 * MIB)}

@@ -138,3 +138,38 @@ def test_effective_is_field_by_field() -> None:
     reported = {"media": "ddr5", "recycled": False, "provenance": None, "cost_per_gib_month": 1.0}
     assert devices.effective(reported, {"recycled": True}) == {**reported, "recycled": True}
     assert devices.effective({}, {})["media"] == "unknown"
+
+
+def test_admission_wanted_bytes_makes_room_replicas_first(ledger: Ledger) -> None:
+    """A lease waiting on the agent becomes shrink hints even with pressure off."""
+    from poold.api.schemas import GrantRequest, Heartbeat, LeaseReport
+    from poold.ledger import leases
+    from tests.poold.conftest import UID, MiB, device, seed
+
+    seed(ledger, devices=[device(capacity_bytes=64 * MiB)])
+    rep, exc = (
+        leases.grant(
+            ledger,
+            "h1",
+            GrantRequest(tenant="t1", size_bytes=32 * MiB, uid=UID, pid=1, activate=True),
+            "agent:h1",
+        )
+        for _ in range(2)
+    )
+    reports = [
+        LeaseReport(
+            lease_id=rep.id, used_bytes=32 * MiB, exclusive_bytes=8 * MiB, replica_bytes=24 * MiB
+        ),
+        LeaseReport(
+            lease_id=exc.id, used_bytes=32 * MiB, exclusive_bytes=32 * MiB, replica_bytes=0
+        ),
+    ]
+    with ledger.write() as s:
+        host = hosts.get_by_name(s, "h1")
+        quiet = hosts.heartbeat(s, host, Heartbeat(reports=reports), pressure_watermark=0)
+        assert quiet.shrink == []
+        waiting = hosts.heartbeat(
+            s, host, Heartbeat(admission_wanted_bytes=16 * MiB), pressure_watermark=0
+        )
+    (hint,) = waiting.shrink
+    assert (hint.lease_id, hint.target_bytes, hint.replica_bytes) == (rep.id, 16 * MiB, 16 * MiB)
