@@ -63,6 +63,7 @@ class PooldLink:
         self.reports_provider: Callable[[], list[LeaseReport]] | None = None
         self.revoked_held_provider: Callable[[], list[str]] | None = None
         self.admission_provider: Callable[[], int] | None = None
+        self.held_provider: Callable[[], list[str]] | None = None
         self._unsent_reports: dict[str, LeaseReport] = {}
 
     # --- synchronous calls ----------------------------------------------
@@ -162,6 +163,7 @@ class PooldLink:
             admission_wanted_bytes=(
                 self.admission_provider() if self.admission_provider is not None else 0
             ),
+            held=self.held_provider() if self.held_provider is not None else None,
         )
         try:
             reply = self.client.heartbeat(beat)

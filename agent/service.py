@@ -149,6 +149,7 @@ class AgentService:
         self._last_refusal: NoCapacity | None = None
         link.revoked_held_provider = self.revoked_held_ids
         link.admission_provider = self.admission_wanted_bytes
+        link.held_provider = self.held_ids
 
     # --- helpers -----------------------------------------------------------
     def _inventory(self) -> list[InventoryDevice]:
@@ -813,6 +814,11 @@ class AgentService:
         if kind == "devdax" or held.holder is None:
             return False
         return holder_alive(held.holder)
+
+    def held_ids(self) -> builtins.list[str]:
+        """For the heartbeat: every lease this agent holds memory (or a holder) for."""
+        with self._lock:
+            return sorted(self._held)
 
     def revoked_held_ids(self) -> builtins.list[str]:
         """For the heartbeat: revoked leases still mapped by their live holders."""

@@ -56,6 +56,12 @@ def print_report(report: AuditReport, console: Console) -> None:
             console.print(_items_table(title, items))
     if not report.agents.available:
         console.print(Text(f"agent reports: not available ({report.agents.note})"))
+    for title, items in (
+        ("stale: live leases whose agent holds no memory", report.agents.stale),
+        ("leaked: memory agents hold for ended leases", report.agents.leaked),
+    ):
+        if items:
+            console.print(_items_table(title, items))
     verdict = {0: "clean", 1: "reclaimed" if report.reclaim else "reclaimable items found"}.get(
         report.exit_code, "needs a human"
     )

@@ -156,6 +156,11 @@ class Heartbeat(Model):
     renewals: list[Renewal] = Field(default_factory=list, max_length=100_000)
     # The latest accounting of every lease whose report changed since the last heartbeat.
     reports: list[LeaseReport] = Field(default_factory=list, max_length=100_000)
+    # Every lease id the agent holds memory for (None: not reported in this beat).
+    # poold revokes what it no longer knows as live; the audit compares the two.
+    held: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
+        default=None, max_length=100_000
+    )
     # The oldest lease request waiting on this agent for capacity (admission wait_s):
     # poold asks tenants for that much back, replicas first.
     admission_wanted_bytes: int = Field(default=0, ge=0, le=MAX_LEASE_BYTES)
@@ -434,16 +439,15 @@ class AuditItem(Model):
 
 
 class AgentFindings(Model):
-    """What agents report (live fds, holders, sub-devices): leaked and stale memory.
+    """The ledger against what agents report holding: leaked and stale memory.
 
-    Placeholder: agents do not report this yet, so `available` is False and the
-    lists are empty. The audit fills it once the heartbeat carries the report.
+    `available` is False when no agent reported its leases recently.
     """
 
     available: bool = False
     leaked: list[AuditItem] = Field(default_factory=list)  # memory in use, no live lease
     stale: list[AuditItem] = Field(default_factory=list)  # live lease, no memory behind it
-    note: str = "agents do not report live fds, holders or sub-devices yet"
+    note: str = ""
 
 
 class AuditReport(Model):

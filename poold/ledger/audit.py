@@ -17,8 +17,11 @@ it moves those (conditionally, as the reaper does) and says what it did.
 Active leases past their expiry are listed as pending: whether their agent
 still holds renewals is the reaper's call (its outage rule), not the audit's.
 
-What agents report (live fds, holders, sub-devices: leaked and stale memory)
-is not collected yet; the report carries an empty, typed `AgentFindings`.
+What agents report (the lease ids they hold memory for, sent with every
+heartbeat) is compared with the ledger: a live lease the agent holds nothing for
+is *stale* (reclaimable: it is orphaned, the reaper reclaims it after grace);
+memory an agent holds for a lease the ledger ended is *leaked* (poold already
+revokes it in the next heartbeat reply; the audit lists it).
 
 Exit codes: 0 clean; 1 something was reclaimed (or, without `reclaim`, is
 reclaimable); 2 an invariant is violated.
@@ -362,10 +365,109 @@ def reclaim(
     return moved
 
 
-def exit_code(findings: Findings, reclaimed: int) -> int:
+def exit_code(findings: Findings, reclaimed: int, agents: AgentFindings | None = None) -> int:
     if findings.violations:
         return 2
+    if agents is not None and (agents.stale or agents.leaked):
+        return 1
     return 1 if reclaimed or findings.reclaimable else 0
+
+
+# An agent's report is trusted for this long, and a lease granted less than
+# STALE_MARGIN_S before the report may simply not have reached the agent's list yet.
+AGENT_REPORT_FRESH_S = 60.0
+STALE_MARGIN_S = 5.0
+
+
+def check_agents(
+    leases: Iterable[LeaseRow],
+    reports: dict[int, tuple[list[str], datetime]],
+    host_names: dict[int, str],
+    now: datetime,
+) -> AgentFindings:
+    """Compare the ledger with what each agent says it holds (pure)."""
+    fresh = {
+        host_id: (set(ids), at)
+        for host_id, (ids, at) in reports.items()
+        if (now - at).total_seconds() <= AGENT_REPORT_FRESH_S
+    }
+    if not fresh:
+        return AgentFindings(note="no agent reported its leases recently")
+    stale: list[AuditItem] = []
+    live_by_host: dict[int, set[str]] = defaultdict(set)
+    for lease in leases:
+        if lease.state not in LIVE:
+            continue
+        live_by_host[lease.host_id].add(lease.id)
+        report = fresh.get(lease.host_id)
+        if report is None or lease.id in report[0]:
+            continue
+        _ids, at = report
+        # Only leases whose memory must exist, granted well before the report.
+        if (
+            lease.state in ("active", "revoking")
+            and (at - lease.granted_at).total_seconds() > STALE_MARGIN_S
+        ):
+            stale.append(
+                AuditItem(
+                    kind="stale",
+                    lease_id=lease.id,
+                    device_id=lease.device_id,
+                    host=host_names.get(lease.host_id),
+                    state=lease.state,
+                    message="live in the ledger, but its host's agent holds no memory for it",
+                )
+            )
+    leaked = [
+        AuditItem(
+            kind="leaked",
+            lease_id=lease_id,
+            host=host_names.get(host_id),
+            message="the agent holds memory for a lease the ledger does not have live "
+            "(poold revokes it in the next heartbeat reply)",
+        )
+        for host_id, (ids, _at) in fresh.items()
+        for lease_id in sorted(ids - live_by_host[host_id])
+    ]
+    return AgentFindings(
+        available=True,
+        leaked=leaked,
+        stale=stale,
+        note=f"{len(fresh)} agent(s) reported within {AGENT_REPORT_FRESH_S:g}s",
+    )
+
+
+def load_agent_reports(ledger: Ledger) -> dict[int, tuple[list[str], datetime]]:
+    with ledger.read() as s:
+        return {
+            host_id: (list(ids or []), at)
+            for host_id, ids, at in s.execute(
+                select(Host.id, Host.agent_leases, Host.agent_leases_at).where(
+                    Host.agent_leases_at.is_not(None)
+                )
+            )
+        }
+
+
+def reclaim_stale(ledger: Ledger, stale: list[AuditItem], now: datetime) -> int:
+    """Orphan stale active leases: no memory is behind them; the reaper reclaims after grace."""
+    done = 0
+    for it in stale:
+        if it.lease_id is None or it.state != "active":
+            continue
+        with ledger.write() as s:
+            moved = lease_ops.move_if(
+                s.connection(),
+                it.lease_id,
+                LeaseState.ACTIVE,
+                LeaseEvent.ORPHAN,
+                actor=ACTOR,
+                reason="its host's agent holds no memory for it",
+                now=now,
+            )
+        it.action = "orphaned" if moved else "lost_race"
+        done += int(moved)
+    return done
 
 
 def run_audit(
@@ -390,7 +492,10 @@ def run_audit(
     if reclaim_safe and findings.reclaimable:
         kinds = _device_kinds(ledger)
         reclaimed = reclaim(ledger, findings.reclaimable, kinds, policy, now, progress)
-    code = exit_code(findings, reclaimed)
+    agents = check_agents(snap.leases, load_agent_reports(ledger), snap.host_names, now)
+    if reclaim_safe and agents.stale:
+        reclaimed += reclaim_stale(ledger, agents.stale, now)
+    code = exit_code(findings, reclaimed, agents)
     finished = utcnow()
     report = AuditReport(
         started_at=started,
@@ -404,7 +509,7 @@ def run_audit(
         violations=findings.violations,
         reclaimable=findings.reclaimable,
         pending=findings.pending,
-        agents=AgentFindings(),
+        agents=agents,
         reclaimed=reclaimed,
     )
     stored = report.model_dump(mode="json")

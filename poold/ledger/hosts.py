@@ -326,6 +326,23 @@ def shrink_hints(
 REVOKED_HELD_EXTENSION_S = 60.0
 
 
+def held_but_ended(session: Session, host: Host, held: list[str]) -> list[str]:
+    """Lease ids the agent holds memory for that the ledger no longer has live here."""
+    if not held:
+        return []
+    live = {
+        lease_id
+        for (lease_id,) in session.execute(
+            select(Lease.id).where(
+                Lease.id.in_(held),
+                Lease.host_id == host.id,
+                Lease.state.in_([s.value for s in LIVE_STATES]),
+            )
+        )
+    }
+    return [lease_id for lease_id in held if lease_id not in live]
+
+
 def hold_revoked(session: Session, host: Host, lease_ids: list[str], now: datetime) -> None:
     """Keep revoked-but-still-mapped memfd leases from being reclaimed under their holder."""
     until = now + timedelta(seconds=REVOKED_HELD_EXTENSION_S)
@@ -377,6 +394,11 @@ def heartbeat(
     report_errors = store_reports(session, host, beat.reports, now) if beat.reports else []
     if beat.revoked_held:
         hold_revoked(session, host, beat.revoked_held, now)
+    ended: list[str] = []
+    if beat.held is not None:
+        host.agent_leases = list(beat.held)
+        host.agent_leases_at = now
+        ended = held_but_ended(session, host, beat.held)
     revoking = session.scalars(
         select(Lease).where(Lease.host_id == host.id, Lease.state == LeaseState.REVOKING.value)
     )
@@ -384,6 +406,12 @@ def heartbeat(
     revocations = [
         Revocation(lease_id=lease.id, reason="revoked", deadline_at=lease.expires_at)
         for lease in revoking
+    ]
+    # Memory the agent still holds for leases the ledger ended (an admin release,
+    # a reclaim while the agent was away): take it back now.
+    revocations += [
+        Revocation(lease_id=lease_id, reason="the ledger ended this lease", deadline_at=now)
+        for lease_id in ended
     ]
     scrub = [
         ScrubOrder(lease_id=lease_id, device_uid=uid, offset_bytes=offset, length_bytes=length)

@@ -63,6 +63,9 @@ class Host(Base):
     inventory_digest: Mapped[str | None] = mapped_column(String(64))
     agent_version: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = _ts()
+    # The lease ids the agent last said it holds memory for (audit: leaked / stale).
+    agent_leases: Mapped[list[Any] | None] = mapped_column(JSON)
+    agent_leases_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class Device(Base):

@@ -42,7 +42,7 @@ def test_clean_ledger_exits_zero_and_records_a_run(ledger: Ledger) -> None:
     report = audit.run_audit(ledger, POLICY)
     assert report.exit_code == 0 and report.violations == [] and report.reclaimable == []
     assert (report.leases, report.live_leases, report.devices) == (2, 2, 1)
-    assert report.agents.available is False  # agent reports: placeholder until agents send them
+    assert report.agents.available is False  # no agent has reported its leases
     with ledger.read() as s:
         run = s.scalar(select(AuditRun).where(AuditRun.id == report.run_id))
     assert run is not None and run.exit_code == 0 and run.findings["leases"] == 2
@@ -157,3 +157,33 @@ def test_audit_endpoint(admin: PooldClient, ledger: Ledger) -> None:
     grant(ledger)
     report = admin.audit(reclaim=True)
     assert report.exit_code == 0 and report.leases == 1 and report.run_id is not None
+
+
+def test_agent_reports_reveal_stale_and_leaked_leases(ledger: Ledger) -> None:
+    """The ledger against what the agent says it holds: stale is orphaned, leaked revoked."""
+    from datetime import timedelta
+
+    from poold.api.schemas import Heartbeat, LeaseOp
+    from poold.ledger import hosts, leases
+
+    seed(ledger)
+    kept, lost, ended = grant(ledger), grant(ledger), grant(ledger)
+    leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=ended.id, op="release")], "agent:h1")
+    later = utcnow() + timedelta(seconds=10)  # the grants are well before the report
+    with ledger.write() as s:
+        host = hosts.get_by_name(s, "h1")
+        reply = hosts.heartbeat(s, host, Heartbeat(held=[kept.id, ended.id]))
+        host.agent_leases_at = later
+    # The agent still holds memory for a lease the ledger ended: revoked at once.
+    assert [r.lease_id for r in reply.revocations] == [ended.id]
+
+    report = audit.run_audit(ledger, POLICY, now=later)
+    assert report.agents.available
+    assert [i.lease_id for i in report.agents.stale] == [lost.id]
+    assert [i.lease_id for i in report.agents.leaked] == [ended.id]
+    assert report.exit_code == 1
+
+    fixed = audit.run_audit(ledger, POLICY, reclaim_safe=True, now=later)
+    assert fixed.agents.stale[0].action == "orphaned"
+    assert leases.show(ledger, lost.id).state == "orphaned"
+    assert leases.show(ledger, kept.id).state == "active"
