@@ -10,7 +10,7 @@ One connection per client, opened lazily and shared by all threads (a lock spans
 request and its reply). Leases are renewed by one daemon thread per client at about a
 third of their ttl. Failures raise :mod:`poold.errors` exceptions rebuilt from the
 agent's reply, so ``err.code`` is the same stable code the agent sent; failing to reach
-the agent at all raises :class:`agent.errors.AgentUnreachable`.
+the agent at all raises :class:`poold.errors.AgentUnreachable`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from typing import Any, Final, TypeVar
 
 from pydantic import ValidationError
 
-from agent.errors import AgentProtocolError, AgentUnreachable
 from agent.paths import client_socket_path
 from agent.protocol import (
     MAX_FRAME_BYTES,
@@ -60,7 +59,15 @@ from agent.protocol import (
     read_frame,
     validation_error,
 )
-from poold.errors import FrameTooLarge, LeaseNotActive, PoolError, UnknownLease, from_wire
+from poold.errors import (
+    AgentProtocolError,
+    AgentUnreachable,
+    FrameTooLarge,
+    LeaseNotActive,
+    PoolError,
+    UnknownLease,
+    from_wire,
+)
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from typing import Annotated, Any, Final
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from agent.errors import AgentProtocolError
 from poold.api.schemas import (
     MAX_LEASE_BYTES,
     MAX_TTL_S,
@@ -37,7 +36,14 @@ from poold.api.schemas import (
     MediaClass,
     TenantName,
 )
-from poold.errors import BadRequest, FrameTooLarge, InvalidSize, PoolError, from_wire
+from poold.errors import (
+    AgentProtocolError,
+    BadRequest,
+    FrameTooLarge,
+    InvalidSize,
+    PoolError,
+    from_wire,
+)
 
 PROTOCOL_VERSION: Final = 1
 MAX_FRAME_BYTES: Final = 64 * 1024

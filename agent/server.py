@@ -34,7 +34,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Protocol
 
-from agent.errors import AgentBusy
 from agent.protocol import (
     OPERATIONS,
     HelloArgs,
@@ -57,7 +56,7 @@ from agent.protocol import (
     parse_request,
     read_frame,
 )
-from poold.errors import PoolError
+from poold.errors import AgentBusy, PoolError
 
 log = logging.getLogger(__name__)
 

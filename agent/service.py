@@ -152,9 +152,6 @@ class AgentService:
         link.held_provider = self.held_ids
 
     # --- helpers -----------------------------------------------------------
-    def _inventory(self) -> list[InventoryDevice]:
-        return self.link.inventory
-
     def _premade_length(self, args: p.LeaseArgs) -> tuple[Backend, int] | None:
         """For memfd-only hosts, the length the grant will have, so memory can be made first.
 
@@ -162,7 +159,7 @@ class AgentService:
         the agent materialises it before asking poold and grants+activates in one
         round trip. Any other device kind needs the placement first.
         """
-        inv = self._inventory()
+        inv = self.link.inventory
         if not inv or any(d.kind != "emulated" for d in inv):
             return None
         if args.media is not None and args.media != "emulated":

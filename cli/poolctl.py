@@ -501,10 +501,12 @@ state_dir_option = click.option(
 
 
 def _url(database_url: str | None, state_dir: Path) -> str:
-    if database_url:
-        return database_url
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return f"sqlite:///{state_dir / 'ledger.db'}"
+    """The ledger URL exactly as `poold serve` resolves it (SQLite in the state dir by default)."""
+    from poold.settings import PooldSettings
+
+    if not database_url:
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return PooldSettings(state_dir=state_dir, database_url=database_url).resolved_database_url()
 
 
 @db.command("upgrade")

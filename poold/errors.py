@@ -124,6 +124,27 @@ class PooldUnreachable(PoolError):
     http_status = 503
 
 
+class AgentUnreachable(PoolError):
+    """The tenant could not reach the host's agent (no socket, refused, timed out, dropped)."""
+
+    code = "agent_unreachable"
+    http_status = 503
+
+
+class AgentBusy(PoolError):
+    """The agent is at its connection cap; retry later or reuse a connection."""
+
+    code = "agent_busy"
+    http_status = 503
+
+
+class AgentProtocolError(PoolError):
+    """The agent's reply broke the socket protocol (a version skew or a bug, never the tenant)."""
+
+    code = "agent_protocol_error"
+    http_status = 502
+
+
 class BackendFailed(PoolError):
     """The agent could not turn a grant into memory (memfd, devdax...)."""
 

@@ -17,6 +17,7 @@ from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from sqlalchemy import select
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from poold import __version__, pressure
@@ -68,6 +69,7 @@ from poold.ledger import (
     tenants,
 )
 from poold.ledger.db import Ledger
+from poold.ledger.models import Host, Tenant
 from poold.ledger.reaper import ReaperPolicy
 
 log = logging.getLogger("poold.api")
@@ -205,10 +207,6 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
     @app.get("/v1/tenants")
     async def list_tenants(p: Caller) -> list[TenantOut]:
         admin_only(p)
-        from sqlalchemy import select
-
-        from poold.ledger.models import Tenant
-
         with ledger.read() as s:
             return [tenants.to_out(s, t) for t in s.scalars(select(Tenant).order_by(Tenant.name))]
 
@@ -242,10 +240,6 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
     @app.get("/v1/hosts")
     async def list_hosts(p: Caller) -> list[HostOut]:
         admin_only(p)
-        from sqlalchemy import select
-
-        from poold.ledger.models import Host
-
         with ledger.read() as s:
             return [hosts.to_out(h) for h in s.scalars(select(Host).order_by(Host.name))]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
@@ -20,10 +19,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from poold.errors import BadRequest
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
-
-
-def default_sqlite_url(state_dir: Path) -> str:
-    return f"sqlite:///{state_dir / 'ledger.db'}"
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:

@@ -93,13 +93,6 @@ def authenticate_name(conn: Connection, credential_digest: str) -> str:
     return str(name)
 
 
-def authenticate(session: Session, credential: str) -> Host:
-    host = session.scalar(select(Host).where(Host.credential_hash == hash_credential(credential)))
-    if host is None:
-        raise Unauthorized("unknown agent credential")
-    return host
-
-
 def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevice]) -> None:
     """Make devices and device_paths match what the host's agent sees.
 
@@ -184,9 +177,6 @@ def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevi
                 )
 
 
-REPORT_BATCH = 1000  # lease ids per IN (...) lookup
-
-
 def store_reports(
     session: Session, host: Host, reports: list[LeaseReport], now: datetime
 ) -> list[ReportRefusal]:
@@ -198,12 +188,7 @@ def store_reports(
     """
     latest = {r.lease_id: r for r in reports}  # the last report of a lease in a batch wins
     ids = sorted(latest)
-    found: dict[str, Lease] = {}
-    for i in range(0, len(ids), REPORT_BATCH):
-        chunk = ids[i : i + REPORT_BATCH]
-        found.update(
-            (row.id, row) for row in session.scalars(select(Lease).where(Lease.id.in_(chunk)))
-        )
+    found = leases.load_many(session, ids)
     refused: list[ReportRefusal] = []
     for lease_id in ids:
         report = latest[lease_id]
@@ -330,40 +315,42 @@ def held_but_ended(session: Session, host: Host, held: list[str]) -> list[str]:
     """Lease ids the agent holds memory for that the ledger no longer has live here."""
     if not held:
         return []
-    live = {
-        lease_id
-        for (lease_id,) in session.execute(
-            select(Lease.id).where(
-                Lease.id.in_(held),
-                Lease.host_id == host.id,
-                Lease.state.in_([s.value for s in LIVE_STATES]),
+    live: set[str] = set()
+    for start in range(0, len(held), leases.IN_CHUNK):  # SQLite caps bound parameters
+        live.update(
+            lease_id
+            for (lease_id,) in session.execute(
+                select(Lease.id).where(
+                    Lease.id.in_(held[start : start + leases.IN_CHUNK]),
+                    Lease.host_id == host.id,
+                    Lease.state.in_([s.value for s in LIVE_STATES]),
+                )
             )
         )
-    }
     return [lease_id for lease_id in held if lease_id not in live]
 
 
 def hold_revoked(session: Session, host: Host, lease_ids: list[str], now: datetime) -> None:
     """Keep revoked-but-still-mapped memfd leases from being reclaimed under their holder."""
     until = now + timedelta(seconds=REVOKED_HELD_EXTENSION_S)
-    session.execute(
-        update(Lease)
-        .where(
-            Lease.id.in_(lease_ids),
-            Lease.host_id == host.id,
-            Lease.state == LeaseState.REVOKING.value,
-            Lease.expires_at < until,
+    for start in range(0, len(lease_ids), leases.IN_CHUNK):  # SQLite caps bound parameters
+        session.execute(
+            update(Lease)
+            .where(
+                Lease.id.in_(lease_ids[start : start + leases.IN_CHUNK]),
+                Lease.host_id == host.id,
+                Lease.state == LeaseState.REVOKING.value,
+                Lease.expires_at < until,
+            )
+            .values(expires_at=until)
+            .execution_options(synchronize_session=False)
         )
-        .values(expires_at=until)
-        .execution_options(synchronize_session=False)
-    )
 
 
 def heartbeat(
     session: Session,
     host: Host,
     beat: Heartbeat,
-    ttl_grace_s: int = 0,
     *,
     pressure_watermark: float = pressure.DEFAULT_WATERMARK,
     shrink_deadline_s: float = pressure.DEFAULT_DEADLINE_S,
@@ -381,10 +368,13 @@ def heartbeat(
     elif beat.inventory_digest != host.inventory_digest:
         want_inventory = True
     renewed: list[RenewResult] = []
+    loaded = leases.load_many(session, [r.lease_id for r in beat.renewals])
     for renewal in beat.renewals:
         try:
             # renew_in checks before it writes, so a refusal leaves nothing half-done.
-            lease = leases.renew_in(session, host, renewal.lease_id, renewal.ttl_s, now)
+            lease = leases.renew_in(
+                session, host, renewal.lease_id, renewal.ttl_s, now, loaded=loaded
+            )
             renewed.append(RenewResult(lease_id=lease.id, expires_at=lease.expires_at))
         except PoolError as err:
             renewed.append(
@@ -438,14 +428,3 @@ def heartbeat(
             wanted_bytes=beat.admission_wanted_bytes,
         ),
     )
-
-
-def mark_down_stale(session: Session, older_than_s: float) -> int:
-    """Hosts whose agent has not beaten for a while are `down` (shown by poolctl)."""
-    cutoff = utcnow() - timedelta(seconds=older_than_s)
-    result = session.execute(
-        update(Host)
-        .where(Host.status == "up", Host.last_heartbeat_at < cutoff)
-        .values(status="down")
-    )
-    return int(result.rowcount)  # type: ignore[attr-defined]

@@ -49,6 +49,7 @@ from poold.ledger.models import (
 from poold.ledger.types import check_ints_fit, utcnow
 
 MAX_ATTEMPTS = 16
+IN_CHUNK = 10_000
 RETRY_BACKOFF_S = 0.002
 LIVE = [s.value for s in LIVE_STATES]
 
@@ -561,11 +562,36 @@ def activate(ledger: Ledger, host_name: str, lease_id: str, actor: str) -> Lease
         return _out(session, lease)
 
 
+def load_many(session: Session, lease_ids: Sequence[str]) -> dict[str, Lease]:
+    """Several leases in one locked query (a heartbeat renews them all at once)."""
+    out: dict[str, Lease] = {}
+    ids = list(lease_ids)
+    for start in range(0, len(ids), IN_CHUNK):  # SQLite caps bound parameters per query
+        stmt = select(Lease).where(Lease.id.in_(ids[start : start + IN_CHUNK])).with_for_update()
+        out.update((lease.id, lease) for lease in session.scalars(stmt))
+    return out
+
+
 def renew_in(
-    session: Session, host: Host, lease_id: str, ttl_s: int | None, now: datetime
+    session: Session,
+    host: Host,
+    lease_id: str,
+    ttl_s: int | None,
+    now: datetime,
+    loaded: dict[str, Lease] | None = None,
 ) -> Lease:
-    """Extend a held lease (inside the caller's transaction: heartbeats batch these)."""
-    lease = _load(session, lease_id)
+    """Extend a held lease (inside the caller's transaction: heartbeats batch these).
+
+    `loaded` holds leases already read by `load_many`: a heartbeat carrying N
+    renewals then costs one query, not N.
+    """
+    if loaded is None:
+        lease = _load(session, lease_id)
+    else:
+        found = loaded.get(lease_id)
+        if found is None:
+            raise UnknownLease(f"no lease {lease_id!r}", lease_id=lease_id)
+        lease = found
     _owned_by_host(lease, host)
     _expire_if_due(session, lease, now)
     next_state(LeaseState(lease.state), LeaseEvent.RENEW)  # raises lease_not_active

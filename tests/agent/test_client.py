@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import socket
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,35 +14,20 @@ from pathlib import Path
 import pytest
 
 from agent.client import Lease, PoolClient
-from agent.errors import AgentBusy, AgentUnreachable
 from agent.paths import SOCKET_ENV, SYSTEM_SOCKET_PATH, client_socket_path, default_socket_path
 from agent.protocol import encode_error, read_frame
 from agent.server import AgentServer
-from poold.errors import InvalidSize, LeaseNotActive, NoCapacity, UnknownLease
-from tests.agent.test_server import EmulatedHandler
+from poold.errors import (
+    AgentBusy,
+    AgentUnreachable,
+    InvalidSize,
+    LeaseNotActive,
+    NoCapacity,
+    UnknownLease,
+)
+from tests.agent.conftest import EmulatedHandler
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="poold-client-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def handler() -> Iterator[EmulatedHandler]:
-    handler = EmulatedHandler()
-    yield handler
-    handler.close()
-
-
-@pytest.fixture
-def server(sock_dir: Path, handler: EmulatedHandler) -> Iterator[AgentServer]:
-    with AgentServer(sock_dir / "agent.sock", handler) as server:
-        server.start_in_thread()
-        yield server
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.errors import AgentProtocolError
 from agent.protocol import (
     MAX_FRAME_BYTES,
     OPERATIONS,
@@ -30,7 +29,14 @@ from agent.protocol import (
     parse_request,
     read_frame,
 )
-from poold.errors import BadRequest, FrameTooLarge, InvalidSize, PoolError, QuotaExceeded
+from poold.errors import (
+    AgentProtocolError,
+    BadRequest,
+    FrameTooLarge,
+    InvalidSize,
+    PoolError,
+    QuotaExceeded,
+)
 
 
 @pytest.fixture
