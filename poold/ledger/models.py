@@ -103,6 +103,9 @@ class Device(Base):
     admin_annotations: Mapped[dict[str, Any]] = mapped_column(
         JSON, default=dict, server_default="{}"
     )
+    # [[offset, length], ...] that the agent found in use by something poold did not
+    # create (e.g. the kernel's dax0.0 claiming a region): never placed on.
+    reserved_extents: Mapped[list[Any]] = mapped_column(JSON, default=list, server_default="[]")
 
 
 class DevicePath(Base):
@@ -195,6 +198,10 @@ class Lease(Base):
     used_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     exclusive_blocks: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     replica_blocks: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # Pressure: poold asked the holder to give back this many bytes by the deadline,
+    # after which the reaper revokes the lease (DESIGN.md "Pressure"). None: no request.
+    shrink_wanted_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    shrink_deadline_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class Event(Base):
