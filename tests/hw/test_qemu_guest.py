@@ -24,7 +24,18 @@ IN_GUEST = [
     "test_failing_steps_leave_no_sub_device",
     "test_numa_lease_pages_are_on_the_cpu_less_node",
     "test_numa_hugepage_lease_on_the_cpu_less_node",
+    # test_stack_in_guest.py: the same facts through poold, pool-agent and agent.client
+    "test_stack_devdax_lease_maps_writes_and_reads_back",
+    "test_stack_two_tenants_get_separate_sub_devices",
+    "test_stack_tenant_cannot_lease_for_another_tenant",
+    "test_stack_revoke_is_sigbus_in_the_holder",
+    "test_stack_revoke_notice_reaches_a_holder_renewing_meanwhile",
+    "test_stack_released_bytes_read_zero_in_the_next_lease",
+    "test_stack_numa_lease_pages_are_on_the_cpu_less_node",
 ]
+# Known product bugs, shown by strict-xfail tests in the guest: they must fail there until
+# the fix lands (then the guest reports XPASS(strict) as a failure: drop the entry).
+XFAIL_IN_GUEST: dict[str, str] = {}
 BOOT_TIMEOUT_S = 480
 
 
@@ -64,7 +75,7 @@ def guest(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]
         for tag in ("failure", "error", "skipped"):
             node = case.find(tag)
             if node is not None:
-                outcome = tag
+                outcome = "xfailed" if node.get("type") == "pytest.xfail" else tag
                 detail = (node.get("message") or "") + "\n" + (node.text or "")
         results[case.get("name", "?")] = (outcome, detail)
     return results
@@ -77,7 +88,8 @@ def test_guest_ran_exactly_the_expected_tests(guest: dict[str, tuple[str, str]])
 @pytest.mark.parametrize("name", IN_GUEST)
 def test_in_guest(guest: dict[str, tuple[str, str]], name: str) -> None:
     outcome, detail = guest.get(name, ("missing", "the guest did not run it"))
-    assert outcome == "passed", f"{name}: {outcome}\n{detail}"
+    expected = "xfailed" if name in XFAIL_IN_GUEST else "passed"
+    assert outcome == expected, f"{name}: {outcome}\n{detail}"
 
 
 def test_cache_dir_is_configurable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

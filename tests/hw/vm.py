@@ -3,8 +3,9 @@
 * ``scripts/hw/build-guest.sh`` makes ``vmlinuz`` + ``initramfs.cpio`` from Debian packages
   into the cache (``$POOLD_HW_CACHE`` or ``~/.cache/poold-hw``), installing QEMU from
   bookworm-backports when it is missing;
-* the pure-Python test dependencies (and pydantic-core, a cp311 manylinux wheel) go into
-  ``pylib.tar`` in the cache, at the versions this venv runs;
+* what the guest runs (pytest, and poold's, pool-agent's and poolctl's dependencies: pure
+  Python, or cp311 manylinux wheels for the compiled ones) goes into ``pylib.tar`` in the
+  cache, every distribution of the dependency closure at the version this venv runs;
 * the guest gets the repository read-only (``/mnt/repo``), the pylib (``/mnt/pylib``) and
   a writable ``/mnt/out`` over virtio-9p, and two volatile 256 MiB CXL Type-3 devices on
   one host bridge. It runs tests/hw/guest/run.sh and powers off.
@@ -23,10 +24,31 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "scripts" / "hw" / "build-guest.sh"
-# What the in-guest tests import, beyond the stdlib: pinned to the host venv's versions.
-GUEST_PACKAGES = ("pytest", "pydantic", "click", "rich")
+# What the guest imports, beyond the stdlib: pytest for the tests, and what `poold serve`,
+# `pool-agent serve` and `poolctl` need (pyproject's dependencies, less psycopg: the guest's
+# ledger is SQLite; less pyudev: the guest has no libudev, the agent rescans periodically).
+# Their dependency closure goes in too (guest_pins), each at the host venv's version.
+GUEST_PACKAGES = (
+    "pytest",
+    "pydantic",
+    "click",
+    "rich",
+    "sqlalchemy",
+    "alembic",
+    "fastapi",
+    "uvicorn",
+    "httptools",
+    "httpx",
+    "psutil",
+    "prometheus-client",
+)
+# The guest's interpreter (Debian bookworm's python3.11), for environment markers.
+GUEST_MARKER_ENV = {"python_version": "3.11", "python_full_version": "3.11.2", "extra": ""}
 
 
 class Unavailable(Exception):
@@ -64,9 +86,27 @@ def build_image(cache: Path, log: Path) -> float:
     return time.monotonic() - start
 
 
+def guest_pins(roots: tuple[str, ...] = GUEST_PACKAGES) -> list[str]:
+    """``name==version`` for ``roots`` and everything they require (no extras), as installed
+    in this venv: pip then resolves nothing to a newer release than the host tests ran."""
+    pins: dict[str, str] = {}
+    todo = list(roots)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in pins:
+            continue
+        dist = importlib.metadata.distribution(name)
+        pins[name] = dist.version
+        for spec in dist.requires or ():
+            req = Requirement(spec)
+            if req.marker is None or req.marker.evaluate(GUEST_MARKER_ENV):
+                todo.append(req.name)
+    return sorted(f"{name}=={version}" for name, version in pins.items())
+
+
 def build_pylib(cache: Path) -> Path:
     """``cache/pylib-<key>/pylib.tar``: the guest's site-packages, built once per version set."""
-    pins = sorted(f"{name}=={importlib.metadata.version(name)}" for name in GUEST_PACKAGES)
+    pins = guest_pins()
     key = hashlib.sha256(" ".join(pins).encode()).hexdigest()[:12]
     target = cache / f"pylib-{key}"
     tar = target / "pylib.tar"

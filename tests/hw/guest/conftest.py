@@ -6,19 +6,28 @@
 
 cxl-cli 76.1 cannot create RAM regions (it says so and exits 0), hence the sysfs writes;
 the recipe is shared/cxl-qemu/guest/cxl_sysfs_region.py.
+
+And ``poold serve`` for test_stack_in_guest.py, started before the first test (see
+:func:`poold_process`).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import shutil
 import subprocess
+import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
+
+from poold import procs
 
 CXL = "/sys/bus/cxl/devices"
 DAX = "/sys/bus/dax/devices"
@@ -105,3 +114,55 @@ def machine() -> GuestMachine:
 @pytest.fixture
 def lease_name() -> str:
     return f"poold-hw-{uuid.uuid4().hex[:8]}"
+
+
+STACK_DIR = Path("/tmp/poold-stack")  # run.sh copies the *.log files here to /mnt/out
+# Fast lifecycle: a quick reaper and a short grace, so orphans and scrubs settle in seconds.
+POOLD_ENV = {"POOLD_REAP_INTERVAL_S": "0.5", "POOLD_EXPIRY_GRACE_S": "1"}
+
+
+@dataclass
+class PooldProcess:
+    """`poold serve` on SQLite under STACK_DIR, listening on loopback (maybe still starting)."""
+
+    child: procs.Child
+    state_dir: Path
+    url: str
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Return once /v1/health answers (what procs.start_poold waits for)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.child.alive():
+                raise RuntimeError(f"poold exited at start:\n{self.child.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/v1/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"poold did not answer within {timeout_s}s:\n{self.child.log_tail()}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def poold_process() -> Iterator[PooldProcess]:
+    """`poold serve`, spawned before the first test without waiting for it.
+
+    Under TCG its start (imports, migrations) takes most of a minute: the backend tests of
+    test_in_guest.py run meanwhile, and test_stack_in_guest.py waits for it to answer.
+    Spawned here rather than through procs.start_poold, which blocks until it answers.
+    """
+    shutil.rmtree(STACK_DIR, ignore_errors=True)
+    STACK_DIR.mkdir()
+    STACK_DIR.chmod(0o755)  # tenants of other uids must reach the agent socket below it
+    port = procs.free_port()
+    state_dir = STACK_DIR / "poold"
+    argv = [
+        sys.executable, "-m", "poold", "serve", "--state-dir", str(state_dir),
+        "--port", str(port), "--log-level", "warning",
+    ]  # fmt: skip
+    child = procs.Child("poold", argv, STACK_DIR / "poold.log", env=POOLD_ENV)
+    try:
+        yield PooldProcess(child, state_dir, f"http://127.0.0.1:{port}")
+    finally:
+        child.stop()

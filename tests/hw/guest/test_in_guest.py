@@ -1,7 +1,7 @@
 """Runs INSIDE the QEMU guest, as root, against the real kernel CXL/DAX/NUMA drivers.
 
-The backends are driven directly (no poold/agent processes: booting the whole stack
-under TCG does not fit the time budget). Tenants are forked children that drop to
+The backends are driven directly, below poold and the agent (test_stack_in_guest.py
+shows the same facts through the whole stack). Tenants are forked children that drop to
 uid/gid 1000 and receive their lease fd over a socketpair (SCM_RIGHTS), as from the agent.
 Every lease here is 2 MiB and touches a few bytes: emulated CXL memory runs at 10-20 MB/s.
 """
