@@ -52,6 +52,8 @@ from agent.protocol import (
     RenewResult,
     ReportArgs,
     ReportResult,
+    ShrinkArgs,
+    ShrinkResult,
     StatsArgs,
     StatsResult,
     encode_request,
@@ -147,6 +149,10 @@ class Lease:
         self.page_size_bytes: int = granted.page_size_bytes
         self.expires_at: datetime = granted.expires_at
         self.ttl_s: int = granted.ttl_s
+        self.shrinkable: bool = granted.shrinkable
+        # What it was asked with, so a smaller one can be asked alike (KVStore.relet).
+        self.tenant: str | None = None
+        self.labels: dict[str, str] = {}
 
     @property
     def fd(self) -> int:
@@ -164,6 +170,20 @@ class Lease:
         return mmap.mmap(
             self.fd, self.length_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
         )
+
+    def shrink(self, size_bytes: int) -> int:
+        """Give back the tail past ``size_bytes`` (rounded up to the alignment); the new length.
+
+        Only for leases granted ``shrinkable`` (memfd-backed): the agent cuts the memfd
+        down and tells poold, which can then place others on the freed bytes. Every
+        mapping of this lease must stop touching past the new length first (SIGBUS);
+        :meth:`mmap` maps the new length from now on. A devdax lease cannot be shrunk
+        in place (``not_shrinkable``): release it and lease a smaller one.
+        """
+        shrunk = self._client.shrink(self.lease_id, size_bytes)
+        self.length_bytes = shrunk.length_bytes
+        self.size_bytes = min(self.size_bytes, shrunk.length_bytes)
+        return shrunk.length_bytes
 
     def renew(self, ttl_s: int | None = None) -> datetime:
         """Extend the lease by ``ttl_s`` (default: its current ttl); the new ``expires_at``."""
@@ -393,6 +413,7 @@ class PoolClient:
         on_shrink: ShrinkCallback | None = None,
         on_revoke: RevokeCallback | None = None,
         wait_s: float = 0,
+        shrinkable: bool = False,
     ) -> Lease:
         """Lease ``size_bytes`` of far memory; renewed in the background unless ``renew=False``.
 
@@ -405,6 +426,9 @@ class PoolClient:
         (admin revoke, device drain): the engine should stop using the memory before
         ``deadline_at``, when the agent takes it back.
 
+        ``shrinkable=True`` (memfd-backed leases) lets the holder give memory back in
+        place with :meth:`Lease.shrink`, as the KV store does under pool pressure.
+
         Never retried: a dropped connection mid-request may have granted a lease whose
         fd was lost; the agent sees the disconnect and poold reclaims it.
         """
@@ -416,12 +440,15 @@ class PoolClient:
             tenant=tenant,
             labels=dict(labels or {}),
             wait_s=wait_s,
+            shrinkable=shrinkable,
         )
         timeout_s = self.timeout_s + size_bytes / _PREFAULT_BYTES_PER_S + args.wait_s
         granted, fd = self._call(OPERATIONS["lease"], args, LeaseResult, timeout_s=timeout_s)
         if fd is None:  # _call guarantees one for carries_fd operations
             raise AgentProtocolError("lease reply carried no fd")
         lease = Lease(self, granted, fd, on_lost, on_shrink, on_revoke)
+        lease.tenant = tenant
+        lease.labels = dict(args.labels)
         with self._leases_lock:
             self._leases[lease.lease_id] = lease
         if renew:
@@ -432,6 +459,14 @@ class PoolClient:
         """Extend a lease by ``ttl_s`` (default: its current ttl)."""
         return self._call(
             OPERATIONS["renew"], _args(RenewArgs, lease_id=lease_id, ttl_s=ttl_s), RenewResult
+        )[0]
+
+    def shrink(self, lease_id: str, size_bytes: int) -> ShrinkResult:
+        """Shrink by id; prefer :meth:`Lease.shrink`, which also updates the lease."""
+        return self._call(
+            OPERATIONS["shrink"],
+            _args(ShrinkArgs, lease_id=lease_id, size_bytes=size_bytes),
+            ShrinkResult,
         )[0]
 
     def release(self, lease_id: str) -> ReleaseResult:

@@ -15,10 +15,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from agent.backends.devdax import carved_sub_devices
 from agent.config import AgentConfig
 from agent.discovery.annotations import AnnotationError, Annotations, from_agent_config
 from agent.discovery.hotplug import EventSource, RescanScheduler, udev_source
+from agent.journal import Journal
 from agent.link import PooldLink, inventory_digest
 from poold.api.schemas import InventoryDevice
 from poold.extents import align_down
@@ -65,12 +68,39 @@ class Scan:
     warnings: list[str] = field(default_factory=list)
 
 
+def journal_path(config: AgentConfig) -> Path:
+    """The agent's lease journal (agent/run.py opens the same file)."""
+    return config.state_dir / "journal.db"
+
+
+def own_sub_devices(config: AgentConfig) -> set[str]:
+    """Dax sub-devices this agent made for leases: its journal's and its backend's.
+
+    Every other dax device with bytes in a region is someone else's (the kernel's dax0.0,
+    an administrator's daxctl device) and goes to poold as reserved. A journalled
+    sub-device whose lease is over (teardown failed, or the agent died before it) is a
+    leftover for the audit (agent/leftovers.py), not a reserved range.
+    Raises (sqlite3.Error) when the journal exists but cannot be read: reporting the
+    agent's own leases as reserved would be worse than skipping one rescan.
+    """
+    own = carved_sub_devices(config.sysfs_root)
+    path = journal_path(config)
+    if path.exists():  # never create it here: the service owns it
+        journal = Journal(path)
+        try:
+            own.update(e.sub_device for e in journal.entries() if e.sub_device)
+            own.update(s.sub_device for s in journal.sub_devices())  # leftovers included
+        finally:
+            journal.close()
+    return own
+
+
 def scan(config: AgentConfig, kinds: set[str]) -> Scan:
     """Discover far memory under the sysfs root, annotated; raises if discovery breaks."""
     from agent.discovery.inventory import discover, to_wire
 
     inv = discover(config.sysfs_root, annotations=config_annotations(config))
-    found = to_wire(inv, config.host)
+    found = to_wire(inv, config.host, own_sub_devices(config))
     return Scan(
         offered=[d for d in found if d.kind in kinds],
         skipped=[d for d in found if d.kind not in kinds],

@@ -4,12 +4,19 @@ One row per live lease: where its memory is (device, range, sub-device), who
 holds it (pid + start time) and for how long. Written before the fd leaves the
 agent and deleted when the lease ends, so after a crash or restart the agent
 can re-adopt leases whose holders are alive and clean up the rest.
+
+A second table keeps every dax sub-device the agent made for a lease. Its row
+outlives the lease's: it goes only once the sub-device is seen gone, so a
+sub-device whose teardown failed (or never ran: the agent was killed between
+release and teardown) is still known, with its lease, for the audit
+(agent/leftovers.py).
 """
 
 from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +38,17 @@ CREATE TABLE IF NOT EXISTS leases (
 )
 """
 
+SUB_DEVICES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sub_devices (
+    region_id INTEGER NOT NULL,
+    sub_device TEXT NOT NULL,
+    lease_id TEXT NOT NULL,
+    length_bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (region_id, sub_device)
+)
+"""
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -49,6 +67,18 @@ class Entry:
     lease_json: str
 
 
+@dataclass(frozen=True)
+class SubDevice:
+    """A dax sub-device the agent made for a lease (the kernel names it; a name is reused
+    only after the sub-device it named was deleted)."""
+
+    region_id: int
+    sub_device: str  # "dax0.3"
+    lease_id: str
+    length_bytes: int
+    created_at: float  # seconds since the epoch
+
+
 class Journal:
     """Thread-safe; every write is its own committed transaction (WAL, synchronous=NORMAL)."""
 
@@ -60,31 +90,81 @@ class Journal:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute(SCHEMA)
+        self._db.execute(SUB_DEVICES_SCHEMA)  # journals made before it get it here
 
     def add(self, entry: Entry) -> None:
+        """Journal a lease, and its sub-device (if any) in the same transaction."""
         with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO leases VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (
-                    entry.lease_id,
-                    entry.device_uid,
-                    entry.backend,
-                    entry.offset_bytes,
-                    entry.length_bytes,
-                    entry.epoch,
-                    entry.holder_pid,
-                    entry.holder_uid,
-                    entry.holder_start,
-                    entry.ttl_s,
-                    entry.sub_device,
-                    entry.region_id,
-                    entry.lease_json,
-                ),
-            )
+            self._db.execute("BEGIN")
+            try:
+                self._insert(entry)
+                if entry.sub_device is not None and entry.region_id is not None:
+                    self._note(
+                        SubDevice(
+                            entry.region_id,
+                            entry.sub_device,
+                            entry.lease_id,
+                            entry.length_bytes,
+                            time.time(),
+                        )
+                    )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _insert(self, entry: Entry) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO leases VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                entry.lease_id,
+                entry.device_uid,
+                entry.backend,
+                entry.offset_bytes,
+                entry.length_bytes,
+                entry.epoch,
+                entry.holder_pid,
+                entry.holder_uid,
+                entry.holder_start,
+                entry.ttl_s,
+                entry.sub_device,
+                entry.region_id,
+                entry.lease_json,
+            ),
+        )
 
     def remove(self, lease_id: str) -> None:
+        """The lease ended; its sub-device row stays until the sub-device is seen gone."""
         with self._lock:
             self._db.execute("DELETE FROM leases WHERE lease_id = ?", (lease_id,))
+
+    def _note(self, sub: SubDevice) -> None:
+        # Keyed by (region, name): a name the kernel reused belongs to the newer lease.
+        self._db.execute(
+            "INSERT OR REPLACE INTO sub_devices VALUES (?,?,?,?,?)",
+            (sub.region_id, sub.sub_device, sub.lease_id, sub.length_bytes, sub.created_at),
+        )
+
+    def note_sub_device(self, sub: SubDevice) -> None:
+        """Remember a sub-device made for a lease (Journal.add does it for journalled ones)."""
+        with self._lock:
+            self._note(sub)
+
+    def sub_devices(self) -> list[SubDevice]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT region_id, sub_device, lease_id, length_bytes, created_at "
+                "FROM sub_devices ORDER BY region_id, sub_device"
+            ).fetchall()
+        return [SubDevice(*row) for row in rows]
+
+    def forget_sub_device(self, sub: SubDevice) -> None:
+        """The sub-device is gone; a row a newer lease took over (same name) stays."""
+        with self._lock:
+            self._db.execute(
+                "DELETE FROM sub_devices WHERE region_id = ? AND sub_device = ? AND lease_id = ?",
+                (sub.region_id, sub.sub_device, sub.lease_id),
+            )
 
     def entries(self) -> list[Entry]:
         with self._lock:

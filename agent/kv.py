@@ -62,11 +62,13 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Literal, Protocol
+
+from poold.errors import PoolError
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
@@ -314,9 +316,8 @@ class KVStore:
             raise ValueError(f"lease id must be 1..{MAX_LEASE_ID_BYTES} bytes, got {lease_id!r}")
         if not 0 <= epoch < 1 << 64:
             raise ValueError(f"epoch must fit in 64 bits, got {epoch}")
-        self.geometry = Geometry.plan(
-            len(view), slab_classes if slab_classes is not None else [(block_bytes, 1.0)]
-        )
+        self._slab_spec = tuple(slab_classes if slab_classes is not None else [(block_bytes, 1.0)])
+        self.geometry = Geometry.plan(len(view), self._slab_spec)
         self.lease_id = lease_id
         self.epoch = epoch
         self.on_evict = on_evict
@@ -341,6 +342,12 @@ class KVStore:
         self.pending_shrink: tuple[int, datetime] | None = None
         self._engine_lock: AbstractContextManager[object] | None = None
         self._lease: Lease | None = None
+        # Under pressure, a shrinkable lease may lose exclusive blocks (LRU) to cover
+        # what poold asked, rather than be revoked whole at the deadline.
+        self.give_exclusive = True
+        # Under pressure, a lease that cannot shrink in place (devdax) is released and
+        # leased smaller (relet); off: only replicas are dropped inside it.
+        self.relet_under_pressure = False
 
         mismatch = header_mismatch(view, lease_bytes, epoch, self.geometry)
         if mismatch is None and recover:
@@ -366,13 +373,16 @@ class KVStore:
         report: bool = True,
         report_interval_s: float = 1.0,
         lock: AbstractContextManager[object] | None = None,
+        give_exclusive: bool = True,
+        relet: bool = False,
     ) -> KVStore:
         """A store on a fresh mapping of ``lease``, reporting through the agent unless told not.
 
         :meth:`close` flushes the last report and unmaps.
 
         Unless the lease has its own ``on_shrink``, the store answers poold's pressure
-        hints by dropping replicas (never exclusive blocks) and reporting at once. The
+        hints with :meth:`apply_shrink` (a ``shrinkable`` lease gets smaller; any other
+        drops replicas) and reports at once. The
         hint arrives on the lease's renewal thread and the store is not thread-safe:
         given ``lock`` (the one the engine holds around its store calls) it is applied
         there and then; otherwise it waits in :attr:`pending_shrink` until the engine
@@ -393,9 +403,11 @@ class KVStore:
             store.reporter = Reporter(store, lease.report, min_interval_s=report_interval_s)
             store.reporter.start()
         store._engine_lock = lock
+        store.give_exclusive = give_exclusive
+        store.relet_under_pressure = relet
+        store._lease = lease
         # getattr: a lease-like object without on_shrink (a test double) gets no handler.
         if getattr(lease, "on_shrink", False) is None:
-            store._lease = lease
             lease.on_shrink = store.on_shrink
         return store
 
@@ -724,6 +736,231 @@ class KVStore:
             self._evict(block)
         return freed
 
+    def give_back(self, target_bytes: int, *, drop_exclusive: bool = True) -> int:
+        """Shrink the lease by at least ``target_bytes`` (aligned), keeping what fits; bytes given.
+
+        The pool gets memory back only when the lease itself gets smaller. The slots past
+        the new end are cut: their blocks move into free slots below it, and when there
+        are more blocks than the kept slots hold, the least recently used are evicted,
+        replicas before exclusive blocks (none exclusive with ``drop_exclusive=False``,
+        which gives back less instead). Then the header is rewritten for the smaller
+        geometry and the agent cuts the memfd down (:meth:`agent.client.Lease.shrink`).
+
+        Only for a store from :meth:`open` on a ``shrinkable`` lease; views returned
+        before are invalid afterwards. A store re-opened after a shrink starts empty
+        (its geometry no longer matches a fresh plan for the lease's length).
+        """
+        lease = self._lease
+        if lease is None or not self._owns_mapping:
+            raise RuntimeError("give_back needs a store opened with KVStore.open(lease)")
+        if not getattr(lease, "shrinkable", False):
+            raise RuntimeError(
+                f"lease {self.lease_id} is not shrinkable (lease it with shrinkable=True, "
+                "or relet() it)"
+            )
+        if target_bytes <= 0:
+            return 0
+        old_len = len(self._view)
+        step = max(lease.alignment_bytes, lease.page_size_bytes, mmap.PAGESIZE)
+        first = next(c for c in self.geometry.classes if c.slot_count)
+        floor = _round_up(first.region_offset + first.slot_bytes, step)
+        new_len = max((old_len - target_bytes) // step * step, floor)
+        if not drop_exclusive:
+            for cls in self._classes:
+                if cls.exclusive:
+                    need = cls.spec.region_offset + len(cls.exclusive) * cls.slot_bytes
+                    new_len = max(new_len, _round_up(need, step))
+        if new_len >= old_len:
+            return 0
+        kept = self._cut_to(new_len)
+        self.geometry = Geometry(
+            new_len, self.geometry.records_offset, self.geometry.record_count, kept
+        )
+        header = self.geometry.header(self._lease_bytes, self.epoch)
+        view = self._view
+        view[: len(MAGIC)] = bytes(len(MAGIC))
+        view[len(MAGIC) : len(header)] = header[len(MAGIC) :]
+        view[: len(MAGIC)] = MAGIC
+        self.version += 1
+        got = lease.shrink(new_len)
+        self._remap(lease)
+        log.info(
+            "kv store on lease %s gave back %d bytes (%d -> %d)",
+            self.lease_id,
+            old_len - got,
+            old_len,
+            got,
+        )
+        if self.reporter is not None:
+            self.reporter.flush()
+        return old_len - got
+
+    def relet(self, target_bytes: int, *, drop_exclusive: bool = True) -> int:
+        """Give back ``target_bytes`` of a lease that cannot shrink in place (devdax); bytes given.
+
+        The blocks that fit in the smaller lease (LRU evicted first, replicas before
+        exclusive blocks) are copied to process memory, the lease is released and a
+        smaller one leased with the same tenant, media, ttl and callbacks, and the blocks
+        are put back with their residency. The store then lives on the new lease
+        (:attr:`lease`, :attr:`lease_id`, :attr:`epoch` change). If the smaller lease
+        cannot be had (someone took the space meanwhile), the copied blocks are lost
+        and the store is closed: the error propagates.
+        """
+        lease = self._lease
+        if lease is None or not self._owns_mapping:
+            raise RuntimeError("relet needs a store opened with KVStore.open(lease)")
+        if target_bytes <= 0:
+            return 0
+        old_len = len(self._view)
+        step = max(lease.alignment_bytes, lease.page_size_bytes, mmap.PAGESIZE)
+        new_len = old_len - target_bytes
+        new_len -= new_len % step
+        geometry: Geometry | None = None
+        while new_len < old_len:
+            try:
+                geometry = Geometry.plan(new_len, self._slab_spec)
+            except ValueError:  # holds no slot: too small to be worth keeping
+                geometry = None
+            if geometry is not None and (drop_exclusive or self._fits(geometry, exclusive=True)):
+                break
+            new_len += step
+        if geometry is None or new_len >= old_len:
+            return 0
+        counts = {c.slot_bytes: c.slot_count for c in geometry.classes}
+        for cls in self._classes:
+            while len(cls.exclusive) + len(cls.replica) > counts.get(cls.slot_bytes, 0):
+                self._evict(self._victim(cls))
+        kept = sorted(self._index.values(), key=lambda b: b.tick)
+        saved = [(b.key, b.where, bytes(self._view[b.offset : b.offset + b.length])) for b in kept]
+        client = lease._client
+        reporter, self.reporter = self.reporter, None
+        if reporter is not None:
+            reporter.stop(flush=False)
+        self._release_mapping()
+        if getattr(lease, "on_shrink", None) == self.on_shrink:
+            lease.on_shrink = None
+        lease.release()
+        try:
+            new = client.lease(
+                new_len,
+                ttl_s=lease.ttl_s,
+                media=lease.media,
+                tenant=lease.tenant,
+                labels=lease.labels,
+                on_lost=lease.on_lost,
+                on_shrink=lease.on_shrink,
+                on_revoke=lease.on_revoke,
+            )
+        except BaseException:
+            self._lease = None
+            self._mapping = None
+            raise
+        self._attach(new.mmap(), new.lease_id, new.epoch)
+        for key, where, data in saved:
+            self.put(key, data, replica_of=where)
+        self._lease = new
+        if new.on_shrink is None:
+            new.on_shrink = self.on_shrink
+        if reporter is not None:
+            self.reporter = Reporter(self, new.report, min_interval_s=reporter.min_interval_s)
+            self.reporter.start()
+            self.reporter.flush()
+        log.info(
+            "kv store relet lease %s (%d bytes) as %s (%d bytes), %d blocks kept",
+            lease.lease_id,
+            old_len,
+            new.lease_id,
+            new.length_bytes,
+            len(saved),
+        )
+        return old_len - new.length_bytes
+
+    def _fits(self, geometry: Geometry, *, exclusive: bool) -> bool:
+        counts = {c.slot_bytes: c.slot_count for c in geometry.classes}
+        return all(
+            len(c.exclusive) + (0 if exclusive else len(c.replica)) <= counts.get(c.slot_bytes, 0)
+            for c in self._classes
+        )
+
+    def _release_mapping(self) -> None:
+        mapping, self._mapping = self._mapping, None
+        with suppress(BufferError):
+            self._view.release()
+        if isinstance(mapping, mmap.mmap):
+            try:
+                mapping.close()
+            except BufferError:  # the engine still holds views into it: they die with it
+                log.warning("kv store on lease %s: old mapping still viewed", self.lease_id)
+
+    def _attach(self, mapping: mmap.mmap, lease_id: str, epoch: int) -> None:
+        """Start empty on a new lease's mapping (relet); counters of use carry over."""
+        view = memoryview(mapping)
+        self.geometry = Geometry.plan(len(view), self._slab_spec)
+        self.lease_id = lease_id
+        self.epoch = epoch
+        self._lease_bytes = lease_id.encode()
+        self._mapping = mapping
+        self._view = view
+        self._classes = [_Class(c) for c in self.geometry.classes if c.slot_count]
+        self._index = {}
+        self._exclusive_bytes = self._replica_bytes = 0
+        self._exclusive_blocks = self._replica_blocks = 0
+        self.version += 1
+        self._format()
+
+    def _cut_to(self, new_len: int) -> tuple[SlabClass, ...]:
+        """Keep only slots that end by ``new_len``: move or evict the blocks past it."""
+        by_spec = {id(c.spec): c for c in self._classes}
+        kept_specs: list[SlabClass] = []
+        for spec in self.geometry.classes:
+            keep = max(0, min(spec.slot_count, (new_len - spec.region_offset) // spec.slot_bytes))
+            kept_specs.append(SlabClass(spec.slot_bytes, keep, spec.region_offset))
+            cls = by_spec.get(id(spec))
+            if cls is None or keep == spec.slot_count:
+                continue
+            end = spec.region_offset + keep * spec.slot_bytes
+            live = len(cls.exclusive) + len(cls.replica)
+            while live > keep:  # more blocks than kept slots: LRU, replicas first
+                self._evict(self._victim(cls))
+                live -= 1
+            cls.free = [(o, r) for o, r in cls.free if o < end]
+            for block in [b for b in (*cls.exclusive.values(), *cls.replica.values())]:
+                if block.offset >= end:
+                    self._relocate(block, *cls.free.pop())
+        # Runtime classes point at the new specs (same order, same slot sizes).
+        self._classes = [
+            c
+            for c in self._classes
+            if next(k for k in kept_specs if k.region_offset == c.spec.region_offset).slot_count
+        ]
+        for c in self._classes:
+            c.spec = next(k for k in kept_specs if k.region_offset == c.spec.region_offset)
+        return tuple(kept_specs)
+
+    def _relocate(self, block: _Block, offset: int, record: int) -> None:
+        """Move a block to a free slot: data, then its new record (state last), then the old
+        record cleared, so a crash in between recovers one copy or the other."""
+        view = self._view
+        view[offset : offset + block.length] = view[block.offset : block.offset + block.length]
+        old_record = block.record
+        view[record] = _REC_FREE
+        at = record + _REC_KEY_OFFSET
+        view[at : at + len(block.key_bytes)] = block.key_bytes
+        block.offset, block.record = offset, record
+        self._commit(block)
+        view[old_record] = _REC_FREE
+
+    def _remap(self, lease: Lease) -> None:
+        """Map the lease's (new) length; the old mapping goes when nothing views it."""
+        self._release_mapping()
+        self._mapping = lease.mmap()
+        self._view = memoryview(self._mapping)
+
+    @property
+    def lease(self) -> Lease | None:
+        """The lease under the store (a new one after :meth:`relet`)."""
+        return self._lease
+
     def on_shrink(self, lease: Lease, target_bytes: int, deadline_at: datetime) -> None:
         """The default ``Lease.on_shrink`` of :meth:`open`: see there."""
         self.pending_shrink = (target_bytes, deadline_at)
@@ -732,15 +969,46 @@ class KVStore:
                 self.apply_shrink()
 
     def apply_shrink(self) -> int:
-        """Give back what poold asked for, from replicas only, and report now; bytes freed.
+        """Give back what poold asked for and report now; bytes given back or dropped.
 
-        On the engine's thread (or under its lock). Exclusive blocks are never dropped
-        here: what replicas cannot cover is the engine's call (:meth:`shrink`).
+        On the engine's thread (or under its lock). A ``shrinkable`` lease shrinks
+        (:meth:`give_back`): unused slots first, then replicas, then exclusive blocks
+        (LRU) when :attr:`give_exclusive` allows, which beats being revoked whole at the
+        deadline. Any other lease (devdax) can only drop replicas inside it: that is
+        reported, so poold sees the slack, but the bytes stay leased.
         """
         pending, self.pending_shrink = self.pending_shrink, None
         if pending is None or self._mapping is None:
             return 0
         target_bytes, deadline_at = pending
+        lease = self._lease
+        if lease is not None and self._owns_mapping and getattr(lease, "shrinkable", False):
+            try:
+                given = self.give_back(target_bytes, drop_exclusive=self.give_exclusive)
+            except PoolError as err:
+                log.warning("kv store on lease %s: shrink refused: %s", self.lease_id, err)
+            else:
+                log.info(
+                    "kv store on lease %s: pool pressure asked %d bytes by %s, gave back %d",
+                    self.lease_id,
+                    target_bytes,
+                    deadline_at.isoformat(),
+                    given,
+                )
+                return given
+        if lease is not None and self._owns_mapping and self.relet_under_pressure:
+            try:
+                given = self.relet(target_bytes, drop_exclusive=self.give_exclusive)
+            except PoolError as err:
+                log.warning("kv store on lease %s: relet failed: %s", self.lease_id, err)
+                return 0
+            log.info(
+                "kv store: pool pressure asked %d bytes by %s, relet gave back %d",
+                target_bytes,
+                deadline_at.isoformat(),
+                given,
+            )
+            return given
         freed = self.drop_replicas(target_bytes)
         log.info(
             "kv store on lease %s: pool pressure asked %d bytes by %s, dropped %d of replicas",
@@ -760,6 +1028,10 @@ class KVStore:
 
     def __contains__(self, key: object) -> bool:
         return key in self._index
+
+    def __iter__(self) -> Iterator[Key]:
+        """The stored keys (a snapshot: the store may change while iterating)."""
+        return iter(list(self._index))
 
     def keys(self) -> list[Key]:
         """Every stored key, in no particular order."""
@@ -821,7 +1093,7 @@ class KVStore:
     def close(self) -> None:
         """Stop and flush the reporter; unmap when :meth:`open` mapped. Safe to call twice."""
         lease, self._lease = self._lease, None
-        if lease is not None and lease.on_shrink == self.on_shrink:
+        if lease is not None and getattr(lease, "on_shrink", None) == self.on_shrink:
             lease.on_shrink = None
         if self.reporter is not None:
             self.reporter.stop()

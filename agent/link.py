@@ -6,6 +6,11 @@ the next grant or is flushed within a few milliseconds by a background thread,
 so a tenant's release costs no poold round trip, yet a release just before a
 grant is applied before that grant (its bytes and quota are free in time).
 When poold is down the outbox and renewals are kept and replayed.
+
+Each heartbeat also says what the agent holds, for poold's revocations and its
+audit: per lease the holder (pid + start time), the dax sub-device and the local
+state (held, revoked_held, or a scrub running, with its start), and the
+sub-devices it made that no held lease accounts for (agent/leftovers.py).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from datetime import datetime
 
 from poold.api.client import PooldClient
 from poold.api.schemas import (
+    AgentLease,
     GrantRequest,
     Heartbeat,
     HeartbeatReply,
@@ -26,13 +32,18 @@ from poold.api.schemas import (
     LeaseOp,
     LeaseOut,
     LeaseReport,
+    LeftoverSubDevice,
     Renewal,
 )
-from poold.errors import PooldUnreachable
+from poold.errors import PooldUnreachable, PoolError
 
 log = logging.getLogger("pool_agent.link")
 
 OUTBOX_LINGER_S = 0.005
+
+# Per lease what the agent holds (holders, sub-device, local state, scrub progress),
+# and the sub-devices it made that no held lease accounts for.
+Holdings = tuple[list[AgentLease], list[LeftoverSubDevice]]
 
 
 def inventory_digest(inventory: list[InventoryDevice]) -> str:
@@ -64,6 +75,9 @@ class PooldLink:
         self.revoked_held_provider: Callable[[], list[str]] | None = None
         self.admission_provider: Callable[[], int] | None = None
         self.held_provider: Callable[[], list[str]] | None = None
+        # The richer report (set by the agent service); when it is set, each heartbeat
+        # carries it instead of `held_provider`'s bare ids.
+        self.holdings_provider: Callable[[], Holdings] | None = None
         self._unsent_reports: dict[str, LeaseReport] = {}
 
     # --- synchronous calls ----------------------------------------------
@@ -89,10 +103,12 @@ class PooldLink:
             self.reachable = False
             self._requeue(pending)
             raise
-        except BaseException:
-            # The pending ops were applied in their own transaction before the
-            # grant was refused; nothing to requeue.
+        except PoolError as err:
+            # 4xx: the pending ops were applied in their own transaction before the
+            # grant was refused, nothing to requeue; 500: maybe not, replay them.
             self.reachable = True
+            if err.http_status == 500:
+                self._requeue(pending)
             raise
         self.reachable = True
         return lease
@@ -134,6 +150,17 @@ class PooldLink:
         except PooldUnreachable:
             self.reachable = False
             self._requeue(pending)
+        except PoolError as err:
+            self.reachable = True
+            if err.http_status in (401, 403, 500):
+                # poold failed mid-request (nothing or everything committed), or does not
+                # take this agent's credential (yet): keep them. Replaying is safe: ops
+                # already applied are refused and change nothing.
+                self._requeue(pending)
+                raise
+            # A batch poold will never accept (it says why): keeping it would block
+            # every later op behind it.
+            log.error("poold refused %d queued lease ops: %s %s", len(pending), err.code, err)
 
     def outbox_size(self) -> int:
         with self._lock:
@@ -146,11 +173,22 @@ class PooldLink:
         reports.update((r.lease_id, r) for r in fresh)
         return list(reports.values())
 
+    def _holdings(self) -> Holdings | None:
+        """The service's report for this beat; None (bare ids instead) if it cannot be made."""
+        if self.holdings_provider is None:
+            return None
+        try:
+            return self.holdings_provider()
+        except Exception:
+            log.exception("building the holdings report failed; sending lease ids only")
+            return None
+
     def heartbeat(self) -> HeartbeatReply | None:
         with self._lock:
             renewals, self._renewals = self._renewals, {}
         reports = self._take_reports()
         digest = inventory_digest(self.inventory)
+        holdings = self._holdings()
         beat = Heartbeat(
             agent_version=self.agent_version,
             inventory_digest=digest,
@@ -163,7 +201,13 @@ class PooldLink:
             admission_wanted_bytes=(
                 self.admission_provider() if self.admission_provider is not None else 0
             ),
-            held=self.held_provider() if self.held_provider is not None else None,
+            held=(
+                self.held_provider()
+                if holdings is None and self.held_provider is not None
+                else None
+            ),
+            held_leases=holdings[0] if holdings is not None else None,
+            leftovers=holdings[1] if holdings is not None else [],
         )
         try:
             reply = self.client.heartbeat(beat)

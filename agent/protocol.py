@@ -99,6 +99,10 @@ class LeaseArgs(Model):
     # When the pool is full: wait up to this long for capacity freed by pressure, in
     # arrival order on this agent (0: fail at once with no_capacity).
     wait_s: float = Field(default=0, ge=0, le=MAX_WAIT_S)
+    # Memfd-backed leases only: leave the memfd unsealed against shrinking, so the
+    # holder can give its tail back under pressure (`shrink`). A tenant that maps
+    # it must then never touch past a length it shrank to (SIGBUS).
+    shrinkable: bool = False
 
 
 class LeaseResult(Model):
@@ -117,6 +121,8 @@ class LeaseResult(Model):
     page_size_bytes: int
     expires_at: datetime
     ttl_s: int
+    # The memory can be cut down in place with `shrink` (a memfd asked shrinkable).
+    shrinkable: bool = False
 
 
 class RenewArgs(Model):
@@ -143,6 +149,20 @@ class ReleaseArgs(Model):
 class ReleaseResult(Model):
     lease_id: str
     state: LeaseState
+
+
+class ShrinkArgs(Model):
+    """Give back the tail of a shrinkable lease: it keeps ``size_bytes`` (rounded up to
+    its alignment); the bytes past that are gone from every mapping."""
+
+    lease_id: LeaseId
+    size_bytes: int = Field(gt=0, le=MAX_LEASE_BYTES)
+
+
+class ShrinkResult(Model):
+    lease_id: str
+    length_bytes: int  # the lease's new length
+    freed_bytes: int
 
 
 class ListArgs(Model):
@@ -211,6 +231,7 @@ OPERATIONS: Final[dict[str, OpSpec]] = {
         OpSpec("lease", LeaseArgs, LeaseResult, carries_fd=True),
         OpSpec("renew", RenewArgs, RenewResult),
         OpSpec("release", ReleaseArgs, ReleaseResult),
+        OpSpec("shrink", ShrinkArgs, ShrinkResult),
         OpSpec("list", ListArgs, ListResult),
         OpSpec("stats", StatsArgs, StatsResult),
         OpSpec("report", ReportArgs, ReportResult),

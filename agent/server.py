@@ -49,6 +49,8 @@ from agent.protocol import (
     RenewResult,
     ReportArgs,
     ReportResult,
+    ShrinkArgs,
+    ShrinkResult,
     StatsArgs,
     StatsResult,
     encode_error,
@@ -106,6 +108,8 @@ class AgentHandler(Protocol):
     def renew(self, peer: Peer, args: RenewArgs) -> RenewResult: ...
 
     def release(self, peer: Peer, args: ReleaseArgs) -> ReleaseResult: ...
+
+    def shrink(self, peer: Peer, args: ShrinkArgs) -> ShrinkResult: ...
 
     def list(self, peer: Peer, args: ListArgs) -> ListResult: ...
 

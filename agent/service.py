@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
+import fcntl
 import logging
 import os
 import re
@@ -23,36 +25,53 @@ from typing import Any
 from agent import protocol as p
 from agent.backends import Backend, Materialised
 from agent.backends.devdax import DevdaxBackend, DevdaxMaterialised
+from agent.backends.emulated import F_GET_SEALS, F_SEAL_SHRINK, EmulatedBackend
 from agent.backends.numa import HugepageMode, NumaBackend
 from agent.holders import Holder
 from agent.holders import alive as holder_alive
 from agent.journal import Entry as JournalEntry
 from agent.journal import Journal
-from agent.link import PooldLink
+from agent.leftovers import LeftoverSweep
+from agent.link import Holdings, PooldLink
 from agent.server import Peer
 from agent.warm import WarmPool
 from poold import __version__
 from poold.api.schemas import (
+    AgentLease,
     GrantRequest,
     HeartbeatReply,
     InventoryDevice,
+    LeaseHolder,
     LeaseOp,
     LeaseOut,
     LeaseReport,
     Revocation,
+    ScrubOrder,
+    ScrubProgress,
     ShrinkHint,
 )
 from poold.errors import (
     BackendFailed,
+    InvalidSize,
     LeaseNotActive,
     NoCapacity,
     NotOwner,
+    NotShrinkable,
     PoolError,
     UnknownLease,
 )
 from poold.extents import align_up
 
 log = logging.getLogger("pool_agent")
+
+
+def _memfd_shrinkable(fd: int) -> bool:
+    """True for a memfd without F_SEAL_SHRINK: what the tenant is told, checked, not assumed."""
+    try:
+        return not fcntl.fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK
+    except OSError:  # not a memfd (a dax device)
+        return False
+
 
 PROTOCOL_VERSION = 1
 ENDED_MEMORY = 4096
@@ -114,6 +133,8 @@ class HeldLease:
     # Revoked, but a memfd whose live holder still maps it: nothing can take the
     # pages back, so the lease stays revoking (used) until the holder exits.
     revoked_held: bool = False
+    # A memfd left unsealed against shrinking (LeaseArgs.shrinkable): `shrink` may cut it.
+    shrinkable: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -135,6 +156,10 @@ class AgentService:
         self.journal: Journal | None = None
         self._stop = threading.Event()
         self._scrubbing: set[str] = set()  # lease ids whose range is being (or was) zeroed
+        self._scrubs_running: dict[str, datetime] = {}  # lease id -> started at
+        self._scrub_reissues: dict[str, datetime] = {}  # lease id -> reissued_at acted on
+        devdax = backends.get("devdax")
+        self.leftovers = LeftoverSweep(devdax if isinstance(devdax, DevdaxBackend) else None)
         self.hugepages: HugepageMode = "off"
         # Latest accounting report per lease, not yet handed to the link's heartbeat.
         self._reports: dict[str, LeaseReport] = {}
@@ -150,6 +175,7 @@ class AgentService:
         link.revoked_held_provider = self.revoked_held_ids
         link.admission_provider = self.admission_wanted_bytes
         link.held_provider = self.held_ids
+        link.holdings_provider = self.holdings
 
     # --- helpers -----------------------------------------------------------
     def _premade_length(self, args: p.LeaseArgs) -> tuple[Backend, int] | None:
@@ -188,6 +214,7 @@ class AgentService:
             page_size_bytes=held.page_size_bytes,
             expires_at=held.expires_at,
             ttl_s=held.ttl_s,
+            shrinkable=held.shrinkable,
         )
 
     def _owned(self, peer: Peer, lease_id: str, op: str) -> HeldLease:
@@ -206,7 +233,7 @@ class AgentService:
             raise UnknownLease(f"no lease {lease_id} on this host", lease_id=lease_id)
         if held.holder_uid != peer.uid and peer.uid != 0:
             raise NotOwner(f"lease {lease_id} is held by another user", lease_id=lease_id)
-        if held.lost:
+        if held.lost and held.revoke_deadline_at is None:
             raise LeaseNotActive(f"lease {lease_id} was ended by poold", lease_id=lease_id)
         return held
 
@@ -270,9 +297,13 @@ class AgentService:
         memory: Materialised | None = None
         if premade is not None:
             backend, length = premade
-            memory = self.warm.take(length) if self.warm is not None else None
+            # Warm memfds are sealed against shrinking: a shrinkable lease is made here.
+            if self.warm is not None and not args.shrinkable:
+                memory = self.warm.take(length)
             if memory is None:
-                memory = backend.materialise(length, f"poold-lease-{peer.pid}")
+                memory = self._made_by(
+                    backend, length, f"poold-lease-{peer.pid}", shrinkable=args.shrinkable
+                )
             try:
                 lease = self._grant(req.model_copy(update={"activate": True}), args.wait_s)
             except BaseException:
@@ -289,7 +320,7 @@ class AgentService:
         else:
             lease = self._grant(req, args.wait_s)
         if memory is None:
-            memory = self._materialise_placed(lease)
+            memory = self._materialise_placed(lease, shrinkable=args.shrinkable)
         held = HeldLease(
             lease=lease,
             memory=memory,
@@ -302,6 +333,7 @@ class AgentService:
             holder=Holder.of(peer.pid, peer.uid),
             sub_device=memory.device if isinstance(memory, DevdaxMaterialised) else None,
             region_id=memory.region_id if isinstance(memory, DevdaxMaterialised) else None,
+            shrinkable=args.shrinkable and _memfd_shrinkable(memory.fd),
         )
         # Journalled before the fd leaves: a crash after this point is re-adopted.
         self._journal(held)
@@ -399,7 +431,16 @@ class AgentService:
                 return local_device(device)
         return None
 
-    def _make(self, backend: Backend, lease: LeaseOut) -> Materialised:
+    @staticmethod
+    def _made_by(
+        backend: Backend, length_bytes: int, name: str, *, shrinkable: bool
+    ) -> Materialised:
+        """``backend.materialise``, unsealed against shrinking when asked and supported."""
+        if shrinkable and isinstance(backend, EmulatedBackend):
+            return backend.materialise(length_bytes, name, shrinkable=True)
+        return backend.materialise(length_bytes, name)
+
+    def _make(self, backend: Backend, lease: LeaseOut, *, shrinkable: bool = False) -> Materialised:
         """Memory for a placed lease, made the way its device kind needs."""
         name = f"poold-lease-{lease.id}"
         local = self._locate(lease.device_uid)
@@ -415,15 +456,15 @@ class AgentService:
             if node is None:
                 raise BackendFailed(f"device {lease.device_uid} has no NUMA node on this host")
             return backend.materialise_on(node, lease.length_bytes, name, self.hugepages)
-        return backend.materialise(lease.length_bytes, name)
+        return self._made_by(backend, lease.length_bytes, name, shrinkable=shrinkable)
 
-    def _materialise_placed(self, lease: LeaseOut) -> Materialised:
+    def _materialise_placed(self, lease: LeaseOut, *, shrinkable: bool = False) -> Materialised:
         """Two-step path: memory made after placement, then activated in the ledger."""
         backend = self.backends.get(lease.device_kind)
         try:
             if backend is None:
                 raise BackendFailed(f"no backend for device kind {lease.device_kind}")
-            memory = self._make(backend, lease)
+            memory = self._make(backend, lease, shrinkable=shrinkable)
         except BaseException as exc:
             self.link.abort_now(lease.id, f"materialise failed: {exc}")
             if isinstance(exc, PoolError):
@@ -488,6 +529,62 @@ class AgentService:
         self._capacity_changed()
         return p.ReleaseResult(lease_id=held.lease.id, state="released")
 
+    def shrink(self, peer: Peer, args: p.ShrinkArgs) -> p.ShrinkResult:
+        """Cut a shrinkable memfd lease down to ``size_bytes`` (aligned) and tell poold.
+
+        The memfd is truncated first, so the pages are gone before the ledger frees the
+        bytes (it never counts memory free that a tenant still has); the ledger op rides
+        the outbox, so a shrink while poold is down is replayed like a release.
+        """
+        held = self._owned(peer, args.lease_id, "shrink")
+        lease = held.lease
+        if held.revoke_deadline_at is not None:
+            raise LeaseNotActive(
+                f"lease {lease.id} was revoked; cannot shrink it", lease_id=lease.id
+            )
+        memory = held.memory
+        if not held.shrinkable or memory is None or isinstance(memory, DevdaxMaterialised):
+            raise NotShrinkable(
+                f"lease {lease.id} cannot be shrunk in place (lease it shrinkable, or "
+                "release it and lease a smaller one)",
+                lease_id=lease.id,
+            )
+        step = max(lease.alignment_bytes, held.page_size_bytes, 1)
+        with self._lock:
+            old = lease.length_bytes
+            new = align_up(args.size_bytes, step)
+            if new >= old:
+                raise InvalidSize(
+                    f"lease {lease.id} is {old} bytes; shrinking to {args.size_bytes} "
+                    f"(aligned: {new}) gives nothing back",
+                    lease_id=lease.id,
+                    size_bytes=args.size_bytes,
+                    alignment_bytes=step,
+                )
+            try:
+                os.ftruncate(memory.fd, new)
+            except OSError as err:
+                raise NotShrinkable(
+                    f"lease {lease.id}: the memfd refused to shrink: {err.strerror}",
+                    lease_id=lease.id,
+                    errno=err.errno,
+                ) from err
+            lease.length_bytes = new
+            lease.requested_bytes = min(lease.requested_bytes, new)
+            held.memory = dataclasses.replace(memory, length_bytes=new)
+        self._journal(held)
+        self.link.enqueue(
+            LeaseOp(
+                lease_id=lease.id,
+                op="shrink",
+                length_bytes=new,
+                reason=f"holder gave back {old - new} bytes",
+            )
+        )
+        self._capacity_changed()
+        log.info("lease %s shrunk from %d to %d bytes", lease.id, old, new)
+        return p.ShrinkResult(lease_id=lease.id, length_bytes=new, freed_bytes=old - new)
+
     def _scrub_later(
         self, region_id: int, offset_bytes: int, length_bytes: int, lease_id: str
     ) -> None:
@@ -497,6 +594,7 @@ class AgentService:
             if lease_id in self._scrubbing:
                 return
             self._scrubbing.add(lease_id)
+            self._scrubs_running[lease_id] = datetime.now(UTC)  # reported in heartbeats
 
         def run() -> None:
             ok = False
@@ -508,6 +606,8 @@ class AgentService:
             op = "scrubbed" if ok else "scrub_failed"
             reason = "range zeroed" if ok else "scrub failed: range goes to quarantine"
             self.link.enqueue(LeaseOp(lease_id=lease_id, op=op, reason=reason))
+            with self._lock:  # after the enqueue: the verdict is on its way to poold
+                self._scrubs_running.pop(lease_id, None)
 
         threading.Thread(target=run, name=f"scrub-{lease_id}", daemon=True).start()
 
@@ -691,12 +791,20 @@ class AgentService:
 
     # --- poold's answers ------------------------------------------------------
     def _on_heartbeat_reply(self, reply: HeartbeatReply) -> None:
+        # Revocations first: the same reply refuses the renewal of a lease it revokes,
+        # and the holder must be told the deadline (renew), not that the lease is lost.
+        if reply.revocations:
+            self._note_revocations(reply.revocations)
         for result in reply.renewed:
             if result.code is not None:
                 log.warning("renewal of %s refused: %s", result.lease_id, result.message)
                 with self._lock:
                     held = self._held.get(result.lease_id)
-                if held is not None and result.code in ("lease_not_active", "unknown_lease"):
+                if (
+                    held is not None
+                    and held.revoke_deadline_at is None
+                    and result.code in ("lease_not_active", "unknown_lease")
+                ):
                     held.lost = True
             elif result.expires_at is not None:
                 with self._lock:
@@ -705,9 +813,9 @@ class AgentService:
                     held.expires_at = result.expires_at
         self._capacity_changed()
         self._store_shrink_hints(reply.shrink)
-        if reply.revocations:
-            self._note_revocations(reply.revocations)
         for order in reply.scrub:
+            if order.reissued_at is not None:
+                self._scrub_reissued(order)
             local = self._locate(order.device_uid)
             if local is not None and local.dax_region_id is not None:
                 self._scrub_later(
@@ -749,6 +857,8 @@ class AgentService:
                     deadline = (r.deadline_at or now) - timedelta(seconds=REVOKE_MARGIN_S)
                     held.revoke_deadline_at = max(deadline, now)
         if unknown:
+            # A leftover sub-device of an ended lease (poolctl audit --reclaim) goes too.
+            self.leftovers.delete(self.journal, unknown, self._tied())
             self._revoke(unknown)
         self.revoke_due()
 
@@ -816,6 +926,71 @@ class AgentService:
         """For the heartbeat: every lease this agent holds memory (or a holder) for."""
         with self._lock:
             return sorted(self._held)
+
+    def _scrub_reissued(self, order: ScrubOrder) -> None:
+        """poold re-issued a scrub it saw no progress on (audit --reclaim): scrub again,
+        once per `reissued_at`, unless one is running (it serves the re-issue)."""
+        with self._lock:
+            if self._scrub_reissues.get(order.lease_id) == order.reissued_at:
+                return
+            assert order.reissued_at is not None
+            self._scrub_reissues[order.lease_id] = order.reissued_at
+            if order.lease_id not in self._scrubs_running:
+                self._scrubbing.discard(order.lease_id)
+                log.warning("scrub of lease %s re-issued by poold: scrubbing again", order.lease_id)
+
+    def _tied(self) -> dict[tuple[int, str], tuple[str, int]]:
+        """The sub-device of every held lease: never a leftover, never deleted as one."""
+        with self._lock:
+            return {
+                (h.region_id, h.sub_device): (h.lease.id, h.lease.length_bytes)
+                for h in self._held.values()
+                if h.sub_device is not None and h.region_id is not None
+            }
+
+    def holdings(self) -> Holdings:
+        """For the heartbeat: per lease its holder, sub-device and state (scrubs running
+        included), and the sub-devices this agent made that no held lease accounts for.
+
+        Built without validation (model_construct): it runs every heartbeat over every lease.
+        """
+        with self._lock:
+            held = builtins.list(self._held.values())
+            running = dict(self._scrubs_running)
+        report: builtins.list[AgentLease] = []
+        tied: dict[tuple[int, str], tuple[str, int]] = {}
+        for h in held:
+            scrub_at = running.pop(h.lease.id, None)
+            report.append(
+                AgentLease.model_construct(
+                    lease_id=h.lease.id,
+                    state="revoked_held" if h.revoked_held else "held",
+                    holders=[
+                        LeaseHolder.model_construct(
+                            pid=h.holder_pid,
+                            start_time=h.holder.start_time if h.holder is not None else None,
+                        )
+                    ],
+                    sub_device=h.sub_device,
+                    scrub=ScrubProgress.model_construct(started_at=scrub_at, bytes_done=None)
+                    if scrub_at is not None
+                    else None,
+                )
+            )
+            if h.sub_device is not None and h.region_id is not None:
+                tied[(h.region_id, h.sub_device)] = (h.lease.id, h.lease.length_bytes)
+        for lease_id, started_at in sorted(running.items()):
+            # The backend's scrub does not tell its progress: bytes_done stays None.
+            report.append(
+                AgentLease.model_construct(
+                    lease_id=lease_id,
+                    state="scrubbing",
+                    holders=[],
+                    sub_device=None,
+                    scrub=ScrubProgress.model_construct(started_at=started_at, bytes_done=None),
+                )
+            )
+        return report, self.leftovers.sweep(self.journal, tied)
 
     def revoked_held_ids(self) -> builtins.list[str]:
         """For the heartbeat: revoked leases still mapped by their live holders."""

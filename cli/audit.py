@@ -23,6 +23,13 @@ from poold.errors import PoolError
 NEEDS_HUMAN = 2
 
 
+def _device(it: AuditItem) -> str | None:
+    """The device uid, the agent's sub-device name, or both."""
+    if it.sub_device is None:
+        return it.device_uid
+    return f"{it.device_uid} ({it.sub_device})" if it.device_uid else it.sub_device
+
+
 def _items_table(title: str, items: list[AuditItem]) -> Table:
     t = Table(title=f"{title} ({len(items)})")
     for col in ("kind", "lease", "device", "tenant", "host", "state", "detail", "action"):
@@ -34,7 +41,7 @@ def _items_table(title: str, items: list[AuditItem]) -> Table:
                 for v in (
                     it.kind,
                     it.lease_id,
-                    it.device_uid,
+                    _device(it),
                     it.tenant,
                     it.host,
                     it.state,
@@ -58,7 +65,15 @@ def print_report(report: AuditReport, console: Console) -> None:
         console.print(Text(f"agent reports: not available ({report.agents.note})"))
     for title, items in (
         ("stale: live leases whose agent holds no memory", report.agents.stale),
-        ("leaked: memory agents hold for ended leases", report.agents.leaked),
+        (
+            "leaked: memory agents hold (or sub-devices they left) for ended leases",
+            report.agents.leaked,
+        ),
+        (
+            "unfinished scrubs: scrubbing in the ledger, no scrub running on the agent",
+            report.agents.unfinished_scrubs,
+        ),
+        ("holders the ledger and the agent disagree on", report.agents.holder_mismatches),
     ):
         if items:
             console.print(_items_table(title, items))
@@ -82,8 +97,14 @@ def print_report(report: AuditReport, console: Console) -> None:
 def audit_command(c: Ctx, reclaim: bool, as_json: bool) -> None:
     """Check the ledger's invariants and list (or --reclaim) what leases left behind.
 
+    It also compares the ledger with what agents report: stale and leaked leases,
+    leftover sub-devices (--reclaim has the agent delete them), unfinished scrubs
+    (--reclaim re-issues the order) and holders the two disagree on.
+
     Exit codes: 0 clean, 1 reclaimed something (without --reclaim: something is
-    reclaimable), 2 needs a human (an invariant is violated, or poold failed).
+    reclaimable, or an agent disagrees with the ledger), 2 needs a human (an
+    invariant is violated, a scrub is stuck on a host whose agent is down, or
+    poold failed).
     """
     console = Console()
     try:

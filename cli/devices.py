@@ -35,6 +35,17 @@ def _health(d: DeviceStatus) -> str:
     return d.health if not d.health_reasons else f"{d.health}: {'; '.join(d.health_reasons)}"
 
 
+def _reserved(d: DeviceStatus) -> str:
+    """Reserved bytes, then each range as [start, end) in sizes: "64.0 MiB: [0 B, 64.0 MiB)"."""
+    if not d.reserved_extents:
+        return "-"
+    ranges = ", ".join(
+        f"[{format_size(offset)}, {format_size(offset + length)})"
+        for offset, length in d.reserved_extents
+    )
+    return f"{format_size(d.reserved_bytes)}: {ranges}"
+
+
 def device_rows(items: list[DeviceStatus]) -> list[tuple[Any, ...]]:
     return [
         (
@@ -131,6 +142,8 @@ def show_one(d: DeviceStatus, as_json: bool) -> None:
         ("health", _health(d)),
         ("capacity", format_size(d.capacity_bytes)),
         ("leased", format_size(d.leased_bytes)),
+        # Held by dax devices poold did not place (the kernel's dax0.0, daxctl): never leased.
+        ("reserved", _reserved(d)),
         ("free", format_size(d.free_bytes)),
         ("largest free", format_size(d.largest_free_bytes)),
         ("alignment", format_size(d.alignment_bytes)),

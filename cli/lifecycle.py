@@ -85,11 +85,22 @@ def devices_undrain(c: Ctx, device: str, as_json: bool) -> None:
 
 @click.command("drain")
 @click.argument("host")
+@click.option(
+    "--deadline-s",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="revoke the host's live leases after this long (default: they run to their end)",
+)
+@click.option("--now", "now_", is_flag=True, help="revoke the host's live leases at once")
 @json_option
 @pass_ctx
-def hosts_drain(c: Ctx, host: str, as_json: bool) -> None:
-    """Place no new leases on a host; its leases run to their end."""
-    _drained(run(lambda: c.client.drain_host(host)), as_json)
+def hosts_drain(c: Ctx, host: str, deadline_s: float | None, now_: bool, as_json: bool) -> None:
+    """Place no new leases on a host; revoke its leases at the deadline (or --now).
+
+    Without --deadline-s or --now its leases run to their end. `hosts undrain`
+    cancels a deadline not yet reached.
+    """
+    _drained(run(lambda: c.client.drain_host(host, deadline_s=deadline_s, now=now_)), as_json)
 
 
 @click.command("undrain")

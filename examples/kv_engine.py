@@ -7,7 +7,9 @@ blocks) and writes every computed block through to the far-memory store as a *re
 the only one (``mark_exclusive``); when a later turn reuses a prefix that only far
 memory holds, the engine loads it back (``get``) and it is a replica again. Every few
 steps the example prints the store's exclusive ratio; at the end it applies pressure
-(``shrink``) and shows replicas going first.
+and shows replicas going first: on a pool lease (``--socket``) the store gives half of
+its used bytes back to the pool (``give_back``: the lease itself shrinks), on a bare
+memfd it drops blocks (``shrink``).
 
     python examples/kv_engine.py                      # on a memfd, no agent needed
     python examples/kv_engine.py --socket PATH        # on a lease from a pool agent
@@ -117,7 +119,13 @@ def run(store: KVStore, args: argparse.Namespace) -> None:
     # Pressure: the pool asks for half of the used bytes back; replicas go first.
     want = s.used_bytes // 2
     before = store.stats()
-    freed = store.shrink(want)
+    lease = store.lease
+    if lease is not None and lease.shrinkable:
+        leased = lease.length_bytes
+        freed = store.give_back(want)
+        print(f"lease {lease.lease_id}: {leased / MIB:.0f} -> {lease.length_bytes / MIB:.0f} MiB")
+    else:
+        freed = store.shrink(want)
     after = store.stats()
     print(
         f"pressure: asked {want / MIB:.1f} MiB, freed {freed / MIB:.1f} MiB; "
@@ -151,7 +159,10 @@ def main() -> int:
     if args.socket:
         from agent.client import PoolClient
 
-        with PoolClient(args.socket) as pool, pool.lease(length, ttl_s=60) as lease:
+        with (
+            PoolClient(args.socket) as pool,
+            pool.lease(length, ttl_s=60, shrinkable=True) as lease,
+        ):
             print(f"lease {lease.lease_id} epoch {lease.epoch}: {lease.length_bytes} bytes")
             with KVStore.open(lease, block_bytes=block_bytes, report_interval_s=0.5) as store:
                 run(store, args)

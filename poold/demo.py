@@ -80,6 +80,9 @@ def run_demo(size_mib: int = 64, keep: bool = False) -> int:
         )
         children.append(agent)
         ok = _tenant(sock, size_mib, admin)
+        ok = _kv_engine(sock) and ok
+        step("exclusive-copy accounting (poolctl accounting --by tenant)")
+        _poolctl(port, state_dir, "accounting", "--by", "tenant")
         step("pool status (poolctl status)")
         _poolctl(port, state_dir, "status")
         step("lease history (poolctl leases list)")
@@ -102,6 +105,23 @@ def run_demo(size_mib: int = 64, keep: bool = False) -> int:
             console.print(f"state kept in {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _kv_engine(sock: Path) -> bool:
+    """examples/kv_engine.py as a second tenant process, when this is a source checkout."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "kv_engine.py"
+    if not example.is_file():
+        step("examples/kv_engine.py is not here (installed package): KV engine skipped")
+        return True
+    step(
+        "KV engine (examples/kv_engine.py): multi-turn sessions on a shrinkable lease, "
+        "then pressure gives memory back, replicas first"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(example), "--socket", str(sock), "--mib", "32", "--steps", "120"],
+        check=False,
+    )
+    return proc.returncode == 0
 
 
 def _tenant(sock: Path, size_mib: int, admin: object) -> bool:

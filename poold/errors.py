@@ -109,6 +109,12 @@ class TenantInUse(Conflict):
     code = "tenant_in_use"
 
 
+class NotShrinkable(Conflict):
+    """The lease's memory cannot be cut down in place (devdax, a sealed memfd, re-adopted)."""
+
+    code = "not_shrinkable"
+
+
 class QuotaExceeded(PoolError):
     code = "quota_exceeded"
     http_status = 409

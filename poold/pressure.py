@@ -3,14 +3,20 @@
 Pure: the ledger (poold/ledger/hosts.py, in each heartbeat) gathers what it knows and
 gets back shrink requests; nothing here reads a database or a clock.
 
-A device is under pressure when what it could hand out falls under a low watermark
-(a fraction of its capacity). What it could hand out is its free bytes plus the
-leased bytes no store uses (a reported lease's ``length - used``): a tenant can
-give those back without losing anything. The shortfall is then asked for
-replica-first (DESIGN.md "Exclusive-copy accounting"): the tenants holding the most
-replica bytes first, each of their leases for at most its replica bytes; a lease
-is asked for exclusive bytes only once every replica byte on the device has been
-asked for. Leases that never reported are not asked: poold knows nothing of them.
+A device is under pressure when its free bytes fall under a low watermark (a
+fraction of its capacity), or a waiting lease request needs more than is free.
+The shortfall is asked back from leases in three passes, cheapest first:
+
+1. leased bytes no store uses (a reported lease's ``length - used``, in whole
+   units of the device alignment, since leases shrink by those): giving them back
+   loses nothing;
+2. replicas (DESIGN.md "Exclusive-copy accounting"): the tenants holding the
+   most replica bytes first, each of their leases for at most its replica bytes;
+3. exclusive bytes, only once every replica byte on the device has been asked for.
+
+A request is given back by shrinking the lease (or releasing it); poold revokes a
+lease that has not covered its request by the deadline. Leases that never reported
+are not asked: poold knows nothing of them.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ class DeviceFree:
     # A lease request waiting for room on this device (admission wait_s): asked
     # back on top of the watermark, so pressure makes room for it.
     wanted_bytes: int = 0
+    # Leases shrink in whole units of this: slack smaller than it cannot be given back.
+    alignment_bytes: int = 1
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,7 @@ class ShrinkRequest:
     lease_id: str
     device_id: int
     target_bytes: int  # bytes to give back
-    replica_bytes: int  # of which replica bytes (the rest: exclusive)
+    replica_bytes: int  # of which replica bytes (the rest: unused slack, then exclusive)
     deadline_at: datetime
 
 
@@ -61,16 +69,10 @@ def watermark_bytes(capacity_bytes: int, watermark: float) -> int:
     return math.ceil(capacity_bytes * watermark)
 
 
-def shortfall(device: DeviceFree, leases: Iterable[LeaseUse], watermark: float) -> int:
+def shortfall(device: DeviceFree, watermark: float) -> int:
     """Bytes the device lacks to be at its watermark (0: not under pressure)."""
-    unused = sum(
-        max(0, lease.length_bytes - lease.used_bytes)
-        for lease in leases
-        if lease.reported and lease.device_id == device.device_id
-    )
-    available = device.free_bytes + unused
     wanted = watermark_bytes(device.capacity_bytes, watermark) + device.wanted_bytes
-    return max(0, wanted - available)
+    return max(0, wanted - device.free_bytes)
 
 
 def plan_device(
@@ -83,9 +85,19 @@ def plan_device(
     on_device = [
         lease for lease in leases if lease.device_id == device.device_id and lease.reported
     ]
-    need = shortfall(device, on_device, watermark)
+    need = shortfall(device, watermark)
     if need <= 0:
         return []
+    # Unused leased bytes first: the biggest slack first.
+    asked_unused: dict[str, int] = {}
+    for lease in sorted(on_device, key=lambda x: (x.used_bytes - x.length_bytes, x.lease_id)):
+        if need <= 0:
+            break
+        slack = max(0, lease.length_bytes - lease.used_bytes)
+        take = min(slack - slack % max(1, device.alignment_bytes), need)
+        if take > 0:
+            asked_unused[lease.lease_id] = take
+            need -= take
     tenant_replicas: dict[int, int] = defaultdict(int)
     for lease in on_device:
         tenant_replicas[lease.tenant_id] += max(0, lease.replica_bytes)
@@ -115,14 +127,15 @@ def plan_device(
         need -= take
     out: list[ShrinkRequest] = []
     for lease in on_device:
+        unused = asked_unused.get(lease.lease_id, 0)
         replica = asked_replica.get(lease.lease_id, 0)
         exclusive = asked_exclusive.get(lease.lease_id, 0)
-        if replica + exclusive > 0:
+        if unused + replica + exclusive > 0:
             out.append(
                 ShrinkRequest(
                     lease_id=lease.lease_id,
                     device_id=device.device_id,
-                    target_bytes=replica + exclusive,
+                    target_bytes=unused + replica + exclusive,
                     replica_bytes=replica,
                     deadline_at=deadline_at,
                 )

@@ -26,6 +26,7 @@ def serve(settings: PooldSettings) -> None:
     app.state.reaper_policy = policy
     app.state.ddr5_cost_per_gib_month = settings.ddr5_cost_per_gib_month
     app.state.pressure_watermark = settings.pressure_watermark
+    app.state.shrink_deadline_s = settings.shrink_deadline_s
     reaper = Reaper(ledger, policy)
     # One pass before serving: leases of hosts this poold has not heard yet are
     # held before their agents' first (replayed) heartbeat can arrive, so a

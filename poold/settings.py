@@ -58,6 +58,10 @@ class PooldSettings(BaseModel):
     pressure_watermark: float = Field(
         default_factory=lambda: _env_float("pressure_watermark", 0.05), ge=0, lt=1
     )
+    # How long a tenant asked to give memory back has before poold revokes the lease.
+    shrink_deadline_s: float = Field(
+        default_factory=lambda: _env_float("shrink_deadline_s", 30.0), gt=0
+    )
     # What new DDR5 far memory costs per GiB-month: `poolctl accounting` prices what
     # recycled DDR4 saved against it. None: not configured, no savings shown.
     ddr5_cost_per_gib_month: float | None = Field(

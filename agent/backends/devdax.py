@@ -34,6 +34,8 @@ import mmap
 import os
 import stat
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +49,42 @@ log = logging.getLogger(__name__)
 DRIVER = "device_dax"
 _BUS = Path("bus/dax")
 _SCRUB_CHUNK_BYTES = 2 << 20
+
+# Sub-devices this process carved (lease or scrub) and has not shrunk back, by sysfs root.
+# Discovery reports every other dax device of a region to poold as reserved, and runs
+# without the backend object (agent/inventory.py): a sub-device is marked from the moment
+# its seed is picked, so a rescan in the middle of a carve or a scrub never calls it foreign.
+_carved: dict[str, set[str]] = {}
+_carved_lock = threading.Lock()
+
+
+def carved_sub_devices(sysfs_root: Path) -> set[str]:
+    """Names of the sub-devices devdax backends of this process hold under ``sysfs_root``."""
+    with _carved_lock:
+        return set(_carved.get(os.path.realpath(sysfs_root), ()))
+
+
+def _unmark(sysfs_root: Path, device: str) -> None:
+    with _carved_lock:
+        _carved.get(os.path.realpath(sysfs_root), set()).discard(device)
+
+
+@contextmanager
+def _marking(sysfs_root: Path) -> Iterator[Callable[[str], None]]:
+    """Yields ``mark(device)``; a marked device is unmarked again if the block fails."""
+    marked: list[str] = []
+
+    def mark(device: str) -> None:
+        with _carved_lock:
+            _carved.setdefault(os.path.realpath(sysfs_root), set()).add(device)
+        marked.append(device)
+
+    try:
+        yield mark
+    except BaseException:
+        for device in marked:
+            _unmark(sysfs_root, device)
+        raise
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,8 +252,9 @@ class DevdaxBackend:
         end = start + length_bytes - 1
         drivers = _BUS / "drivers" / DRIVER
         txn = SysfsTransaction(self.sysfs_root, self.apply)
-        with txn:
+        with _marking(self.sysfs_root) as mark, txn:  # rolled back before unmarked
             device = self._seed(region, txn)
+            mark(device)
             dev_rel = self._device_rel(region, device)
             log.info(
                 "devdax lease %s: %s = dax region %d [%#x, %#x] (offset %d)",
@@ -344,6 +383,7 @@ class DevdaxBackend:
             except BackendFailed as err:  # the id may be gone already; the delete matters
                 log.warning("remove_id %s: %s", device, err)
             write_attr(self.sysfs_root, region.path / device / "size", "0", self.apply)
+            _unmark(self.sysfs_root, device)  # it holds no bytes any more
             write_attr(self.sysfs_root, region.path / "dax_region" / "delete", device, self.apply)
 
     # -- scrub -------------------------------------------------------------------------

@@ -34,6 +34,15 @@ F_SEAL_GROW: int = getattr(fcntl, "F_SEAL_GROW", 4)
 # mappings, growing would take memory poold never granted). F_SEAL_SEAL freezes the seal
 # set, so a tenant cannot add F_SEAL_WRITE and break a later agent-side scrub or reuse.
 LEASE_SEALS = F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL
+# A lease asked shrinkable: no F_SEAL_SHRINK, so the agent can give its tail back
+# (ftruncate down) under pressure. A holder cutting it down itself only loses its
+# own memory; growing stays impossible.
+SHRINKABLE_SEALS = F_SEAL_GROW | F_SEAL_SEAL
+
+
+def lease_seals(shrinkable: bool) -> int:
+    return SHRINKABLE_SEALS if shrinkable else LEASE_SEALS
+
 
 # memfd_create(2) rejects names longer than 249 bytes (NAME_MAX minus "memfd:").
 _MAX_MEMFD_NAME_BYTES = 249
@@ -57,7 +66,7 @@ def available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     return None
 
 
-def materialise(length_bytes: int, name: str) -> int:
+def materialise(length_bytes: int, name: str, *, shrinkable: bool = False) -> int:
     """A prefaulted, sealed memfd of exactly ``length_bytes``; the caller owns the fd.
 
     Prefaulting uses fallocate(2): measured on this project's CI host (kernel 6.18), it is
@@ -89,7 +98,7 @@ def materialise(length_bytes: int, name: str) -> int:
     try:
         os.ftruncate(fd, length_bytes)
         os.posix_fallocate(fd, 0, length_bytes)
-        fcntl.fcntl(fd, F_ADD_SEALS, LEASE_SEALS)
+        fcntl.fcntl(fd, F_ADD_SEALS, lease_seals(shrinkable))
     except OSError as err:
         os.close(fd)
         hint = " (host out of memory?)" if err.errno in (errno.ENOSPC, errno.ENOMEM) else ""
@@ -113,8 +122,10 @@ class EmulatedBackend:
     def name(self) -> DeviceKind:
         return "emulated"
 
-    def materialise(self, length_bytes: int, name: str) -> Materialised:
-        fd = materialise(length_bytes, name)
+    def materialise(
+        self, length_bytes: int, name: str, *, shrinkable: bool = False
+    ) -> Materialised:
+        fd = materialise(length_bytes, name, shrinkable=shrinkable)
         return Materialised(
             fd=fd,
             backend="emulated",

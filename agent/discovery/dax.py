@@ -65,6 +65,12 @@ class DaxRegion(BaseModel):
     available_size: int | None = None
     seed: str | None = None  # next dax device to configure; empty when there is none
     cxl_region: str | None = None  # parent CXL region, when the path says so
+    # Host-physical address that region offsets count from, as the devdax backend
+    # addresses the region (agent/backends/devdax.py: DevdaxBackend.region).
+    base: int | None = None
+    # Dynamic (has ``create``, Linux 5.10+): sub-devices can be carved from it. A static
+    # region (nd pmem namespace, hmem) is one fixed device, leased whole.
+    carvable: bool = False
     devices: list[DaxDevice] = Field(default_factory=list)
 
 
@@ -138,17 +144,25 @@ def read_dax_region(r: SysfsReader, path: Path) -> DaxRegion | None:
     parent = path.parent
     is_cxl = parent.name.startswith("region") and os.path.exists(f"{parent}/interleave_ways")
     cxl_region = parent.name if is_cxl else None
+    resource = r.read_int(f"{path}/resource", probe=True)
+    # Same rule as the devdax backend: a dax region under a regionN spans it (CXL:
+    # drivers/dax/cxl.c hpa_range), so offsets count from regionN/resource; else its own.
+    base = (
+        r.read_int(f"{parent}/resource", probe=True) if parent.name.startswith("region") else None
+    )
     return DaxRegion(
         id=region_id,
         name=path.name,
         path=rel,
         size=r.read_int(f"{attrs}/size"),
-        resource=r.read_int(f"{path}/resource", probe=True),
+        resource=resource,
         align=r.read_int(f"{attrs}/align", probe=True),
         # available_size/seed/create: dynamic dax regions, Linux 5.10+.
         available_size=r.read_int(f"{attrs}/available_size", probe=True),
         seed=r.read_str(f"{attrs}/seed", probe=True) or None,
         cxl_region=cxl_region,
+        base=base if base is not None else resource,
+        carvable=os.path.exists(f"{attrs}/create"),
     )
 
 

@@ -7,6 +7,7 @@ whatever could not be read is a warning in ``Inventory.warnings`` and an unknown
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -75,8 +76,30 @@ def wire_uid(device: PoolDevice, host: str) -> str:
     return f"{host}/{device.uid}"
 
 
-def to_wire(inv: Inventory, host: str) -> list[InventoryDevice]:
-    """Pool devices as poold's ``InventoryDevice`` rows."""
+def reserved_extents(
+    device: PoolDevice, own_sub_devices: Collection[str] = ()
+) -> list[tuple[int, int]]:
+    """(offset, length) ranges of the device held by dax devices not in ``own_sub_devices``.
+
+    ``own_sub_devices`` names the sub-devices the agent carved for leases (its journal, its
+    backend): poold placed those, so they are leases, not reserved ranges.
+    """
+    return sorted(
+        extent
+        for occupant in device.dax_occupants
+        if occupant.device not in own_sub_devices
+        for extent in occupant.extents
+    )
+
+
+def to_wire(
+    inv: Inventory, host: str, own_sub_devices: Collection[str] = ()
+) -> list[InventoryDevice]:
+    """Pool devices as poold's ``InventoryDevice`` rows.
+
+    Every dax device in a carvable region not named in ``own_sub_devices`` is reported as
+    a reserved extent (:func:`reserved_extents`).
+    """
     return [
         InventoryDevice(
             uid=wire_uid(d, host),
@@ -98,6 +121,7 @@ def to_wire(inv: Inventory, host: str) -> list[InventoryDevice]:
             memory_tier=d.memory_tier,
             memdev_serials=d.memdev_serials,
             health_reasons=d.health_reasons,
+            reserved_extents=reserved_extents(d, own_sub_devices),
         )
         for d in inv.devices
     ]

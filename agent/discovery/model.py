@@ -8,6 +8,11 @@ Turns the raw CXL/DAX/NUMA/tier/health readings into pool devices:
 * a CPU-less NUMA node with memory (typically dax devices onlined by kmem) is one ``numa``
   device: leases are memfds bound to that node.
 
+A carvable dax region lists the dax devices already holding its bytes (``dax_occupants``,
+at offsets within the region): the kernel's ``dax0.0``, an administrator's daxctl devices,
+the agent's own lease sub-devices. The agent reports the ones it did not make as reserved
+extents, which poold never places on.
+
 Identity must survive reboots and renumbering (``mem0``/``dax0.0``/``node2`` are probe
 order), so CXL-backed devices are named by memdev serials plus region geometry. Devices
 with no CXL behind them get an identity that is only unique per host; the wire layer
@@ -32,6 +37,14 @@ PoolKind = Literal["devdax", "numa"]
 DEFAULT_ALIGN_BYTES = 2 << 20  # device-dax's default (PMD) alignment
 
 
+class DaxOccupant(BaseModel):
+    """A dax device holding bytes of a carvable dax region."""
+
+    device: str  # "dax0.0"
+    mode: str  # devdax, system-ram, unbound, unknown
+    extents: list[tuple[int, int]]  # (offset, length) within the region, offset order
+
+
 class PoolDevice(BaseModel):
     """One pool of far memory poold can lease from, as this host reaches it."""
 
@@ -52,6 +65,7 @@ class PoolDevice(BaseModel):
     cxl_regions: list[str] = Field(default_factory=list)
     dax_region_id: int | None = None
     dax_devices: list[str] = Field(default_factory=list)
+    dax_occupants: list[DaxOccupant] = Field(default_factory=list)
     media: str = "unknown"
     recycled: bool = False
     provenance: str | None = None
@@ -107,6 +121,34 @@ def _cxl_region_of(dax_region: DaxRegion, cxl: CxlInventory) -> Region | None:
             if region.contains(address):
                 return region
     return None
+
+
+def region_occupants(region: DaxRegion) -> list[DaxOccupant]:
+    """Every dax device with bytes in a carvable region, at offsets within the region.
+
+    An offset is ``mapping.start - base``: the inverse of the devdax backend, which carves
+    a lease at ``base + offset``. A static region yields none: its one device is how the
+    backend leases it (whole). A device whose bytes cannot be located (no ``mappingN``
+    and no ``resource``, an unknown base, a range outside the region) is taken to hold
+    the whole region: placing a lease on bytes that may be in use would fail at carve time.
+    """
+    if not region.carvable:
+        return []
+    whole = [(0, region.size)] if region.size else []
+    out: list[DaxOccupant] = []
+    for dax in region.devices:
+        if not dax.size:
+            continue  # the seed, or a device shrunk to nothing: holds no bytes
+        ranges = [(m.start, m.size) for m in dax.mappings]
+        if not ranges and dax.resource is not None:
+            ranges = [(dax.resource, dax.size)]  # mappingN unreadable: assume one range
+        extents = whole
+        if region.base is not None and region.size is not None and ranges:
+            offsets = [(start - region.base, length) for start, length in ranges]
+            if all(o >= 0 and o + n <= region.size for o, n in offsets):
+                extents = sorted(offsets)
+        out.append(DaxOccupant(device=dax.chardev, mode=dax.mode, extents=extents))
+    return out
 
 
 def _perf(device: PoolDevice, node: Node | None, region_access: AccessCoordinates | None) -> None:
@@ -181,6 +223,9 @@ def build_pool_devices(
             dax_devices=[
                 d.chardev for d in dax_region.devices if d.mode != "system-ram" and d.size
             ],
+            # system-ram devices too: capacity leaves their bytes out, but offsets count
+            # from the region's start, so where they sit must not be carved either.
+            dax_occupants=region_occupants(dax_region),
         )
         if cxl_region is not None:
             device.uid, device.host_scoped = idents[cxl_region.region]

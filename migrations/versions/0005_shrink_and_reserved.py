@@ -23,6 +23,7 @@ def upgrade() -> None:
         batch_op.add_column(
             sa.Column("shrink_deadline_at", sa.DateTime(timezone=True), nullable=True)
         )
+    op.create_index("ix_leases_shrink_deadline", "leases", ["shrink_deadline_at"])
     with op.batch_alter_table("devices", schema=None, recreate="never") as batch_op:
         batch_op.add_column(
             sa.Column("reserved_extents", sa.JSON(), nullable=False, server_default="[]")
@@ -32,6 +33,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     with op.batch_alter_table("devices", schema=None, recreate="never") as batch_op:
         batch_op.drop_column("reserved_extents")
+    op.drop_index("ix_leases_shrink_deadline", table_name="leases")
     with op.batch_alter_table("leases", schema=None, recreate="never") as batch_op:
         batch_op.drop_column("shrink_deadline_at")
         batch_op.drop_column("shrink_wanted_bytes")

@@ -35,6 +35,7 @@ from poold.api.schemas import (
     Heartbeat,
     HeartbeatReply,
     HostCreated,
+    HostDrainRequest,
     HostOut,
     HostSpec,
     LeaseOpResult,
@@ -247,6 +248,15 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
         """PooldSettings.pressure_watermark, as serve() put it on the app (else the default)."""
         return float(getattr(app.state, "pressure_watermark", pressure.DEFAULT_WATERMARK))
 
+    def pressure_options() -> dict[str, float]:
+        """The heartbeat's pressure settings (PooldSettings, as serve() put them on the app)."""
+        return {
+            "pressure_watermark": watermark(),
+            "shrink_deadline_s": float(
+                getattr(app.state, "shrink_deadline_s", pressure.DEFAULT_DEADLINE_S)
+            ),
+        }
+
     @app.post("/v1/agent/register")
     async def register(beat: Heartbeat, p: Caller) -> HeartbeatReply:
         name = agent_only(p)
@@ -261,15 +271,13 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
                 host_id=host.id,
                 detail={"agent_version": beat.agent_version, "devices": len(beat.inventory)},
             )
-            return hosts.heartbeat(s, host, beat, pressure_watermark=watermark())
+            return hosts.heartbeat(s, host, beat, **pressure_options())
 
     @app.post("/v1/agent/heartbeat")
     async def heartbeat(beat: Heartbeat, p: Caller) -> HeartbeatReply:
         name = agent_only(p)
         with ledger.write() as s:
-            return hosts.heartbeat(
-                s, hosts.get_by_name(s, name), beat, pressure_watermark=watermark()
-            )
+            return hosts.heartbeat(s, hosts.get_by_name(s, name), beat, **pressure_options())
 
     # --- leases ----------------------------------------------------------
     @app.post("/v1/agent/ops")
@@ -377,9 +385,18 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
         return admin_ops.undrain_device(ledger, uid, p.actor)
 
     @app.post("/v1/hosts/{name}/drain")
-    async def drain_host(name: str, p: Caller) -> DrainResult:
+    async def drain_host(name: str, p: Caller, body: HostDrainRequest | None = None) -> DrainResult:
         admin_only(p)
-        return admin_ops.drain_host(ledger, name, p.actor, draining=True)
+        body = body or HostDrainRequest()  # older clients send no body: no deadline
+        return admin_ops.drain_host(
+            ledger,
+            name,
+            p.actor,
+            draining=True,
+            deadline_s=body.deadline_s,
+            now_=body.now,
+            revoke_deadline_s=policy().revoke_deadline_s,
+        )
 
     @app.post("/v1/hosts/{name}/undrain")
     async def undrain_host(name: str, p: Caller) -> DrainResult:

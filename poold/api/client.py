@@ -27,6 +27,7 @@ from poold.api.schemas import (
     Heartbeat,
     HeartbeatReply,
     HostCreated,
+    HostDrainRequest,
     HostOut,
     LeaseOp,
     LeaseOpResult,
@@ -226,8 +227,17 @@ class PooldClient:
     def undrain_device(self, uid: str) -> DrainResult:
         return self._model(DrainResult, "POST", f"/v1/devices/{quote(uid, safe='')}/undrain")
 
-    def drain_host(self, name: str) -> DrainResult:
-        return self._model(DrainResult, "POST", f"/v1/hosts/{name}/drain")
+    def drain_host(
+        self, name: str, *, deadline_s: float | None = None, now: bool = False
+    ) -> DrainResult:
+        """No new leases on the host; its live leases are revoked at the deadline
+        (or at once with `now`), or run to their end when there is none."""
+        return self._model(
+            DrainResult,
+            "POST",
+            f"/v1/hosts/{name}/drain",
+            HostDrainRequest(deadline_s=deadline_s, now=now),
+        )
 
     def undrain_host(self, name: str) -> DrainResult:
         return self._model(DrainResult, "POST", f"/v1/hosts/{name}/undrain")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Kinds of pool device poold can carve (DESIGN.md "devices").
 DeviceKind = Literal["devdax", "numa", "emulated"]
@@ -53,6 +53,12 @@ class InventoryDevice(Model):
     health_reasons: list[Annotated[str, Field(max_length=1024)]] = Field(
         default_factory=list, max_length=1024
     )
+    # [offset, length] ranges held by dax devices the agent did not create (the kernel's
+    # dax0.0, an administrator's daxctl device): poold never places a lease on them.
+    # Absent from older agents: nothing reserved.
+    reserved_extents: list[
+        tuple[Annotated[int, Field(ge=0, le=1 << 62)], Annotated[int, Field(gt=0, le=1 << 62)]]
+    ] = Field(default_factory=list, max_length=4096)
 
 
 # --- errors ---------------------------------------------------------------
@@ -146,6 +152,44 @@ class LeaseReport(Model):
     replica_blocks: int = Field(default=0, ge=0, le=MAX_BLOCKS)
 
 
+class LeaseHolder(Model):
+    """A process that holds a lease's memory: pid plus start time (a pid alone is reused)."""
+
+    pid: int = Field(ge=0)
+    start_time: float | None = None  # seconds since the epoch; None: unreadable
+
+
+class ScrubProgress(Model):
+    """A scrub the agent is running now."""
+
+    started_at: datetime
+    bytes_done: int | None = Field(default=None, ge=0)  # None: the backend does not tell
+
+
+# held: the agent has the memory for a live holder; revoked_held: revoked, but a live
+# holder still maps the memfd; scrubbing: the agent is zeroing the lease's range now.
+AgentLeaseState = Literal["held", "revoked_held", "scrubbing"]
+
+
+class AgentLease(Model):
+    """One lease as its agent sees it: the richer form of an id in `Heartbeat.held`."""
+
+    lease_id: Annotated[str, Field(min_length=1, max_length=64)]
+    state: AgentLeaseState = "held"
+    holders: list[LeaseHolder] = Field(default_factory=list, max_length=64)
+    sub_device: Annotated[str, Field(max_length=64)] | None = None  # devdax: "dax0.3"
+    scrub: ScrubProgress | None = None
+
+
+class LeftoverSubDevice(Model):
+    """A dax sub-device the agent made for a lease, still there with no held lease behind it."""
+
+    sub_device: Annotated[str, Field(min_length=1, max_length=64)]
+    region_id: int = Field(ge=0)
+    size_bytes: int = Field(ge=0)
+    lease_id: Annotated[str, Field(min_length=1, max_length=64)]  # the lease it was made for
+
+
 class Heartbeat(Model):
     """One request per host per interval: inventory, all renewals, agent facts."""
 
@@ -169,6 +213,17 @@ class Heartbeat(Model):
     revoked_held: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
         default_factory=list, max_length=100_000
     )
+    # The richer form of `held` (agents that send it leave `held` out): per lease its
+    # holders, sub-device and local state, scrubs running now included.
+    held_leases: list[AgentLease] | None = Field(default=None, max_length=100_000)
+    # Sub-devices the agent made that no lease it holds accounts for (audit: leaked).
+    leftovers: list[LeftoverSubDevice] = Field(default_factory=list, max_length=10_000)
+
+    def held_ids(self) -> list[str] | None:
+        """The ids the agent holds memory for, whichever form it sent (None: not reported)."""
+        if self.held_leases is not None:
+            return [x.lease_id for x in self.held_leases if x.state != "scrubbing"]
+        return None if self.held is None else list(self.held)
 
 
 class RenewResult(Model):
@@ -191,6 +246,9 @@ class ScrubOrder(Model):
     device_uid: str
     offset_bytes: int
     length_bytes: int
+    # Set when `poolctl audit --reclaim` re-issued the order (the agent reported no scrub
+    # of it for too long): scrub again even if done before, once per value.
+    reissued_at: datetime | None = None
 
 
 class ReportRefusal(Model):
@@ -248,8 +306,17 @@ class LeaseOp(Model):
     # release_dirty: the holder is done but the bytes need zeroing (devdax);
     # scrubbed / scrub_failed: the agent's verdict on that zeroing.
     # orphan: the holder process is gone (the agent saw it exit).
-    op: Literal["release", "release_dirty", "abort", "scrubbed", "scrub_failed", "orphan"]
+    # shrink: the holder gave back the tail of its memfd lease (ftruncate down);
+    # the lease keeps its state and offset, with length_bytes its new length.
+    op: Literal["release", "release_dirty", "abort", "scrubbed", "scrub_failed", "orphan", "shrink"]
     reason: Annotated[str, Field(max_length=1024)] = ""
+    length_bytes: int | None = Field(default=None, gt=0, le=MAX_LEASE_BYTES)
+
+    @model_validator(mode="after")
+    def _length_only_for_shrink(self) -> LeaseOp:
+        if (self.op == "shrink") != (self.length_bytes is not None):
+            raise ValueError("length_bytes is required for shrink and only for shrink")
+        return self
 
 
 class LeaseOpResult(Model):
@@ -370,6 +437,10 @@ class DeviceStatus(Model):
     health_reasons: list[str] = Field(default_factory=list)
     # What an administrator set with `poolctl devices annotate` (wins over the agent's).
     admin_annotations: DeviceAnnotation = Field(default_factory=DeviceAnnotation)
+    # [offset, length] ranges held by dax devices poold did not place (the agent's report);
+    # reserved_bytes is their union inside the device. Neither leased nor free.
+    reserved_extents: list[tuple[int, int]] = Field(default_factory=list)
+    reserved_bytes: int = 0
 
 
 class HostStatus(Model):
@@ -407,6 +478,14 @@ class DeviceDrainRequest(Model):
     now: bool = False  # revoke the live leases at once (same as deadline_s=0)
 
 
+class HostDrainRequest(Model):
+    """`poolctl hosts drain`: no new leases; live ones run to their end, or are revoked
+    at the deadline (by the reaper) when one is given, or at once with `now`."""
+
+    deadline_s: float | None = Field(default=None, ge=0, le=MAX_TTL_S)  # None: no deadline
+    now: bool = False
+
+
 class DrainResult(Model):
     target: str  # device uid or host name
     state: str
@@ -436,6 +515,7 @@ class AuditItem(Model):
     state: str | None = None
     message: str
     action: str | None = None  # reclaimed / aborted / lost_race, when --reclaim acted
+    sub_device: str | None = None  # the agent's dax sub-device ("dax0.3"), when it named one
 
 
 class AgentFindings(Model):
@@ -447,6 +527,11 @@ class AgentFindings(Model):
     available: bool = False
     leaked: list[AuditItem] = Field(default_factory=list)  # memory in use, no live lease
     stale: list[AuditItem] = Field(default_factory=list)  # live lease, no memory behind it
+    # scrubbing in the ledger for long, no scrub running on the agent (or the agent down)
+    unfinished_scrubs: list[AuditItem] = Field(default_factory=list)
+    # the ledger's holder differs from the agent's, or the agent has a live lease's
+    # sub-device but holds no lease for it
+    holder_mismatches: list[AuditItem] = Field(default_factory=list)
     note: str = ""
 
 

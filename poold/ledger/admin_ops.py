@@ -7,8 +7,10 @@
 * `drain_device`: the device goes `draining`, so placement skips it; its live
   leases are revoked at the deadline (by the reaper) or at once (`now`).
   The deadline is kept in the `device.drain` event, the journal of the drain.
-* `drain_host`: the host goes `draining`; grants on it are refused, its leases
-  live on until they end.
+* `drain_host`: the host goes `draining`; grants on it are refused. Its leases
+  live on until they end, unless the drain has a deadline: then the reaper
+  revokes them when it passes (or `drain_host` at once, with `now`). As for a
+  device, the deadline is kept in the `host.drain` event; `undrain` cancels it.
 """
 
 from __future__ import annotations
@@ -192,8 +194,25 @@ def undrain_device(ledger: Ledger, uid: str, actor: str) -> DrainResult:
         return DrainResult(target=uid, state="online")
 
 
-def drain_host(ledger: Ledger, name: str, actor: str, *, draining: bool = True) -> DrainResult:
-    """Mark a host draining (no new grants), or back to service with `draining=False`."""
+def drain_host(
+    ledger: Ledger,
+    name: str,
+    actor: str,
+    *,
+    draining: bool = True,
+    deadline_s: float | None = None,
+    now_: bool = False,
+    revoke_deadline_s: float = 30.0,
+) -> DrainResult:
+    """Mark a host draining (no new grants), or back to service with `draining=False`.
+
+    With `deadline_s` its live leases are revoked when it passes (by the reaper),
+    with `now_` at once; without either they run to their end.
+    """
+    now = utcnow()
+    deadline = None
+    if draining and (now_ or deadline_s is not None):
+        deadline = now if now_ else now + timedelta(seconds=deadline_s or 0.0)
     with ledger.write() as s:
         host = hosts.get_by_name(s, name)
         before = host.status
@@ -204,19 +223,49 @@ def drain_host(ledger: Ledger, name: str, actor: str, *, draining: bool = True) 
         else:
             # Back to `up`; the reaper marks it down again if its agent is silent.
             after = "up"
-        s.execute(update(Host).where(Host.id == host.id).values(status=after))
+        host_id = host.id
+        s.execute(update(Host).where(Host.id == host_id).values(status=after))
+        reason: str | None = None
+        if draining and deadline is None:
+            reason = "drain: leases run to their end"
+        elif draining:
+            reason = "drain now" if now_ else f"drain within {deadline_s:g}s"
         events.record(
             s,
             actor=actor,
             kind="host.drain" if draining else "host.undrain",
-            host_id=host.id,
+            host_id=host_id,
             from_state=before,
             to_state=after,
+            reason=reason,
+            # The reaper reads the latest `host.drain` deadline (reaper.host_drain_deadlines).
+            detail={"deadline_at": deadline.isoformat()} if deadline is not None else {},
         )
         live = int(
             s.scalar(
-                select(func.count(Lease.id)).where(Lease.host_id == host.id, Lease.state.in_(LIVE))
+                select(func.count(Lease.id)).where(Lease.host_id == host_id, Lease.state.in_(LIVE))
             )
             or 0
         )
-        return DrainResult(target=name, state=after, live_leases=live)
+    revoked: list[str] = []
+    if deadline is not None and deadline <= now:
+        with ledger.read() as s:
+            rows = s.execute(
+                select(Lease.id, Lease.state).where(
+                    Lease.host_id == host_id, Lease.state.in_([st.value for st in REVOCABLE])
+                )
+            ).all()
+        for lease_id, state in rows:
+            if revoke_in(
+                ledger,
+                lease_id,
+                LeaseState(state),
+                actor=actor,
+                reason=f"host {name} drained",
+                now=now,
+                deadline_s=revoke_deadline_s,
+            ):
+                revoked.append(lease_id)
+    return DrainResult(
+        target=name, state=after, deadline_at=deadline, live_leases=live, revoked=revoked
+    )

@@ -5,7 +5,7 @@ for each lease its grant event and its last state-changing event (one
 aggregate query), then checks in plain Python (`check`, no I/O):
 
 * invariant 1: live leases on a device do not overlap, lie inside the device,
-  respect its alignment and stay off quarantined ranges;
+  respect its alignment and stay off quarantined and reserved ranges;
 * invariant 2: a tenant's live bytes ≤ quota_bytes, live leases ≤ quota_leases;
 * invariant 3: every lease has a grant event, and its state is the `to_state`
   of its last state-changing event.
@@ -17,14 +17,32 @@ it moves those (conditionally, as the reaper does) and says what it did.
 Active leases past their expiry are listed as pending: whether their agent
 still holds renewals is the reaper's call (its outage rule), not the audit's.
 
-What agents report (the lease ids they hold memory for, sent with every
-heartbeat) is compared with the ledger: a live lease the agent holds nothing for
-is *stale* (reclaimable: it is orphaned, the reaper reclaims it after grace);
-memory an agent holds for a lease the ledger ended is *leaked* (poold already
-revokes it in the next heartbeat reply; the audit lists it).
+What agents report with every heartbeat (per lease: its holders as pid + start
+time, its dax sub-device, its local state and any scrub running; plus leftover
+sub-devices; older agents send only lease ids) is compared with the ledger:
+
+* a live lease the agent holds nothing for is *stale* (reclaimable: it is
+  orphaned, the reaper reclaims it after grace);
+* memory an agent holds for a lease the ledger ended is *leaked* (poold already
+  revokes it in the next heartbeat reply; the audit lists it), and so is a
+  leftover sub-device made for a lease the ledger ended or does not know: with
+  `reclaim` the audit orders it deleted (a `host.leftover_delete` event; the
+  host's next heartbeat reply revokes the lease id, and the agent destroys the
+  sub-device);
+* a lease `scrubbing` in the ledger for longer than `scrub_stuck_after_s`
+  while its agent reports no scrub running is an *unfinished scrub*: with
+  `reclaim` the scrub order is re-issued (a `lease.scrub_reissue` event; the
+  order in the reply then carries `reissued_at`, and the agent scrubs again);
+  if the agent is down nobody can zero the range: it needs a human;
+* a ledger holder pid the agent does not report, or a leftover sub-device of
+  a live lease, is a *holder mismatch* (listed, for a person to look at).
+
+Everything the audit asks of an agent goes through the ledger (events) and the
+heartbeat reply: poold never calls agents.
 
 Exit codes: 0 clean; 1 something was reclaimed (or, without `reclaim`, is
-reclaimable); 2 an invariant is violated.
+reclaimable, or an agent disagrees with the ledger); 2 an invariant is violated,
+or a scrub is stuck on a host whose agent is down.
 """
 
 from __future__ import annotations
@@ -33,13 +51,24 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, func, insert, select
+from pydantic import TypeAdapter, ValidationError
+from sqlalchemy import ScalarSelect, case, func, insert, or_, select
+from sqlalchemy.orm import Session
 
-from poold.api.schemas import AgentFindings, AuditItem, AuditReport
+from poold.api.schemas import (
+    AgentFindings,
+    AgentLease,
+    AuditItem,
+    AuditReport,
+    Heartbeat,
+    LeftoverSubDevice,
+    Revocation,
+)
 from poold.lease_states import LIVE_STATES, LeaseEvent, LeaseState
+from poold.ledger import events
 from poold.ledger import leases as lease_ops
 from poold.ledger.db import Ledger
 from poold.ledger.models import AuditRun, Device, Event, Host, Lease, Quarantine, Tenant
@@ -50,6 +79,11 @@ ACTOR = "poold:audit"
 LIVE = frozenset(s.value for s in LIVE_STATES)
 # At most this many items of each list are kept in the audit_runs row (counts are exact).
 STORED_ITEMS = 1000
+# Events the audit writes for an agent to act on; hosts.heartbeat turns them into
+# the reply (a scrub order's `reissued_at`, a revocation of the leftover's lease id).
+SCRUB_REISSUE = "lease.scrub_reissue"
+LEFTOVER_DELETE = "host.leftover_delete"
+NEEDS_HUMAN = "needs_human"
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
@@ -60,6 +94,8 @@ class DeviceRow:
     uid: str
     capacity_bytes: int
     alignment_bytes: int
+    # (offset, length) held by dax devices poold did not place, as the agent reports them.
+    reserved_extents: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,6 +117,7 @@ class LeaseRow:
     state: str
     granted_at: datetime
     expires_at: datetime
+    holder_pid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +132,8 @@ class Snapshot:
     # lease id → (has a grant event, to_state of its last state-changing event)
     journal: dict[str, tuple[bool, str | None]]
     orphaned_at: dict[str, datetime]
+    # scrubbing lease id → when its last state change (or scrub re-issue) happened
+    state_since: dict[str, datetime] = field(default_factory=dict)
 
 
 @dataclass
@@ -214,6 +253,17 @@ def check(snap: Snapshot, policy: ReaperPolicy, now: datetime) -> Findings:
                         )
                     )
                     break
+            for r_offset, r_length in dev.reserved_extents:
+                if r_offset < end and lease.offset_bytes < r_offset + r_length:
+                    out.violations.append(
+                        item(
+                            "reserved",
+                            lease,
+                            f"overlaps reserved range {r_offset}+{r_length} "
+                            "(held by a dax device poold did not place)",
+                        )
+                    )
+                    break
 
     for tenant in snap.tenants.values():
         used, count = tenant_bytes.get(tenant.id, 0), tenant_count.get(tenant.id, 0)
@@ -243,9 +293,21 @@ def load(ledger: Ledger, progress: Progress | None = None) -> Snapshot:
     with ledger.read() as s:
         conn = s.connection()
         devices = {
-            r.id: DeviceRow(r.id, r.uid, r.capacity_bytes, r.alignment_bytes)
+            r.id: DeviceRow(
+                r.id,
+                r.uid,
+                r.capacity_bytes,
+                r.alignment_bytes,
+                tuple((int(o), int(n)) for o, n in r.reserved_extents or ()),
+            )
             for r in conn.execute(
-                select(Device.id, Device.uid, Device.capacity_bytes, Device.alignment_bytes)
+                select(
+                    Device.id,
+                    Device.uid,
+                    Device.capacity_bytes,
+                    Device.alignment_bytes,
+                    Device.reserved_extents,
+                )
             )
         }
         tenants = {
@@ -275,19 +337,27 @@ def load(ledger: Ledger, progress: Progress | None = None) -> Snapshot:
                 Lease.state,
                 Lease.granted_at,
                 Lease.expires_at,
+                Lease.holder_pid,
             )
         )
         for chunk in result.partitions():
-            rows.extend(LeaseRow(*r) for r in chunk)
+            # SQLAlchemy types a row of ten columns as "ten or more"; unpacking it is
+            # a third faster than slicing it (100k rows per audit).
+            rows.extend(LeaseRow(*r) for r in chunk)  # type: ignore[call-arg]
             if progress:
                 progress("leases", len(rows), total)
         if progress:
             progress("events", 0, 1)
         journal = _journal(conn)
+        state_since = _scrubbing_since(
+            conn, [r.id for r in rows if r.state == LeaseState.SCRUBBING.value]
+        )
         if progress:
             progress("events", 1, 1)
         orphaned_at = {lease_id: at for lease_id, _kind, at in orphaned_since(conn)}
-    return Snapshot(devices, tenants, host_names, dict(quarantine), rows, journal, orphaned_at)
+    return Snapshot(
+        devices, tenants, host_names, dict(quarantine), rows, journal, orphaned_at, state_since
+    )
 
 
 def _journal(conn: Any) -> dict[str, tuple[bool, str | None]]:
@@ -310,6 +380,29 @@ def _journal(conn: Any) -> dict[str, tuple[bool, str | None]]:
         lease_id: (bool(has_grant), to_state)
         for lease_id, has_grant, to_state in conn.execute(stmt)
     }
+
+
+def _scrubbing_since(conn: Any, lease_ids: list[str]) -> dict[str, datetime]:
+    """When each scrubbing lease last changed state, or had its scrub re-issued.
+
+    Only for the (few) scrubbing leases, by lease id (events are indexed by it): a
+    column over the whole journal would cost every audit a second on 100k leases.
+    """
+    since: dict[str, datetime] = {}
+    for start in range(0, len(lease_ids), 500):  # bounded IN lists
+        since.update(
+            (lease_id, at)
+            for lease_id, at in conn.execute(
+                select(Event.lease_id, func.max(Event.at))
+                .where(
+                    Event.lease_id.in_(lease_ids[start : start + 500]),
+                    or_(Event.to_state.is_not(None), Event.kind == SCRUB_REISSUE),
+                )
+                .group_by(Event.lease_id)
+            )
+            if at is not None
+        )
+    return since
 
 
 # kind → (state the lease must still be in, event that ends it)
@@ -368,8 +461,11 @@ def reclaim(
 def exit_code(findings: Findings, reclaimed: int, agents: AgentFindings | None = None) -> int:
     if findings.violations:
         return 2
-    if agents is not None and (agents.stale or agents.leaked):
-        return 1
+    if agents is not None:
+        if any(i.action == NEEDS_HUMAN for i in agents.unfinished_scrubs):
+            return 2
+        if agents.stale or agents.leaked or agents.unfinished_scrubs or agents.holder_mismatches:
+            return 1
     return 1 if reclaimed or findings.reclaimable else 0
 
 
@@ -377,45 +473,157 @@ def exit_code(findings: Findings, reclaimed: int, agents: AgentFindings | None =
 # STALE_MARGIN_S before the report may simply not have reached the agent's list yet.
 AGENT_REPORT_FRESH_S = 60.0
 STALE_MARGIN_S = 5.0
+# A lease may sit in `scrubbing` with no scrub running on its agent for this long
+# (the order rides on the next heartbeat reply; the verdict on the agent's outbox)
+# before the audit calls the scrub unfinished. A running scrub is never unfinished,
+# however long it takes: the agent reports it, with its progress.
+SCRUB_STUCK_AFTER_S = 120.0
+
+_LEASES = TypeAdapter(list[AgentLease])
+_LEFTOVERS = TypeAdapter(list[LeftoverSubDevice])
+
+
+@dataclass(frozen=True)
+class AgentReport:
+    """What one host's agent last said it holds (hosts.agent_leases), and whether it is up."""
+
+    at: datetime | None  # when the report arrived (None: the agent never sent one)
+    leases: dict[str, AgentLease]
+    leftovers: list[LeftoverSubDevice]
+    # False: an older agent's bare list of ids (no holders, scrubs or leftovers).
+    detailed: bool
+    status: str = "up"
+    last_heartbeat_at: datetime | None = None
+
+    def fresh(self, now: datetime) -> bool:
+        return self.at is not None and (now - self.at).total_seconds() <= AGENT_REPORT_FRESH_S
+
+    def agent_up(self, now: datetime) -> bool:
+        heard = self.last_heartbeat_at
+        return (
+            self.status != "down"
+            and heard is not None
+            and (now - heard).total_seconds() <= AGENT_REPORT_FRESH_S
+        )
+
+    def held(self) -> set[str]:
+        """The ids the agent holds memory for (a running scrub is not holding)."""
+        return {i for i, x in self.leases.items() if x.state != "scrubbing"}
+
+
+def stored_report(beat: Heartbeat) -> list[Any] | dict[str, Any]:
+    """What `hosts.agent_leases` keeps of a heartbeat that reported its leases.
+
+    An older agent's list of ids is kept as it came (the column's first format);
+    a newer agent's per-lease report and leftovers as {"leases": [...], "leftovers":
+    [...]}, defaults left out to keep the row small. `parse_stored` reads both.
+    """
+    if beat.held_leases is None:
+        return list(beat.held or [])
+    return {
+        "leases": _LEASES.dump_python(beat.held_leases, mode="json", exclude_defaults=True),
+        "leftovers": _LEFTOVERS.dump_python(beat.leftovers, mode="json"),
+    }
+
+
+def parse_stored(
+    raw: Any,
+) -> tuple[dict[str, AgentLease], list[LeftoverSubDevice], bool] | None:
+    """(leases by id, leftovers, detailed) from a stored report of either format;
+    None when it cannot be read (never taken as "the agent holds nothing")."""
+    if isinstance(raw, dict):
+        try:
+            found = _LEASES.validate_python(raw.get("leases") or [])
+            leftovers = _LEFTOVERS.validate_python(raw.get("leftovers") or [])
+        except ValidationError:
+            return None  # written by some other version
+        return {x.lease_id: x for x in found}, leftovers, True
+    ids = [str(x) for x in raw or [] if isinstance(x, str)]
+    return {i: AgentLease(lease_id=i) for i in ids}, [], False
 
 
 def check_agents(
     leases: Iterable[LeaseRow],
-    reports: dict[int, tuple[list[str], datetime]],
+    reports: dict[int, AgentReport],
     host_names: dict[int, str],
     now: datetime,
+    *,
+    state_since: dict[str, datetime] | None = None,
+    device_uids: dict[int, str] | None = None,
+    scrub_stuck_after_s: float = SCRUB_STUCK_AFTER_S,
 ) -> AgentFindings:
     """Compare the ledger with what each agent says it holds (pure)."""
-    fresh = {
-        host_id: (set(ids), at)
-        for host_id, (ids, at) in reports.items()
-        if (now - at).total_seconds() <= AGENT_REPORT_FRESH_S
-    }
+    since = state_since or {}
+    uids = device_uids or {}
+    fresh = {host_id: r for host_id, r in reports.items() if r.fresh(now)}
     if not fresh:
-        return AgentFindings(note="no agent reported its leases recently")
+        # No report to compare: only scrubs can be stuck (their agents are down).
+        leases = [x for x in leases if x.state == LeaseState.SCRUBBING.value]
     stale: list[AuditItem] = []
+    mismatches: list[AuditItem] = []
+    scrubs: list[AuditItem] = []
     live_by_host: dict[int, set[str]] = defaultdict(set)
+    state_of: dict[str, str] = {}
+
+    def item(kind: str, lease: LeaseRow, message: str, **kw: Any) -> AuditItem:
+        return AuditItem(
+            kind=kind,
+            lease_id=lease.id,
+            device_id=lease.device_id,
+            device_uid=uids.get(lease.device_id),
+            host=host_names.get(lease.host_id),
+            state=lease.state,
+            message=message,
+            **kw,
+        )
+
     for lease in leases:
+        state_of[lease.id] = lease.state
         if lease.state not in LIVE:
             continue
         live_by_host[lease.host_id].add(lease.id)
-        report = fresh.get(lease.host_id)
-        if report is None or lease.id in report[0]:
+        if lease.state == LeaseState.SCRUBBING.value:
+            found = _unfinished_scrub(
+                lease, reports.get(lease.host_id), since.get(lease.id), now, scrub_stuck_after_s
+            )
+            if found is not None:
+                message, action = found
+                scrubs.append(item("unfinished_scrub", lease, message, action=action))
             continue
-        _ids, at = report
-        # Only leases whose memory must exist, granted well before the report.
-        if (
-            lease.state in ("active", "revoking")
-            and (at - lease.granted_at).total_seconds() > STALE_MARGIN_S
-        ):
-            stale.append(
-                AuditItem(
-                    kind="stale",
-                    lease_id=lease.id,
-                    device_id=lease.device_id,
-                    host=host_names.get(lease.host_id),
-                    state=lease.state,
-                    message="live in the ledger, but its host's agent holds no memory for it",
+        report = fresh.get(lease.host_id)
+        if report is None:
+            continue
+        entry = report.leases.get(lease.id)
+        if entry is None or entry.state == "scrubbing":
+            # Only leases whose memory must exist, granted well before the report.
+            assert report.at is not None
+            if (
+                lease.state in ("active", "revoking")
+                and (report.at - lease.granted_at).total_seconds() > STALE_MARGIN_S
+            ):
+                stale.append(
+                    item(
+                        "stale",
+                        lease,
+                        "live in the ledger, but its host's agent holds no memory for it",
+                        sub_device=entry.sub_device if entry is not None else None,
+                    )
+                )
+            continue
+        pids = {h.pid for h in entry.holders}
+        if lease.holder_pid is not None and pids and lease.holder_pid not in pids:
+            agent_says = ", ".join(
+                f"pid {h.pid}"
+                + (f" started {_at(h.start_time)}" if h.start_time is not None else "")
+                for h in entry.holders
+            )
+            mismatches.append(
+                item(
+                    "holder_mismatch",
+                    lease,
+                    f"the ledger's holder is pid {lease.holder_pid}; the agent reports "
+                    f"{agent_says} ({entry.state})",
+                    sub_device=entry.sub_device,
                 )
             )
     leaked = [
@@ -423,30 +631,113 @@ def check_agents(
             kind="leaked",
             lease_id=lease_id,
             host=host_names.get(host_id),
+            state=state_of.get(lease_id),
+            sub_device=report.leases[lease_id].sub_device,
             message="the agent holds memory for a lease the ledger does not have live "
             "(poold revokes it in the next heartbeat reply)",
         )
-        for host_id, (ids, _at) in fresh.items()
-        for lease_id in sorted(ids - live_by_host[host_id])
+        for host_id, report in fresh.items()
+        for lease_id in sorted(report.held() - live_by_host[host_id])
     ]
+    for host_id, report in fresh.items():
+        for left in report.leftovers:
+            state = state_of.get(left.lease_id)
+            what = (
+                f"sub-device {left.sub_device} ({left.size_bytes} bytes of dax region "
+                f"{left.region_id}) that the agent made for this lease"
+            )
+            common = {
+                "lease_id": left.lease_id,
+                "host": host_names.get(host_id),
+                "state": state,
+                "sub_device": left.sub_device,
+            }
+            if state is not None and state in LIVE:
+                mismatches.append(
+                    AuditItem(
+                        kind="leftover_of_live_lease",
+                        message=f"{what} remains, but the agent holds no lease for it",
+                        **common,
+                    )
+                )
+            else:
+                ended = f"has ended ({state})" if state is not None else "does not know"
+                leaked.append(
+                    AuditItem(
+                        kind="leftover_sub_device",
+                        message=f"{what} remains; the ledger {ended} the lease "
+                        "(--reclaim has the agent delete it)",
+                        **common,
+                    )
+                )
+    note = (
+        f"{len(fresh)} agent(s) reported within {AGENT_REPORT_FRESH_S:g}s"
+        if fresh
+        else "no agent reported its leases recently"
+    )
     return AgentFindings(
-        available=True,
+        available=bool(fresh),
         leaked=leaked,
         stale=stale,
-        note=f"{len(fresh)} agent(s) reported within {AGENT_REPORT_FRESH_S:g}s",
+        unfinished_scrubs=scrubs,
+        holder_mismatches=mismatches,
+        note=note,
     )
 
 
-def load_agent_reports(ledger: Ledger) -> dict[int, tuple[list[str], datetime]]:
+def _unfinished_scrub(
+    lease: LeaseRow,
+    report: AgentReport | None,
+    since: datetime | None,
+    now: datetime,
+    stuck_after_s: float,
+) -> tuple[str, str | None] | None:
+    """(message, action) when a scrubbing lease's scrub looks dropped; None while it may run."""
+    if since is None or (now - since).total_seconds() < stuck_after_s:
+        return None
+    for_s = f"scrubbing since {since.isoformat(timespec='seconds')}"
+    if report is None or not report.agent_up(now):
+        heard = report.last_heartbeat_at if report is not None else None
+        last = heard.isoformat(timespec="seconds") if heard is not None else "never"
+        return (
+            f"{for_s}, and its host's agent is down (last heartbeat: {last}): "
+            "nobody can zero the range",
+            NEEDS_HUMAN,
+        )
+    if not report.fresh(now) or not report.detailed:
+        return None  # an agent that does not report its scrubs: cannot tell
+    assert report.at is not None
+    if (report.at - since).total_seconds() <= STALE_MARGIN_S:
+        return None
+    entry = report.leases.get(lease.id)
+    if entry is not None and entry.state == "scrubbing":
+        return None  # running (its progress is in the agent's report)
+    return f"{for_s}; its agent reports no scrub running (--reclaim re-issues the order)", None
+
+
+def _at(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, UTC).isoformat(timespec="seconds")
+
+
+def load_agent_reports(ledger: Ledger) -> dict[int, AgentReport]:
+    """Every host's last stored agent report, with its status and last heartbeat."""
+    out: dict[int, AgentReport] = {}
     with ledger.read() as s:
-        return {
-            host_id: (list(ids or []), at)
-            for host_id, ids, at in s.execute(
-                select(Host.id, Host.agent_leases, Host.agent_leases_at).where(
-                    Host.agent_leases_at.is_not(None)
-                )
+        for host_id, status, heard, raw, at in s.execute(
+            select(
+                Host.id,
+                Host.status,
+                Host.last_heartbeat_at,
+                Host.agent_leases,
+                Host.agent_leases_at,
             )
-        }
+        ):
+            parsed = parse_stored(raw) if at is not None else None
+            found, leftovers, detailed = parsed or ({}, [], False)
+            out[host_id] = AgentReport(
+                at if parsed is not None else None, found, leftovers, detailed, status, heard
+            )
+    return out
 
 
 def reclaim_stale(ledger: Ledger, stale: list[AuditItem], now: datetime) -> int:
@@ -470,6 +761,110 @@ def reclaim_stale(ledger: Ledger, stale: list[AuditItem], now: datetime) -> int:
     return done
 
 
+def order_leftover_deletes(
+    ledger: Ledger, leaked: list[AuditItem], host_ids: dict[str, int]
+) -> int:
+    """Ask agents to delete leftover sub-devices of ended leases (one event each)."""
+    done = 0
+    for it in leaked:
+        host_id = host_ids.get(it.host or "")
+        if it.kind != "leftover_sub_device" or it.lease_id is None or host_id is None:
+            continue
+        with ledger.write() as s:
+            events.record(
+                s,
+                actor=ACTOR,
+                kind=LEFTOVER_DELETE,
+                lease_id=it.lease_id,
+                host_id=host_id,
+                reason=f"audit: leftover sub-device {it.sub_device} of an ended lease",
+                detail={"sub_device": it.sub_device},
+            )
+        it.action = "delete_ordered"
+        done += 1
+    return done
+
+
+def reissue_scrubs(ledger: Ledger, scrubs: list[AuditItem], stuck_after_s: float) -> int:
+    """Re-issue the scrub order of unfinished scrubs whose agent is up (one event each)."""
+    done = 0
+    for it in scrubs:
+        if it.lease_id is None or it.action is not None:
+            continue  # needs a human: its agent is down
+        with ledger.write() as s:
+            row = s.execute(
+                select(Lease.state, Lease.host_id, Lease.device_id, Lease.tenant_id).where(
+                    Lease.id == it.lease_id
+                )
+            ).one_or_none()
+            if row is None or row.state != LeaseState.SCRUBBING.value:
+                it.action = "lost_race"  # scrubbed (or failed) since the audit read it
+                continue
+            events.record(
+                s,
+                actor=ACTOR,
+                kind=SCRUB_REISSUE,
+                lease_id=it.lease_id,
+                host_id=row.host_id,
+                device_id=row.device_id,
+                tenant_id=row.tenant_id,
+                reason=f"audit: no scrub running on the agent for over {stuck_after_s:g}s",
+            )
+        it.action = "scrub_reissued"
+        done += 1
+    return done
+
+
+# --- read by hosts.heartbeat: what the audit asked of this host's agent -------------
+
+
+def scrub_reissued_at() -> ScalarSelect[Any]:
+    """Correlated to `Lease`: when `audit --reclaim` last re-issued that lease's scrub order.
+
+    A column of the heartbeat's scrub-order query (one statement, evaluated only for
+    the host's scrubbing leases; events are indexed by lease id).
+    """
+    return (
+        select(func.max(Event.at))
+        .where(Event.lease_id == Lease.id, Event.kind == SCRUB_REISSUE)
+        .correlate(Lease)
+        .scalar_subquery()
+    )
+
+
+def leftover_revocations(
+    session: Session, host_id: int, leftovers: list[LeftoverSubDevice], now: datetime
+) -> list[Revocation]:
+    """Revocations for the leftovers `audit --reclaim` ordered deleted on this host.
+
+    Queried only when the agent reports leftovers (none in the steady state).
+    """
+    ids = sorted({x.lease_id for x in leftovers})
+    ordered: set[str] = set()
+    for start in range(0, len(ids), lease_ops.IN_CHUNK):  # SQLite caps bound parameters
+        ordered.update(
+            str(lease_id)
+            for lease_id in session.scalars(
+                select(Event.lease_id)
+                .where(
+                    Event.kind == LEFTOVER_DELETE,
+                    Event.host_id == host_id,
+                    Event.lease_id.in_(ids[start : start + lease_ops.IN_CHUNK]),
+                )
+                .distinct()
+            )
+        )
+    return [
+        Revocation(
+            lease_id=lease_id,
+            reason="leftover sub-device of an ended lease: delete it (audit --reclaim)",
+            deadline_at=now,
+        )
+        for lease_id in ids
+        if lease_id in ordered
+    ]
+
+
 def run_audit(
     ledger: Ledger,
     policy: ReaperPolicy,
@@ -477,6 +872,7 @@ def run_audit(
     reclaim_safe: bool = False,
     progress: Progress | None = None,
     now: datetime | None = None,
+    scrub_stuck_after_s: float = SCRUB_STUCK_AFTER_S,
 ) -> AuditReport:
     """Load, check, optionally reclaim, and record one `audit_runs` row."""
     started = utcnow()
@@ -492,9 +888,20 @@ def run_audit(
     if reclaim_safe and findings.reclaimable:
         kinds = _device_kinds(ledger)
         reclaimed = reclaim(ledger, findings.reclaimable, kinds, policy, now, progress)
-    agents = check_agents(snap.leases, load_agent_reports(ledger), snap.host_names, now)
-    if reclaim_safe and agents.stale:
+    agents = check_agents(
+        snap.leases,
+        load_agent_reports(ledger),
+        snap.host_names,
+        now,
+        state_since=snap.state_since,
+        device_uids={d.id: d.uid for d in snap.devices.values()},
+        scrub_stuck_after_s=scrub_stuck_after_s,
+    )
+    if reclaim_safe:
+        host_ids = {name: host_id for host_id, name in snap.host_names.items()}
         reclaimed += reclaim_stale(ledger, agents.stale, now)
+        reclaimed += order_leftover_deletes(ledger, agents.leaked, host_ids)
+        reclaimed += reissue_scrubs(ledger, agents.unfinished_scrubs, scrub_stuck_after_s)
     code = exit_code(findings, reclaimed, agents)
     finished = utcnow()
     report = AuditReport(

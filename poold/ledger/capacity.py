@@ -1,4 +1,8 @@
-"""How much is there, how much is leased, how much is free: per host and per device."""
+"""How much is there, how much is leased, how much is free: per host and per device.
+
+Free is what no live lease, quarantined range or reserved extent (a dax device poold did
+not place, as the agent reports it) occupies.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from poold.errors import UnknownDevice
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATES
 from poold.ledger.db import Ledger
-from poold.ledger.devices import admin_annotation
+from poold.ledger.devices import admin_annotation, reserved
 from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine
 
 LIVE = [s.value for s in LIVE_STATES]
@@ -50,6 +54,8 @@ def pool_status(ledger: Ledger) -> PoolStatus:
     host_capacity: dict[int, int] = defaultdict(int)
     host_free: dict[int, int] = defaultdict(int)
     for dev in devices:
+        held = reserved(dev.reserved_extents)
+        used[dev.id].extend(held)
         free = extents.free_bytes(dev.capacity_bytes, used[dev.id])
         # Sorted by host name so "the" NUMA node and tier shown are stable.
         dev_paths = sorted(paths[dev.id], key=lambda p: host_names[p.host_id])
@@ -82,6 +88,10 @@ def pool_status(ledger: Ledger) -> PoolStatus:
                 memdev_serials=list(dev.memdev_serials or []),
                 health_reasons=list(dev.health_reasons or []),
                 admin_annotations=admin_annotation(dev),
+                reserved_extents=[(e.offset, e.length) for e in held],
+                reserved_bytes=sum(
+                    e.length for e in extents.normalise_used(dev.capacity_bytes, held)
+                ),
             )
         )
     host_rows = [

@@ -5,17 +5,23 @@ administrator may annotate the same fields (``poolctl devices annotate``). Both 
 (``reported_annotations``, ``admin_annotations``) and the device's own columns hold the
 effective value, the administrator's where set, so that placement reads one column and the
 next inventory upsert cannot undo what an administrator said.
+
+An agent also reports which ranges of a devdax device are held by dax devices poold did
+not place (``reserved_extents``): they count as occupied wherever free space is computed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from poold import extents
 from poold.api.schemas import DeviceAnnotate, DeviceAnnotation, InventoryDevice
 from poold.errors import BadRequest, UnknownDevice
+from poold.extents import Extent
 from poold.ledger import events
 from poold.ledger.models import Device
 from poold.ledger.types import utcnow
@@ -55,6 +61,29 @@ def apply_effective(dev: Device) -> None:
     dev.recycled = values["recycled"]
     dev.provenance = values["provenance"]
     dev.cost_per_gib_month = values["cost_per_gib_month"]
+
+
+def reserved(stored: Iterable[Sequence[int]] | None) -> list[Extent]:
+    """A ``reserved_extents`` column value as extents (pure; None and [] are nothing)."""
+    return [Extent(int(offset), int(length)) for offset, length in stored or ()]
+
+
+def usable_capacity_bytes(dev: Device) -> int:
+    """Capacity less its reserved extents: what leases could ever occupy."""
+    held = extents.normalise_used(dev.capacity_bytes, reserved(dev.reserved_extents))
+    return dev.capacity_bytes - sum(e.length for e in held)
+
+
+def set_reserved(dev: Device, item: InventoryDevice) -> None:
+    """Store the ranges the agent found held by dax devices poold did not place.
+
+    A change bumps the device generation, atomically in SQL: a grant that read the old
+    ranges then loses its conditional update and places again (STYLE.md pattern 1).
+    """
+    new = [[offset, length] for offset, length in sorted(item.reserved_extents)]
+    if dev.id is not None and (dev.reserved_extents or []) != new:
+        dev.generation = Device.generation + 1
+    dev.reserved_extents = new
 
 
 def admin_annotation(dev: Device) -> DeviceAnnotation:

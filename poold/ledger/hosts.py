@@ -7,6 +7,7 @@ add latency to every agent request and no security).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import secrets
 from datetime import datetime, timedelta
@@ -38,7 +39,7 @@ from poold.errors import (
     UnknownLease,
 )
 from poold.lease_states import LIVE_STATES, LeaseState
-from poold.ledger import accounting, devices, events, leases
+from poold.ledger import accounting, audit, devices, events, leases
 from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine
 from poold.ledger.types import check_ints_fit, utcnow
 
@@ -130,6 +131,7 @@ def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevi
         dev.health = item.health
         dev.health_reasons = list(item.health_reasons)
         dev.memdev_serials = list(item.memdev_serials)
+        devices.set_reserved(dev, item)  # never placed on (dax devices poold did not make)
         if dev.state == "missing":
             dev.state = "online"
         dev.updated_at = now
@@ -231,6 +233,7 @@ def shrink_hints(
     holds it, so each host's heartbeat asks its own share of the same plan.
     """
     if watermark <= 0 and wanted_bytes <= 0:
+        _clear_shrink_requests(session, host)
         return []
     reached = list(
         session.scalars(
@@ -240,18 +243,22 @@ def shrink_hints(
         )
     )
     if not reached:
+        _clear_shrink_requests(session, host)
         return []
     ids = [d.id for d in reached]
     live = [s.value for s in LIVE_STATES]
-    used: dict[int, list[extents.Extent]] = {i: [] for i in ids}
+    # Reserved extents (dax devices poold did not place) are neither free nor givable.
+    used = {d.id: devices.reserved(d.reserved_extents) for d in reached}
     uses: list[pressure.LeaseUse] = []
     mine: set[str] = set()
+    mine_rows: list[Lease] = []
     for lease in session.scalars(
         select(Lease).where(Lease.device_id.in_(ids), Lease.state.in_(live))
     ):
         used[lease.device_id].append(extents.Extent(lease.offset_bytes, lease.length_bytes))
         if lease.host_id == host.id:
             mine.add(lease.id)
+            mine_rows.append(lease)
         uses.append(
             pressure.LeaseUse(
                 lease_id=lease.id,
@@ -273,7 +280,10 @@ def shrink_hints(
         used[device_id].append(extents.Extent(offset, length))
     free = [
         pressure.DeviceFree(
-            d.id, d.capacity_bytes, extents.free_bytes(d.capacity_bytes, used[d.id])
+            d.id,
+            devices.usable_capacity_bytes(d),  # the watermark is of what leases can use
+            extents.free_bytes(d.capacity_bytes, used[d.id]),
+            alignment_bytes=d.alignment_bytes,
         )
         for d in reached
     ]
@@ -287,23 +297,40 @@ def shrink_hints(
             )
 
         best = max(free, key=givable)
-        free = [
-            pressure.DeviceFree(d.device_id, d.capacity_bytes, d.free_bytes, wanted_bytes)
-            if d is best
-            else d
-            for d in free
-        ]
+        free = [dataclasses.replace(d, wanted_bytes=wanted_bytes) if d is best else d for d in free]
     plan = pressure.plan(free, uses, watermark=watermark, now=now, deadline_s=deadline_s)
-    return [
-        ShrinkHint(
-            lease_id=r.lease_id,
-            target_bytes=r.target_bytes,
-            replica_bytes=r.replica_bytes,
-            deadline_at=r.deadline_at,
+    asked = {r.lease_id: r for r in plan if r.lease_id in mine}
+    hints: list[ShrinkHint] = []
+    for lease in mine_rows:
+        request = asked.get(lease.id)
+        if request is None:
+            if lease.shrink_deadline_at is not None:  # pressure gone: nothing to revoke
+                lease.shrink_wanted_bytes = None
+                lease.shrink_deadline_at = None
+            continue
+        # The first ask sets the deadline; later heartbeats keep it, so a holder
+        # that never gives back is revoked then (reaper), not asked forever.
+        if lease.shrink_deadline_at is None:
+            lease.shrink_deadline_at = request.deadline_at
+        lease.shrink_wanted_bytes = request.target_bytes
+        hints.append(
+            ShrinkHint(
+                lease_id=request.lease_id,
+                target_bytes=request.target_bytes,
+                replica_bytes=request.replica_bytes,
+                deadline_at=lease.shrink_deadline_at,
+            )
         )
-        for r in plan
-        if r.lease_id in mine
-    ]
+    return hints
+
+
+def _clear_shrink_requests(session: Session, host: Host) -> None:
+    """Pressure is off for this host: drop its leases' pending requests and deadlines."""
+    session.execute(
+        update(Lease)
+        .where(Lease.host_id == host.id, Lease.shrink_deadline_at.is_not(None))
+        .values(shrink_wanted_bytes=None, shrink_deadline_at=None)
+    )
 
 
 # How far past "now" a revoked lease still mapped by its live holder is held each
@@ -385,10 +412,13 @@ def heartbeat(
     if beat.revoked_held:
         hold_revoked(session, host, beat.revoked_held, now)
     ended: list[str] = []
-    if beat.held is not None:
-        host.agent_leases = list(beat.held)
+    held = beat.held_ids()  # an older agent's ids, or the ids of a newer one's report
+    if held is not None:
+        # A newer agent's report (holders, sub-devices, scrubs, leftovers) is stored
+        # whole for the audit; an older agent's ids as before (audit.parse_stored).
+        host.agent_leases = audit.stored_report(beat)
         host.agent_leases_at = now
-        ended = held_but_ended(session, host, beat.held)
+        ended = held_but_ended(session, host, held)
     revoking = session.scalars(
         select(Lease).where(Lease.host_id == host.id, Lease.state == LeaseState.REVOKING.value)
     )
@@ -403,10 +433,26 @@ def heartbeat(
         Revocation(lease_id=lease_id, reason="the ledger ended this lease", deadline_at=now)
         for lease_id in ended
     ]
+    if beat.leftovers:
+        # Leftover sub-devices `poolctl audit --reclaim` ordered deleted (no query
+        # unless the agent reports leftovers).
+        revocations += audit.leftover_revocations(session, host.id, beat.leftovers, now)
     scrub = [
-        ScrubOrder(lease_id=lease_id, device_uid=uid, offset_bytes=offset, length_bytes=length)
-        for lease_id, uid, offset, length in session.execute(
-            select(Lease.id, Device.uid, Lease.offset_bytes, Lease.length_bytes)
+        ScrubOrder(
+            lease_id=lease_id,
+            device_uid=uid,
+            offset_bytes=offset,
+            length_bytes=length,
+            reissued_at=reissued_at,
+        )
+        for lease_id, uid, offset, length, reissued_at in session.execute(
+            select(
+                Lease.id,
+                Device.uid,
+                Lease.offset_bytes,
+                Lease.length_bytes,
+                audit.scrub_reissued_at(),  # set by `poolctl audit --reclaim`
+            )
             .join(Device, Device.id == Lease.device_id)
             .where(Lease.host_id == host.id, Lease.state == LeaseState.SCRUBBING.value)
         )

@@ -25,6 +25,7 @@ from poold import placement
 from poold.api.schemas import GrantRequest, LeaseOp, LeaseOpResult, LeaseOut
 from poold.errors import (
     GenerationConflict,
+    InvalidSize,
     LeaseNotActive,
     NoCapacity,
     NotOwner,
@@ -75,6 +76,7 @@ _HOST_DEVICES = (
         DevicePath.distance,
         DevicePath.numa_node,
         DevicePath.local_name,
+        Device.reserved_extents,
     )
     .join(DevicePath, DevicePath.device_id == Device.id)
     .where(DevicePath.host_id == bindparam("host_id"), DevicePath.present.is_(True))
@@ -342,7 +344,6 @@ def apply_ops(
         event_rows: list[dict[str, Any]] = []
         freed_devices: set[int] = set()
         for op in ops:
-            event = _OP_EVENTS[op.op]
             row = conn.execute(_LEASE_FOR_OP, {"lease_id": op.lease_id}).one_or_none()
             try:
                 if row is None:
@@ -352,6 +353,12 @@ def apply_ops(
                         f"lease {op.lease_id} is not held on host {host_name!r}",
                         lease_id=op.lease_id,
                     )
+                if op.op == "shrink":
+                    event_rows.append(_shrink(conn, op, row, now, actor))
+                    freed_devices.add(row.device_id)
+                    results.append(LeaseOpResult(lease_id=op.lease_id, state=row.state))
+                    continue
+                event = _OP_EVENTS[op.op]
                 before = LeaseState(row.state)
                 if (
                     event in (LeaseEvent.RELEASE, LeaseEvent.RELEASE_DIRTY)
@@ -430,6 +437,81 @@ def apply_ops(
     return results
 
 
+_DEVICE_ALIGNMENT = select(Device.alignment_bytes).where(Device.id == bindparam("device_id"))
+_SHRINK_STATE = select(Lease.shrink_wanted_bytes, Lease.shrink_deadline_at).where(
+    Lease.id == bindparam("lease_id")
+)
+_SET_LENGTH = (
+    update(Lease)
+    .where(Lease.id == bindparam("lease_id"), Lease.length_bytes == bindparam("old_length"))
+    .values(
+        length_bytes=bindparam("new_length"),
+        shrink_wanted_bytes=bindparam("wanted"),
+        shrink_deadline_at=bindparam("deadline"),
+    )
+)
+# Only a lease whose holder still has the memory can give part of it back.
+_SHRINKABLE_STATES = frozenset({LeaseState.GRANTED.value, LeaseState.ACTIVE.value})
+
+
+def _shrink(conn: Connection, op: LeaseOp, row: Any, now: datetime, actor: str) -> dict[str, Any]:
+    """The holder gave back the tail of its lease: shorter extent, same state and offset.
+
+    What poold asked for under pressure (shrink_wanted_bytes) is reduced by what was
+    given; once covered, the request and its deadline are gone (no revocation).
+    """
+    new_length = op.length_bytes
+    assert new_length is not None  # LeaseOp's validator
+    state = LeaseState(row.state)
+    if state.value not in _SHRINKABLE_STATES:
+        raise LeaseNotActive(
+            f"lease {op.lease_id} is {state.value}; cannot shrink it",
+            lease_id=op.lease_id,
+            state=state.value,
+        )
+    if new_length >= row.length_bytes:
+        raise InvalidSize(
+            f"lease {op.lease_id} is {row.length_bytes} bytes; a shrink must make it "
+            f"smaller, got {new_length}",
+            lease_id=op.lease_id,
+            length_bytes=new_length,
+        )
+    alignment = conn.execute(_DEVICE_ALIGNMENT, {"device_id": row.device_id}).scalar_one()
+    if alignment and new_length % alignment:
+        raise InvalidSize(
+            f"a shrunk lease must stay a multiple of its device alignment {alignment}, "
+            f"got {new_length}",
+            lease_id=op.lease_id,
+            length_bytes=new_length,
+            alignment_bytes=alignment,
+        )
+    given = row.length_bytes - new_length
+    wanted, deadline = conn.execute(_SHRINK_STATE, {"lease_id": op.lease_id}).one()
+    left = None if wanted is None or wanted <= given else wanted - given
+    conn.execute(
+        _SET_LENGTH,
+        {
+            "lease_id": op.lease_id,
+            "old_length": row.length_bytes,
+            "new_length": new_length,
+            "wanted": left,
+            "deadline": None if left is None else deadline,
+        },
+    )
+    event = _event_row(
+        now,
+        actor,
+        "lease.shrink",
+        op.lease_id,
+        row,
+        state,
+        state,
+        op.reason or f"gave back {given} bytes",
+    )
+    event["detail"] = {"from_bytes": row.length_bytes, "to_bytes": new_length}
+    return event
+
+
 def _event_row(
     now: datetime,
     actor: str,
@@ -476,6 +558,8 @@ def _candidates(
         used[device_id].append(Extent(offset, length))
     for device_id, offset, length in conn.execute(_USED_BY_QUARANTINE, params):
         used[device_id].append(Extent(offset, length))
+    for row in rows:  # held by dax devices poold did not place (poold/ledger/devices.py)
+        used[row.id].extend(Extent(offset, length) for offset, length in row.reserved_extents)
     candidates = [
         placement.Candidate(
             device_id=row.id,

@@ -63,8 +63,9 @@ class Host(Base):
     inventory_digest: Mapped[str | None] = mapped_column(String(64))
     agent_version: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = _ts()
-    # The lease ids the agent last said it holds memory for (audit: leaked / stale).
-    agent_leases: Mapped[list[Any] | None] = mapped_column(JSON)
+    # What the agent last said it holds (audit: leaked / stale / scrubs / holders): older
+    # agents' list of lease ids, or {"leases": [...], "leftovers": [...]} (audit.stored_report).
+    agent_leases: Mapped[list[Any] | dict[str, Any] | None] = mapped_column(JSON)
     agent_leases_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
@@ -161,6 +162,7 @@ class Lease(Base):
         Index("ix_leases_device_state", "device_id", "state"),
         Index("ix_leases_tenant_state", "tenant_id", "state"),
         Index("ix_leases_host_state", "host_id", "state"),
+        Index("ix_leases_shrink_deadline", "shrink_deadline_at"),
         # Overlap between live leases is impossible on PostgreSQL even for a
         # buggy caller; SQLite relies on the allocator's generation check.
         ExcludeConstraint(

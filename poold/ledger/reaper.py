@@ -8,7 +8,8 @@ A pass ends what the clocks of DESIGN.md "Lease lifecycle" say has ended:
 * expired leases `expiry_grace_s` after their expiry, and orphaned leases that
   long after they were orphaned, are reclaimed (`reclaim_event` is the hook for
   backends whose memory must be zeroed first);
-* live leases of a draining device whose drain deadline passed are revoked;
+* live leases of a draining device whose drain deadline passed are revoked,
+  and those of a draining host whose drain was given a deadline;
   a revoking lease the agent did not confirm by its deadline is reclaimed;
 * hosts whose agent has not beaten for `host_down_after_s` are marked down.
 
@@ -183,6 +184,7 @@ class Reaper:
         self._expire(due.get(LeaseState.ACTIVE.value, []), contacts, now, result)
         self._abort_stale(due.get(LeaseState.GRANTED.value, []), now, result)
         self._revoke_drained(now, result)
+        self._revoke_unshrunk(now, result)
         self._reclaim(due, now, result)
         return result
 
@@ -368,6 +370,53 @@ class Reaper:
                     deadline_s=self.policy.revoke_deadline_s,
                 ):
                     result.revoked.append(lease_id)
+        for host_id, name, deadline in host_drain_deadlines(self.ledger):
+            if deadline is None or deadline > now:
+                continue  # drained without a deadline: its leases run to their end
+            with self.ledger.read() as s:
+                rows = s.execute(
+                    select(Lease.id, Lease.state)
+                    .where(
+                        Lease.host_id == host_id,
+                        Lease.state.in_([st.value for st in REVOCABLE]),
+                    )
+                    .limit(BATCH)
+                ).all()
+            reason = f"host {name} drained (deadline {deadline.isoformat(timespec='seconds')})"
+            for lease_id, state in rows:
+                if revoke_in(
+                    self.ledger,
+                    lease_id,
+                    LeaseState(state),
+                    actor=ACTOR,
+                    reason=reason,
+                    now=now,
+                    deadline_s=self.policy.revoke_deadline_s,
+                ):
+                    result.revoked.append(lease_id)
+
+    def _revoke_unshrunk(self, now: datetime, result: ReapResult) -> None:
+        """Pressure: a lease asked to give memory back that has not by the deadline."""
+        with self.ledger.read() as s:
+            rows = s.execute(
+                select(Lease.id, Lease.state, Lease.shrink_wanted_bytes)
+                .where(
+                    Lease.shrink_deadline_at <= now,
+                    Lease.state.in_([st.value for st in REVOCABLE]),
+                )
+                .limit(BATCH)
+            ).all()
+        for lease_id, state, wanted in rows:
+            if revoke_in(
+                self.ledger,
+                lease_id,
+                LeaseState(state),
+                actor=ACTOR,
+                reason=f"pool pressure: {wanted} bytes not given back by the deadline",
+                now=now,
+                deadline_s=self.policy.revoke_deadline_s,
+            ):
+                result.revoked.append(lease_id)
 
     def _reclaim(self, due: dict[str, list[Any]], now: datetime, result: ReapResult) -> None:
         grace = timedelta(seconds=self.policy.expiry_grace_s)
@@ -483,6 +532,31 @@ def drain_deadlines(ledger: Ledger) -> list[tuple[int, str, datetime | None]]:
     for device_id, uid in devices:
         raw = (details.get(device_id) or {}).get("deadline_at")
         out.append((device_id, uid, datetime.fromisoformat(raw) if raw else None))
+    return out
+
+
+def host_drain_deadlines(ledger: Ledger) -> list[tuple[int, str, datetime | None]]:
+    """Each draining host with the deadline of its latest `host.drain` (None: no deadline)."""
+    with ledger.read() as s:
+        drained = s.execute(select(Host.id, Host.name).where(Host.status == "draining")).all()
+        if not drained:
+            return []
+        latest = (
+            select(Event.host_id, func.max(Event.id).label("event_id"))
+            .where(Event.kind == "host.drain", Event.host_id.in_([h.id for h in drained]))
+            .group_by(Event.host_id)
+            .subquery()
+        )
+        details: dict[int, dict[str, Any]] = {
+            host_id: detail
+            for host_id, detail in s.execute(
+                select(Event.host_id, Event.detail).join(latest, latest.c.event_id == Event.id)
+            )
+        }
+    out: list[tuple[int, str, datetime | None]] = []
+    for host_id, name in drained:
+        raw = (details.get(host_id) or {}).get("deadline_at")
+        out.append((host_id, name, datetime.fromisoformat(raw) if raw else None))
     return out
 
 

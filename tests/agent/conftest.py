@@ -35,11 +35,13 @@ from agent.protocol import (
     RenewResult,
     ReportArgs,
     ReportResult,
+    ShrinkArgs,
+    ShrinkResult,
     StatsArgs,
     StatsResult,
 )
 from agent.server import AgentServer, Peer
-from poold.errors import LeaseNotActive, NotOwner, UnknownLease
+from poold.errors import LeaseNotActive, NotOwner, NotShrinkable, UnknownLease
 
 NOBODY = 65534
 
@@ -125,6 +127,11 @@ class EmulatedHandler:
             self.states[args.lease_id] = "released"
             self.backend.release(self.granted[args.lease_id][2])
         return ReleaseResult(lease_id=args.lease_id, state="released")
+
+    def shrink(self, peer: Peer, args: ShrinkArgs) -> ShrinkResult:
+        with self.lock:
+            self._own(peer, args.lease_id)
+        raise NotShrinkable(f"lease {args.lease_id} is sealed against shrinking")
 
     def expire(self, lease_id: str) -> None:
         """What poold does when a ttl passes: the lease is over, renewals are refused."""

@@ -192,3 +192,46 @@ def test_a_later_smaller_request_never_overtakes(stack: Stack) -> None:
     assert list(small.error.detail["free_by_device"].values()) == [0]
     assert 1.5 < small.elapsed_s < 5
     assert waiting(stack) == 0
+
+
+def test_a_waiting_request_is_served_by_a_store_giving_memory_back(stack: Stack) -> None:
+    """Pool full of one tenant's KV stores (replicas in them); a request waits; poold's
+    pressure asks the replica holder, whose store shrinks its lease; the waiter is served
+    from the bytes given back, with nothing released."""
+    from agent.kv import KVStore
+
+    lock = threading.Lock()
+    holders = [
+        stack.holder.lease(LEASE_BYTES, tenant="holder", ttl_s=1, shrinkable=True) for _ in range(2)
+    ]
+    stores = [
+        KVStore.open(lease, block_bytes=256 << 10, report_interval_s=0.1, lock=lock)
+        for lease in holders
+    ]
+    try:
+        block = bytes(256 << 10)
+        exclusive: list[set[str]] = []
+        for store in stores:
+            with lock:
+                for i in range(store.stats().capacity_blocks):
+                    store.put(f"b{i}", block, replica_of="gpu" if i % 2 else None)
+                exclusive.append({k for k in map(str, store) if store.residency(k) == "exclusive"})
+        stack.service.link.start(0.1)  # heartbeats carry the waiting bytes to poold
+        served: list[str] = []
+        w = Waiter(stack, 8 * MIB, wait_s=20, served=served)
+        w.join(timeout_s=20)
+        assert w.error is None and w.lease is not None, w.error
+        assert w.lease.length_bytes == 8 * MIB
+        # Room came from shrinking, not from a release; no exclusive block was dropped.
+        assert all(not lease.released for lease in holders)
+        assert sum(lease.length_bytes for lease in holders) <= 2 * LEASE_BYTES - 8 * MIB
+        with lock:
+            for store, keys in zip(stores, exclusive, strict=True):
+                assert all(store.residency(k) == "exclusive" for k in keys)
+        w.lease.release()
+    finally:
+        stack.service.link.stop()
+        for store in stores:
+            store.close()
+        for lease in holders:
+            lease.release()

@@ -263,7 +263,17 @@ def test_error_detail_that_json_cannot_hold_is_dropped() -> None:
 
 
 def test_operations_table_matches_the_design() -> None:
-    assert set(OPERATIONS) == {"hello", "lease", "renew", "release", "list", "stats", "report"}
+    # DESIGN.md's operations, plus shrink (pressure: give a memfd lease's tail back).
+    assert set(OPERATIONS) == {
+        "hello",
+        "lease",
+        "renew",
+        "release",
+        "list",
+        "stats",
+        "report",
+        "shrink",
+    }
     assert [name for name, spec in OPERATIONS.items() if spec.carries_fd] == ["lease"]
     for name, spec in OPERATIONS.items():
         assert spec.name == name

@@ -148,7 +148,9 @@ def test_handler_missing_an_operation_fails_at_construction(sock_dir: Path) -> N
         def hello(self, peer: Peer, args: HelloArgs) -> HelloResult:
             raise NotImplementedError
 
-    with pytest.raises(TypeError, match="lease, renew, release, list, stats, report, disconnected"):
+    with pytest.raises(
+        TypeError, match="lease, renew, release, shrink, list, stats, report, disconnected"
+    ):
         AgentServer(sock_dir / "agent.sock", HalfHandler())  # type: ignore[arg-type]
     assert not (sock_dir / "agent.sock").exists()
 

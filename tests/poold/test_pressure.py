@@ -48,8 +48,20 @@ DEV = DeviceFree(device_id=1, capacity_bytes=100 * MIB, free_bytes=0)
     [
         # Above the watermark (5 MiB): nobody is asked.
         (5 * MIB, [use("a", 1, replica=16 * MIB)], {}),
-        # Unused leased bytes count as available: 0 free + 6 MiB unused.
-        (0, [use("a", 1, exclusive=10 * MIB)], {}),
+        # Unused leased bytes are asked first (shrinking loses nothing): 6 MiB unused.
+        (0, [use("a", 1, exclusive=10 * MIB)], {"a": (5 * MIB, 0)}),
+        # The biggest slack first, before any replica.
+        (
+            0,
+            [use("s", 1, exclusive=4 * MIB), use("r", 2, replica=16 * MIB)],
+            {"s": (5 * MIB, 0)},
+        ),
+        # Slack, then replicas: 2 MiB unused + 3 MiB of replicas.
+        (
+            0,
+            [use("m", 1, exclusive=4 * MIB, replica=10 * MIB)],
+            {"m": (5 * MIB, 3 * MIB)},
+        ),
         # 1 MiB short: the replica holder, not the bigger exclusive-only lease.
         (
             4 * MIB,
@@ -137,10 +149,11 @@ def test_replica_first_invariants(
     dev = DeviceFree(1, capacity, free_mib * MIB)
     got = plan([dev], leases, watermark=watermark, now=NOW)
     by_id = {x.lease_id: x for x in leases}
-    need = shortfall(dev, leases, watermark)
+    need = shortfall(dev, watermark)
     reported = [x for x in leases if x.reported]
+    total_unused = sum(x.length_bytes - x.used_bytes for x in reported)
     total_replica = sum(x.replica_bytes for x in reported)
-    total = sum(x.exclusive_bytes + x.replica_bytes for x in reported)
+    total = sum(x.length_bytes for x in reported)
 
     assert len({r.lease_id for r in got}) == len(got)
     assert all(r.target_bytes > 0 for r in got)
@@ -148,14 +161,17 @@ def test_replica_first_invariants(
         lease = by_id[r.lease_id]
         assert lease.reported
         assert 0 <= r.replica_bytes <= lease.replica_bytes
-        assert r.target_bytes - r.replica_bytes <= lease.exclusive_bytes
+        assert r.target_bytes <= lease.length_bytes
     # As much as is needed, no more (or everything there is).
     assert sum(r.target_bytes for r in got) == min(need, total)
     asked_replica = sum(r.replica_bytes for r in got)
-    asked_exclusive = sum(r.target_bytes - r.replica_bytes for r in got)
-    assert asked_replica == min(need, total_replica)
+    asked_other = sum(r.target_bytes - r.replica_bytes for r in got)
+    # Slack first, then replicas, then exclusive bytes.
+    assert asked_replica == min(max(0, need - total_unused), total_replica)
+    if asked_replica:
+        assert asked_other >= total_unused
     # No exclusive byte is asked for while a replica byte is not.
-    if asked_exclusive:
+    if asked_other > total_unused:
         assert asked_replica == total_replica
     # Tenants with more replica bytes are asked before tenants with fewer.
     per_tenant: dict[int, int] = {}
@@ -171,12 +187,7 @@ def test_replica_first_invariants(
                 assert other_asked == replica, "a richer tenant was not fully asked first"
     if need == 0:
         assert got == []
-    assert need == max(
-        0,
-        watermark_bytes(capacity, watermark)
-        - dev.free_bytes
-        - sum(x.length_bytes - x.used_bytes for x in reported),
-    )
+    assert need == max(0, watermark_bytes(capacity, watermark) - dev.free_bytes)
 
 
 def test_a_waiting_lease_request_is_pressure_even_above_the_watermark() -> None:
@@ -188,5 +199,5 @@ def test_a_waiting_lease_request_is_pressure_even_above_the_watermark() -> None:
     full = DeviceFree(device_id=1, capacity_bytes=64 * MIB, free_bytes=0)
     assert plan([full], leases, watermark=0, now=NOW) == []  # pressure off, nobody waits
     waiting = DeviceFree(device_id=1, capacity_bytes=64 * MIB, free_bytes=0, wanted_bytes=16 * MIB)
-    assert shortfall(waiting, leases, 0) == 16 * MIB
+    assert shortfall(waiting, 0) == 16 * MIB
     assert asked(plan([waiting], leases, watermark=0, now=NOW)) == {"rep": (16 * MIB, 16 * MIB)}
