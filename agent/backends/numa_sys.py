@@ -1,8 +1,9 @@
 """How does Python ask the kernel where memory must live, and where it actually is?
 
-A small ctypes layer over the raw NUMA syscalls, mbind(2) and move_pages(2), through
-libc's ``syscall()``: no libnuma and no extra dependency (the PyPI ``numa`` package does
-not build on 3.11). Only what the numa backend needs.
+A small ctypes layer over the raw NUMA syscalls, mbind(2), set_mempolicy(2),
+get_mempolicy(2) and move_pages(2), through libc's ``syscall()``: no libnuma and no extra
+dependency (the PyPI ``numa`` package does not build on 3.11). Only what the numa backend
+needs.
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ import ctypes
 import ctypes.util
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 # include/uapi/linux/mempolicy.h
+MPOL_DEFAULT = 0
 MPOL_PREFERRED = 1
 MPOL_BIND = 2
 MPOL_MF_STRICT = 1 << 0  # fail if existing pages don't follow the policy
 MPOL_MF_MOVE = 1 << 1  # move this process's pages that don't
+MPOL_F_ADDR = 1 << 1  # get_mempolicy: the policy that governs an address, not the task's
 
 # madvise(2) advice (Linux 5.14+); not in Python 3.11's mmap module.
 MADV_POPULATE_READ = 22
@@ -29,9 +34,12 @@ MFD_HUGE_2MB = 21 << MFD_HUGE_SHIFT
 
 # Syscall numbers per architecture (arch/*/entry/syscalls, include/uapi/asm-generic/unistd.h).
 _SYSCALLS: dict[str, dict[str, int]] = {
-    "x86_64": {"mbind": 237, "move_pages": 279},
-    "aarch64": {"mbind": 235, "move_pages": 239},
+    "x86_64": {"mbind": 237, "set_mempolicy": 238, "get_mempolicy": 239, "move_pages": 279},
+    "aarch64": {"mbind": 235, "get_mempolicy": 236, "set_mempolicy": 237, "move_pages": 239},
 }
+# get_mempolicy(2) fails with EINVAL unless the mask has room for every possible node
+# (nr_node_ids); 4096 bits is more than any kernel's MAX_NUMNODES (NODES_SHIFT <= 10).
+_POLICY_MASK_WORDS = 4096 // (ctypes.sizeof(ctypes.c_ulong) * 8)
 
 _ULONG_BITS = ctypes.sizeof(ctypes.c_ulong) * 8
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -81,6 +89,71 @@ def mbind(address: int, length_bytes: int, mode: int, nodes: list[int], flags: i
     )
 
 
+def _get_mempolicy(address: int | None) -> tuple[int, list[int]]:
+    mode = ctypes.c_int(0)
+    mask = (ctypes.c_ulong * _POLICY_MASK_WORDS)()
+    _check(
+        _syscall(
+            ctypes.c_long(_nr("get_mempolicy")),
+            ctypes.byref(mode),
+            mask,
+            ctypes.c_ulong(_POLICY_MASK_WORDS * _ULONG_BITS + 1),
+            ctypes.c_void_p(address),
+            ctypes.c_ulong(0 if address is None else MPOL_F_ADDR),
+        ),
+        "get_mempolicy",
+    )
+    nodes = [
+        word * _ULONG_BITS + bit
+        for word in range(_POLICY_MASK_WORDS)
+        if mask[word]
+        for bit in range(_ULONG_BITS)
+        if mask[word] >> bit & 1
+    ]
+    return mode.value, nodes
+
+
+def address_policy(address: int) -> tuple[int, list[int]]:
+    """The memory policy that governs ``address`` in this process (get_mempolicy(2) with
+    MPOL_F_ADDR): ``(mode, nodes)``. For a shmem mapping that is the file's shared policy,
+    the one every mapping of the file (the tenant's too) allocates under."""
+    return _get_mempolicy(address)
+
+
+def thread_policy() -> tuple[int, list[int]]:
+    """The calling thread's memory policy, ``(mode with its mode flags, nodes)``."""
+    return _get_mempolicy(None)
+
+
+def set_thread_policy(mode: int, nodes: list[int]) -> None:
+    """set_mempolicy(2): the calling thread's policy (other threads keep theirs)."""
+    if nodes:
+        mask, maxnode = nodemask(nodes)
+        result = _syscall(
+            ctypes.c_long(_nr("set_mempolicy")), ctypes.c_int(mode), mask, ctypes.c_ulong(maxnode)
+        )
+    else:  # MPOL_DEFAULT, MPOL_LOCAL: no nodemask
+        result = _syscall(
+            ctypes.c_long(_nr("set_mempolicy")),
+            ctypes.c_int(mode),
+            ctypes.c_void_p(None),
+            ctypes.c_ulong(0),
+        )
+    _check(result, "set_mempolicy")
+
+
+@contextmanager
+def bound_thread(mode: int, nodes: list[int]) -> Iterator[None]:
+    """This thread allocates under ``mode`` on ``nodes`` inside the block, then gets back
+    the policy it had (read with get_mempolicy(2), so ``numactl --membind`` survives)."""
+    before = thread_policy()
+    set_thread_policy(mode, nodes)
+    try:
+        yield
+    finally:
+        set_thread_policy(*before)
+
+
 def page_nodes(addresses: list[int]) -> list[int]:
     """The node of the page at each address of this process, via move_pages(2) in query mode
     (``nodes`` NULL): a node id, or ``-errno`` (``-ENOENT``: not faulted in)."""
@@ -104,9 +177,12 @@ def page_nodes(addresses: list[int]) -> list[int]:
     return list(status)
 
 
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
 def madvise(address: int, length_bytes: int, advice: int) -> None:
     """madvise(2) on raw addresses (Python's mmap.madvise needs the mmap object)."""
-    _libc.madvise.restype = ctypes.c_int
     _check(
         _libc.madvise(
             ctypes.c_void_p(address), ctypes.c_size_t(length_bytes), ctypes.c_int(advice)
