@@ -5,11 +5,13 @@ holds it (pid + start time) and for how long. Written before the fd leaves the
 agent and deleted when the lease ends, so after a crash or restart the agent
 can re-adopt leases whose holders are alive and clean up the rest.
 
-A second table keeps every dax sub-device the agent made for a lease. Its row
-outlives the lease's: it goes only once the sub-device is seen gone, so a
-sub-device whose teardown failed (or never ran: the agent was killed between
-release and teardown) is still known, with its lease, for the audit
-(agent/leftovers.py).
+A second table keeps every dax sub-device the agent made for a lease, and the
+temporary one a scrub makes over a released lease's range (under that lease's
+id, written before the sub-device is sized, deleted with it). A row outlives
+its lease: it goes only once the sub-device is seen gone, so a sub-device whose
+teardown failed (or never ran: the agent was killed between release and
+teardown, or in the middle of a scrub) is still known, with its lease: the next
+start destroys it, or the audit finds it (agent/leftovers.py).
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ class Entry:
 
 @dataclass(frozen=True)
 class SubDevice:
-    """A dax sub-device the agent made for a lease (the kernel names it; a name is reused
-    only after the sub-device it named was deleted)."""
+    """A dax sub-device the agent made for a lease or its scrub (the kernel names it; a
+    name is reused only after the sub-device it named was deleted)."""
 
     region_id: int
     sub_device: str  # "dax0.3"
@@ -146,7 +148,8 @@ class Journal:
         )
 
     def note_sub_device(self, sub: SubDevice) -> None:
-        """Remember a sub-device made for a lease (Journal.add does it for journalled ones)."""
+        """Remember a sub-device made for a lease, or for its scrub (Journal.add does it for
+        journalled leases)."""
         with self._lock:
             self._note(sub)
 

@@ -30,7 +30,7 @@ from agent.backends.numa import HugepageMode, NumaBackend
 from agent.holders import Holder
 from agent.holders import alive as holder_alive
 from agent.journal import Entry as JournalEntry
-from agent.journal import Journal
+from agent.journal import Journal, SubDevice
 from agent.leftovers import LeftoverSweep
 from agent.link import Holdings, PooldLink
 from agent.server import Peer
@@ -113,6 +113,15 @@ def local_device(device: InventoryDevice) -> LocalDevice:
 
 
 @dataclass
+class _RunningScrub:
+    """A scrub this agent runs now: reported in heartbeats, its sub-device tied meanwhile."""
+
+    started_at: datetime
+    bytes_done: int = 0
+    sub: SubDevice | None = None  # the temporary sub-device, once it has a name
+
+
+@dataclass
 class HeldLease:
     lease: LeaseOut
     # None for a lease re-adopted after an agent restart: the holder keeps its
@@ -156,7 +165,7 @@ class AgentService:
         self.journal: Journal | None = None
         self._stop = threading.Event()
         self._scrubbing: set[str] = set()  # lease ids whose range is being (or was) zeroed
-        self._scrubs_running: dict[str, datetime] = {}  # lease id -> started at
+        self._scrubs_running: dict[str, _RunningScrub] = {}  # by lease id
         self._scrub_reissues: dict[str, datetime] = {}  # lease id -> reissued_at acted on
         devdax = backends.get("devdax")
         self.leftovers = LeftoverSweep(devdax if isinstance(devdax, DevdaxBackend) else None)
@@ -447,15 +456,26 @@ class AgentService:
         if isinstance(backend, DevdaxBackend):
             if local is None or local.dax_region_id is None:
                 raise BackendFailed(f"device {lease.device_uid} has no dax region on this host")
+            region_id = local.dax_region_id
+
+            def carved(device: str) -> None:
+                # Journalled before it is sized: a crash between the carve and the lease's
+                # journal entry leaves a sub-device the next start destroys (adopt), never
+                # one reported to poold as someone else's range.
+                sub = SubDevice(region_id, device, lease.id, lease.length_bytes, time.time())
+                self.leftovers.record(self.journal, sub)
+
             # The ledger offset is the sub-device's real range inside the region.
             return backend.materialise_at(
-                local.dax_region_id, lease.offset_bytes, lease.length_bytes, name
+                region_id, lease.offset_bytes, lease.length_bytes, name, on_carve=carved
             )
         if isinstance(backend, NumaBackend):
             node = local.numa_node if local is not None else lease.numa_node
             if node is None:
                 raise BackendFailed(f"device {lease.device_uid} has no NUMA node on this host")
-            return backend.materialise_on(node, lease.length_bytes, name, self.hugepages)
+            return backend.materialise_on(
+                node, lease.length_bytes, name, self.hugepages, shrinkable=shrinkable
+            )
         return self._made_by(backend, lease.length_bytes, name, shrinkable=shrinkable)
 
     def _materialise_placed(self, lease: LeaseOut, *, shrinkable: bool = False) -> Materialised:
@@ -517,13 +537,15 @@ class AgentService:
             self._revoke([held.lease.id])
             return p.ReleaseResult(lease_id=held.lease.id, state="reclaimed")
         self._drop_memory(held)
-        if isinstance(held.memory, DevdaxMaterialised):
+        # A devdax lease, whether made by this process or re-adopted from the journal
+        # (no memory object then, only its sub-device): its bytes must be zeroed.
+        if held.sub_device is not None and held.region_id is not None:
             # The bytes stay taken (scrubbing) until the agent has zeroed them.
             self.link.enqueue(
                 LeaseOp(lease_id=held.lease.id, op="release_dirty", reason="holder released")
             )
-            m = held.memory
-            self._scrub_later(m.region_id, m.offset_bytes, m.length_bytes, held.lease.id)
+            lease = held.lease  # its offset is the sub-device's range in the region
+            self._scrub_later(held.region_id, lease.offset_bytes, lease.length_bytes, lease.id)
             return p.ReleaseResult(lease_id=held.lease.id, state="scrubbing")
         self.link.enqueue(LeaseOp(lease_id=held.lease.id, op="release", reason="holder released"))
         self._capacity_changed()
@@ -590,17 +612,45 @@ class AgentService:
     ) -> None:
         """Zero a released devdax range off the request path, then tell poold how it went."""
         backend = self.backends.get("devdax")
+        running = _RunningScrub(started_at=datetime.now(UTC))
         with self._lock:
             if lease_id in self._scrubbing:
                 return
             self._scrubbing.add(lease_id)
-            self._scrubs_running[lease_id] = datetime.now(UTC)  # reported in heartbeats
+            self._scrubs_running[lease_id] = running  # reported in heartbeats
+
+        def carved(device: str) -> None:
+            # Tied first, then journalled: a crash from here on leaves a sub-device the
+            # next start destroys (clean_start), never one reported as someone else's.
+            sub = SubDevice(region_id, device, lease_id, length_bytes, time.time())
+            with self._lock:
+                running.sub = sub
+            self.leftovers.record(self.journal, sub)
+
+        def deleted(device: str) -> None:
+            with self._lock:  # untied first: a sweep meanwhile sees it gone, and forgets it
+                sub, running.sub = running.sub, None
+            if sub is not None:
+                try:
+                    self.leftovers.forget(self.journal, sub)
+                except Exception:  # the sweep drops the record once it sees the device gone
+                    log.exception("forgetting scrub sub-device %s", device)
+
+        def zeroed(bytes_done: int) -> None:
+            running.bytes_done = bytes_done
 
         def run() -> None:
             ok = False
             try:
                 if isinstance(backend, DevdaxBackend):
-                    ok = backend.scrub(region_id, offset_bytes, length_bytes)
+                    ok = backend.scrub(
+                        region_id,
+                        offset_bytes,
+                        length_bytes,
+                        on_carve=carved,
+                        on_deleted=deleted,
+                        progress=zeroed,
+                    )
             except Exception:
                 log.exception("scrub of lease %s failed", lease_id)
             op = "scrubbed" if ok else "scrub_failed"
@@ -714,10 +764,14 @@ class AgentService:
         return orphaned
 
     def adopt(self) -> tuple[int, int]:
-        """After a restart: keep journalled leases whose holder lives, orphan the rest.
+        """After a restart: keep journalled leases whose holder lives, orphan the rest,
+        and destroy every other sub-device the journal knows (call before serving).
 
         Returns (adopted, orphaned). Renewals of adopted leases work again at
         once; their memory stays with the holder, which never noticed the restart.
+        A journalled sub-device no adopted lease ties is a crash's leftover: a lease's
+        whose teardown never ran, or a scrub's temporary one. It goes now, so the
+        region is clean when poold sends the scrub order again and it is redone.
         """
         if self.journal is None:
             return 0, 0
@@ -747,6 +801,7 @@ class AgentService:
                 self.link.renew_later(lease.id, entry.ttl_s)
             else:
                 orphaned += self.check_holders([held])
+        self.leftovers.clean_start(self.journal, self._tied())  # logs each one it destroys
         return adopted, orphaned
 
     def reconcile(self) -> int:
@@ -940,27 +995,44 @@ class AgentService:
                 log.warning("scrub of lease %s re-issued by poold: scrubbing again", order.lease_id)
 
     def _tied(self) -> dict[tuple[int, str], tuple[str, int]]:
-        """The sub-device of every held lease: never a leftover, never deleted as one."""
+        """The sub-device of every held lease and running scrub: never a leftover, never
+        deleted as one."""
         with self._lock:
-            return {
-                (h.region_id, h.sub_device): (h.lease.id, h.lease.length_bytes)
-                for h in self._held.values()
-                if h.sub_device is not None and h.region_id is not None
-            }
+            return self._tied_locked(builtins.list(self._held.values()))
+
+    def _tied_locked(
+        self, held: builtins.list[HeldLease]
+    ) -> dict[tuple[int, str], tuple[str, int]]:
+        tied = {
+            (h.region_id, h.sub_device): (h.lease.id, h.lease.length_bytes)
+            for h in held
+            if h.sub_device is not None and h.region_id is not None
+        }
+        for lease_id, scrub in self._scrubs_running.items():
+            if scrub.sub is not None:
+                tied[(scrub.sub.region_id, scrub.sub.sub_device)] = (
+                    lease_id,
+                    scrub.sub.length_bytes,
+                )
+        return tied
 
     def holdings(self) -> Holdings:
         """For the heartbeat: per lease its holder, sub-device and state (scrubs running
-        included), and the sub-devices this agent made that no held lease accounts for.
+        included, with the bytes zeroed so far), and the sub-devices this agent made that
+        no held lease or running scrub accounts for.
 
         Built without validation (model_construct): it runs every heartbeat over every lease.
         """
         with self._lock:
             held = builtins.list(self._held.values())
-            running = dict(self._scrubs_running)
+            running = {
+                lease_id: (scrub.started_at, scrub.bytes_done)
+                for lease_id, scrub in self._scrubs_running.items()
+            }
+            tied = self._tied_locked(held)
         report: builtins.list[AgentLease] = []
-        tied: dict[tuple[int, str], tuple[str, int]] = {}
         for h in held:
-            scrub_at = running.pop(h.lease.id, None)
+            scrub = running.pop(h.lease.id, None)
             report.append(
                 AgentLease.model_construct(
                     lease_id=h.lease.id,
@@ -972,22 +1044,22 @@ class AgentService:
                         )
                     ],
                     sub_device=h.sub_device,
-                    scrub=ScrubProgress.model_construct(started_at=scrub_at, bytes_done=None)
-                    if scrub_at is not None
+                    scrub=ScrubProgress.model_construct(started_at=scrub[0], bytes_done=scrub[1])
+                    if scrub is not None
                     else None,
                 )
             )
-            if h.sub_device is not None and h.region_id is not None:
-                tied[(h.region_id, h.sub_device)] = (h.lease.id, h.lease.length_bytes)
-        for lease_id, started_at in sorted(running.items()):
-            # The backend's scrub does not tell its progress: bytes_done stays None.
+        for lease_id, (started_at, bytes_done) in sorted(running.items()):
+            # bytes_done: what the backend's scrub has zeroed so far.
             report.append(
                 AgentLease.model_construct(
                     lease_id=lease_id,
                     state="scrubbing",
                     holders=[],
                     sub_device=None,
-                    scrub=ScrubProgress.model_construct(started_at=started_at, bytes_done=None),
+                    scrub=ScrubProgress.model_construct(
+                        started_at=started_at, bytes_done=bytes_done
+                    ),
                 )
             )
         return report, self.leftovers.sweep(self.journal, tied)

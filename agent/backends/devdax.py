@@ -22,6 +22,12 @@ process (``kill_dev_dax`` + ``unmap_mapping_range``: a later access is SIGBUS), 
 shrink it to 0 and ``delete`` it. :meth:`DevdaxBackend.scrub` zeroes a released range
 through a fresh sub-device before the ledger reports it free.
 
+A caller that must find its sub-devices again after a crash (the agent, through its
+journal) passes ``on_carve``: it is called with the sub-device's name after the seed is
+picked and before the sub-device holds a byte, so no crash leaves a sized sub-device the
+caller never heard of (discovery would report it as someone else's, reserved). The
+scrub's ``on_deleted`` says when its sub-device is gone again.
+
 Static regions (a pmem namespace in devdax mode, hmem) cannot be carved: they have no
 ``seed``/``create``/``delete``. Such a region is leased whole, to one lease at a time,
 through its one device; revoking it unbinds and rebinds that device.
@@ -202,9 +208,19 @@ class DevdaxBackend:
         )
 
     def materialise_at(
-        self, region_id: int, offset_bytes: int, length_bytes: int, name: str
+        self,
+        region_id: int,
+        offset_bytes: int,
+        length_bytes: int,
+        name: str,
+        *,
+        on_carve: Callable[[str], None] | None = None,
     ) -> DevdaxMaterialised:
-        """A sub-device of exactly ``[offset, offset+length)`` of the region, bound and opened."""
+        """A sub-device of exactly ``[offset, offset+length)`` of the region, bound and opened.
+
+        ``on_carve(device)`` runs before the sub-device is sized (not for a static region,
+        whose one device always exists); if it raises, nothing is sized.
+        """
         region = self.region(region_id)
         align = region.align_bytes
         if length_bytes <= 0 or length_bytes % align or offset_bytes < 0 or offset_bytes % align:
@@ -225,7 +241,7 @@ class DevdaxBackend:
         with self._lock:
             if region.static:
                 return self._lease_whole(region, offset_bytes, length_bytes, name)
-            return self._carve(region, offset_bytes, length_bytes, name)
+            return self._carve(region, offset_bytes, length_bytes, name, on_carve)
 
     def _seed(self, region: DaxRegionInfo, txn: SysfsTransaction) -> str:
         attrs = region.path / "dax_region"
@@ -246,7 +262,12 @@ class DevdaxBackend:
         return seed
 
     def _carve(
-        self, region: DaxRegionInfo, offset_bytes: int, length_bytes: int, name: str
+        self,
+        region: DaxRegionInfo,
+        offset_bytes: int,
+        length_bytes: int,
+        name: str,
+        on_carve: Callable[[str], None] | None = None,
     ) -> DevdaxMaterialised:
         start = region.base_bytes + offset_bytes
         end = start + length_bytes - 1
@@ -255,6 +276,8 @@ class DevdaxBackend:
         with _marking(self.sysfs_root) as mark, txn:  # rolled back before unmarked
             device = self._seed(region, txn)
             mark(device)
+            if on_carve is not None:
+                on_carve(device)  # recorded while it still holds nothing
             dev_rel = self._device_rel(region, device)
             log.info(
                 "devdax lease %s: %s = dax region %d [%#x, %#x] (offset %d)",
@@ -388,20 +411,34 @@ class DevdaxBackend:
 
     # -- scrub -------------------------------------------------------------------------
 
-    def scrub(self, region_id: int, offset_bytes: int, length_bytes: int) -> bool:
+    def scrub(
+        self,
+        region_id: int,
+        offset_bytes: int,
+        length_bytes: int,
+        *,
+        on_carve: Callable[[str], None] | None = None,
+        on_deleted: Callable[[str], None] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> bool:
         """Zero ``[offset, offset+length)`` through a fresh sub-device; True when it read back zero.
 
         The ledger keeps the range in ``scrubbing`` until this returns True, and
-        quarantines it when it returns False.
+        quarantines it when it returns False. ``on_carve(device)`` runs before the
+        temporary sub-device is sized, ``on_deleted(device)`` once it is deleted again (not
+        when its teardown failed: it is then left for the audit to find);
+        ``progress(bytes_done)`` after each zeroed chunk.
         """
         try:
-            m = self.materialise_at(region_id, offset_bytes, length_bytes, "poold-scrub")
+            m = self.materialise_at(
+                region_id, offset_bytes, length_bytes, "poold-scrub", on_carve=on_carve
+            )
         except BackendFailed:
             log.exception("scrub of dax region %d [%d, +%d)", region_id, offset_bytes, length_bytes)
             return False
         ok = False
         try:
-            ok = _zero_and_verify(m.fd, length_bytes)
+            ok = _zero_and_verify(m.fd, length_bytes, progress)
         except OSError:
             log.exception("scrub of %s", m.device)
         finally:
@@ -410,16 +447,23 @@ class DevdaxBackend:
             except BackendFailed:
                 log.exception("removing scrub device %s", m.device)
                 ok = False
+            else:
+                if on_deleted is not None:
+                    on_deleted(m.device)
         return ok
 
 
-def _zero_and_verify(fd: int, length_bytes: int) -> bool:
-    """Write zeros over the mapping, chunk by chunk, and read them back."""
+def _zero_and_verify(
+    fd: int, length_bytes: int, progress: Callable[[int], None] | None = None
+) -> bool:
+    """Write zeros over the mapping, chunk by chunk (``progress`` after each), read them back."""
     zeros = bytes(min(_SCRUB_CHUNK_BYTES, length_bytes))
     with mmap.mmap(fd, length_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as view:
         for at in range(0, length_bytes, len(zeros)):
             n = min(len(zeros), length_bytes - at)
             view[at : at + n] = zeros[:n]
+            if progress is not None:
+                progress(at + n)
         # No msync: device-dax has no fsync (EINVAL); stores to the mapping are the memory.
         return all(
             view[at : at + len(zeros)] == zeros[: min(len(zeros), length_bytes - at)]

@@ -144,6 +144,20 @@ class PooldProcess:
         raise RuntimeError(f"poold did not answer within {timeout_s}s:\n{self.child.log_tail()}")
 
 
+def spawn_poold(
+    state_dir: Path,
+    port: int,
+    env: dict[str, str] | None = None,
+    extra: list[str] | None = None,
+) -> procs.Child:
+    """`poold serve` on SQLite in ``state_dir`` (loopback ``port``), not waited for."""
+    argv = [
+        sys.executable, "-m", "poold", "serve", "--state-dir", str(state_dir),
+        "--port", str(port), "--log-level", "warning", *(extra or []),
+    ]  # fmt: skip
+    return procs.Child("poold", argv, STACK_DIR / "poold.log", env={**POOLD_ENV, **(env or {})})
+
+
 @pytest.fixture(scope="session", autouse=True)
 def poold_process() -> Iterator[PooldProcess]:
     """`poold serve`, spawned before the first test without waiting for it.
@@ -157,12 +171,8 @@ def poold_process() -> Iterator[PooldProcess]:
     STACK_DIR.chmod(0o755)  # tenants of other uids must reach the agent socket below it
     port = procs.free_port()
     state_dir = STACK_DIR / "poold"
-    argv = [
-        sys.executable, "-m", "poold", "serve", "--state-dir", str(state_dir),
-        "--port", str(port), "--log-level", "warning",
-    ]  # fmt: skip
-    child = procs.Child("poold", argv, STACK_DIR / "poold.log", env=POOLD_ENV)
+    process = PooldProcess(spawn_poold(state_dir, port), state_dir, f"http://127.0.0.1:{port}")
     try:
-        yield PooldProcess(child, state_dir, f"http://127.0.0.1:{port}")
+        yield process
     finally:
-        child.stop()
+        process.child.stop()  # a chaos test may have replaced the first one
