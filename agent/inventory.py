@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.backends.devdax import carved_sub_devices
+from agent.backends.devdax import carved_changes, carved_sub_devices
 from agent.config import AgentConfig
 from agent.discovery.annotations import AnnotationError, Annotations, from_agent_config
 from agent.discovery.hotplug import EventSource, RescanScheduler, udev_source
@@ -95,12 +95,38 @@ def own_sub_devices(config: AgentConfig) -> set[str]:
     return own
 
 
+# Discovery runs again when the agent carved or deleted a sub-device during it; after this
+# many tries the scan fails (a rescan keeps the last inventory and tries at the next one).
+SCAN_ATTEMPTS = 3
+
+
+class ScanRaced(RuntimeError):
+    """The agent's sub-devices kept changing while discovery read sysfs."""
+
+
 def scan(config: AgentConfig, kinds: set[str]) -> Scan:
-    """Discover far memory under the sysfs root, annotated; raises if discovery breaks."""
+    """Discover far memory under the sysfs root, annotated; raises if discovery breaks.
+
+    Sysfs is read over a span of time, and the agent's own sub-devices are named after it:
+    one released meanwhile (a lease's, a scrub's) shows in the reading, sized, but is no
+    longer named, and would go to poold as someone else's, reserved. Every sub-device of
+    this process is marked before it holds a byte and unmarked after it holds none, each
+    change counted (agent/backends/devdax.py); an unchanged count across the reading means
+    the names fit it, a changed one that discovery runs again.
+    """
     from agent.discovery.inventory import discover, to_wire
 
-    inv = discover(config.sysfs_root, annotations=config_annotations(config))
-    found = to_wire(inv, config.host, own_sub_devices(config))
+    for _ in range(SCAN_ATTEMPTS):
+        changes = carved_changes()
+        inv = discover(config.sysfs_root, annotations=config_annotations(config))
+        own = own_sub_devices(config)
+        if carved_changes() == changes:
+            break
+    else:
+        raise ScanRaced(
+            f"sub-devices were carved or deleted during each of {SCAN_ATTEMPTS} discoveries"
+        )
+    found = to_wire(inv, config.host, own)
     return Scan(
         offered=[d for d in found if d.kind in kinds],
         skipped=[d for d in found if d.kind not in kinds],

@@ -62,6 +62,9 @@ _SCRUB_CHUNK_BYTES = 2 << 20
 # its seed is picked, so a rescan in the middle of a carve or a scrub never calls it foreign.
 _carved: dict[str, set[str]] = {}
 _carved_lock = threading.Lock()
+# Bumped by every mark and unmark: discovery reads sysfs over a span of time, and a count
+# unchanged across it means the marks it compares with held all along.
+_carved_changes = 0
 
 
 def carved_sub_devices(sysfs_root: Path) -> set[str]:
@@ -70,9 +73,17 @@ def carved_sub_devices(sysfs_root: Path) -> set[str]:
         return set(_carved.get(os.path.realpath(sysfs_root), ()))
 
 
+def carved_changes() -> int:
+    """How many times a sub-device was marked or unmarked in this process (any root)."""
+    with _carved_lock:
+        return _carved_changes
+
+
 def _unmark(sysfs_root: Path, device: str) -> None:
+    global _carved_changes
     with _carved_lock:
         _carved.get(os.path.realpath(sysfs_root), set()).discard(device)
+        _carved_changes += 1
 
 
 @contextmanager
@@ -81,8 +92,10 @@ def _marking(sysfs_root: Path) -> Iterator[Callable[[str], None]]:
     marked: list[str] = []
 
     def mark(device: str) -> None:
+        global _carved_changes
         with _carved_lock:
             _carved.setdefault(os.path.realpath(sysfs_root), set()).add(device)
+            _carved_changes += 1
         marked.append(device)
 
     try:

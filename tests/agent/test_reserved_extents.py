@@ -17,7 +17,8 @@ import pytest
 
 from agent.backends.devdax import DevdaxBackend, carved_sub_devices
 from agent.config import AgentConfig
-from agent.inventory import host_inventory, journal_path, own_sub_devices
+from agent.discovery import inventory as discovery
+from agent.inventory import ScanRaced, host_inventory, journal_path, own_sub_devices, scan
 from agent.journal import Entry, Journal, SubDevice
 from poold.api.client import PooldClient
 from poold.api.schemas import GrantRequest, Heartbeat, InventoryDevice, TenantSpec
@@ -205,3 +206,50 @@ def test_region_claimed_whole_by_dax0_0_takes_no_lease(
         "largest_free_bytes": 0,
         "free_by_device": {inventory[0].uid: 0},
     }
+
+
+# --- sub-devices carved or released while discovery reads sysfs -----------------------------
+
+
+def test_sub_device_released_during_discovery_is_not_reserved(
+    partitioned: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease ends between the sysfs reading (its sub-device sized) and the naming of the
+    agent's own: that reading is dropped, not sent with the sub-device as reserved."""
+    backend, _, cfg = partitioned
+    m = backend.materialise_at(0, 192 * MIB, 4 * MIB, "poold-lease-1")
+    read = discovery.discover
+    readings: list[discovery.Inventory] = []
+
+    def discover_then_release(*args: Any, **kwargs: Any) -> discovery.Inventory:
+        readings.append(read(*args, **kwargs))
+        if len(readings) == 1:
+            backend.release(m)
+        return readings[-1]
+
+    monkeypatch.setattr(discovery, "discover", discover_then_release)
+    assert reserved(cfg) == PARTITIONED
+    assert len(readings) == 2
+    assert [d.chardev for d in readings[0].dax.devices() if d.size] == [
+        "dax0.0",
+        "dax0.1",
+        m.device,
+    ]
+
+
+def test_scan_fails_while_sub_devices_keep_changing(
+    partitioned: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease carved and released during every reading: no inventory rather than a wrong
+    one (a rescan then keeps the last)."""
+    backend, _, cfg = partitioned
+    read = discovery.discover
+
+    def discover_while_leasing(*args: Any, **kwargs: Any) -> discovery.Inventory:
+        inventory = read(*args, **kwargs)
+        backend.release(backend.materialise_at(0, 192 * MIB, 4 * MIB, "poold-lease-1"))
+        return inventory
+
+    monkeypatch.setattr(discovery, "discover", discover_while_leasing)
+    with pytest.raises(ScanRaced):
+        scan(cfg, {"devdax"})

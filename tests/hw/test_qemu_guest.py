@@ -32,6 +32,9 @@ IN_GUEST = [
     "test_stack_revoke_notice_reaches_a_holder_renewing_meanwhile",
     "test_stack_released_bytes_read_zero_in_the_next_lease",
     "test_stack_numa_lease_pages_are_on_the_cpu_less_node",
+    # the kernel's dax0.0 keeps part (or all) of the devdax region: reserved; issue #4
+    "test_stack_leases_stay_off_the_claimed_dax_device",
+    "test_stack_wholly_claimed_region_grants_nothing",
     # kill -9 agent (mid-scrub), poold or a tenant; one audit --reclaim; issue #5
     "test_stack_chaos_kill_during_scrub_converges",
 ]

@@ -1,7 +1,10 @@
 """In-guest setup: two CXL RAM regions made through the kernel's sysfs ABI.
 
-* serial 1 -> a region left in device-DAX use, its dax0.0 shrunk to 0 so the whole
-  region is free for leases (kmem is not loaded yet, so nothing onlines it);
+* serial 1 -> a region left in device-DAX use. The kernel's dax0.0 claims all of it at
+  creation; it is shrunk to the region's first part and bound to device_dax (what
+  ``daxctl reconfigure-device --mode=devdax`` does), so it stays a device poold did not make,
+  holding bytes, and the last FREE_BYTES are what leases can have. Bound before kmem is
+  loaded: kmem would online an unbound dax0.0 as system-ram;
 * serial 2 -> a region onlined by kmem as a new CPU-less NUMA node.
 
 cxl-cli 76.1 cannot create RAM regions (it says so and exits 0), hence the sysfs writes;
@@ -85,11 +88,53 @@ def wait_for(path: str, seconds: float = 10.0) -> None:
         time.sleep(0.1)
 
 
+# What dax0.0 leaves of the devdax region: room for every test's leases (the stack's tests
+# hold at most a handful of 2 MiB ranges at once, live or scrubbing), small enough that
+# filling it with leases and scrubbing them all takes seconds (emulated CXL memory runs at
+# 10-20 MB/s).
+FREE_BYTES = 16 << 20
+DEVICE_DAX = "/sys/bus/dax/drivers/device_dax"
+
+
+@dataclass(frozen=True)
+class DaxDeviceState:
+    """What a dax device holds, as sysfs shows it: compared before and after to prove a
+    device untouched."""
+
+    size_bytes: int
+    driver: str | None
+    mappings: tuple[tuple[int, int], ...]  # (start, end) host-physical, end inclusive
+
+
+def dax_device_state(device: str) -> DaxDeviceState:
+    """``device``'s size, driver and ``mappingN`` ranges (what ``daxctl list -DM`` prints)."""
+    path = Path(DAX) / device
+    driver = path / "driver"
+    mappings = sorted(path.glob("mapping[0-9]*"), key=lambda m: int(m.name.removeprefix("mapping")))
+    return DaxDeviceState(
+        size_bytes=int(rd(f"{path}/size"), 0),
+        driver=os.path.basename(os.readlink(driver)) if driver.is_symlink() else None,
+        mappings=tuple((int(rd(f"{m}/start"), 0), int(rd(f"{m}/end"), 0)) for m in mappings),
+    )
+
+
+def resize_dax_device(device: str, size_bytes: int) -> None:
+    """Unbind, resize and rebind ``device``, as an administrator would with daxctl (the
+    kernel refuses to resize a bound device: EBUSY)."""
+    wr(f"{DEVICE_DAX}/unbind", device)
+    try:
+        wr(f"{DAX}/{device}/size", size_bytes)
+    finally:
+        wr(f"{DEVICE_DAX}/bind", device)
+
+
 @dataclass(frozen=True)
 class GuestMachine:
-    dax_region: int  # free for devdax leases
+    dax_region: int  # the devdax region: dax0.0 at its start, then free for leases
     dax_region_bytes: int
     numa_node: int  # CPU-less node onlined from the second device
+    claimed_device: str  # the kernel's dax0.0, kept holding [0, free_offset_bytes)
+    free_offset_bytes: int  # the region offset past dax0.0: where leases can go
 
 
 @pytest.fixture(scope="session")
@@ -97,10 +142,19 @@ def machine() -> GuestMachine:
     devdax_region = create_ram_region(memdev_by_serial(1))
     region_id = int(devdax_region.removeprefix("region"))
     wait_for(f"{DAX}/dax{region_id}.0")
-    first = f"{DAX}/dax{region_id}.0"
+    claimed = f"dax{region_id}.0"
+    first = f"{DAX}/{claimed}"
     assert not os.path.exists(f"{first}/driver"), "dax device bound before kmem was loaded?"
-    wr(f"{first}/size", 0)  # the whole region becomes available for sub-devices
+    region_bytes = int(rd(f"{first}/size"), 0)  # all of it, as the kernel made it
+    claimed_bytes = region_bytes - FREE_BYTES
+    wr(f"{first}/size", claimed_bytes)  # shrinking keeps the start: [0, claimed_bytes)
+    # new_id attaches it on its own; bind in case this kernel does not.
+    wr(f"{DEVICE_DAX}/new_id", claimed)
+    if not os.path.exists(f"{first}/driver"):
+        wr(f"{DEVICE_DAX}/bind", claimed)
     subprocess.run(["modprobe", "kmem"], check=True)
+    state = dax_device_state(claimed)
+    assert (state.driver, state.size_bytes) == ("device_dax", claimed_bytes), state
     numa_region = create_ram_region(memdev_by_serial(2))
     numa_id = int(numa_region.removeprefix("region"))
     wait_for(f"{DAX}/dax{numa_id}.0/driver")
@@ -108,7 +162,13 @@ def machine() -> GuestMachine:
     wait_for(f"/sys/devices/system/node/node{node}")
     attrs = glob.glob(f"/sys/bus/cxl/devices/{devdax_region}/dax_region{region_id}/dax_region")
     size = int(rd(f"{attrs[0]}/size"), 0) if attrs else 0
-    return GuestMachine(dax_region=region_id, dax_region_bytes=size, numa_node=node)
+    return GuestMachine(
+        dax_region=region_id,
+        dax_region_bytes=size,
+        numa_node=node,
+        claimed_device=claimed,
+        free_offset_bytes=claimed_bytes,
+    )
 
 
 @pytest.fixture

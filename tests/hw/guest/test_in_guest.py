@@ -1,7 +1,9 @@
 """Runs INSIDE the QEMU guest, as root, against the real kernel CXL/DAX/NUMA drivers.
 
 The backends are driven directly, below poold and the agent (test_stack_in_guest.py
-shows the same facts through the whole stack). Tenants are forked children that drop to
+shows the same facts through the whole stack), in the part of the devdax region that the
+kernel's dax0.0 does not hold (conftest.py): offsets start at ``machine.free_offset_bytes``.
+Tenants are forked children that drop to
 uid/gid 1000 and receive their lease fd over a socketpair (SCM_RIGHTS), as from the agent.
 Every lease here is 2 MiB and touches a few bytes: emulated CXL memory runs at 10-20 MB/s.
 """
@@ -23,10 +25,11 @@ import pytest
 
 from agent.backends.devdax import DevdaxBackend, DevdaxMaterialised
 from agent.backends.numa import HUGE_2M, NumaBackend, pages_off_node
-from agent.discovery.inventory import discover
+from agent.discovery.inventory import Inventory, discover, reserved_extents
+from agent.discovery.model import PoolDevice
 from poold.errors import BackendFailed
 from tests.fixtures.machines.loader import Machine
-from tests.hw.guest.conftest import GuestMachine
+from tests.hw.guest.conftest import GuestMachine, dax_device_state
 
 MIB = 1 << 20
 LEASE = 2 * MIB
@@ -71,8 +74,10 @@ def devdax() -> DevdaxBackend:
     return DevdaxBackend()
 
 
-def sized_devices(backend: DevdaxBackend, region: int) -> dict[str, int]:
-    return {name: size for name, size in backend.sub_devices(region).items() if size}
+def sized_devices(backend: DevdaxBackend, machine: GuestMachine) -> dict[str, int]:
+    """The region's sub-devices that hold memory, dax0.0 (not the backend's) left out."""
+    devices = backend.sub_devices(machine.dax_region)
+    return {name: size for name, size in devices.items() if size and name != machine.claimed_device}
 
 
 class LiveMachine(Machine):
@@ -87,8 +92,8 @@ class LiveMachine(Machine):
         return self._tool("cxl", "list", "-BMPDERTEi")
 
     def daxctl_list(self) -> list[dict[str, Any]]:
-        # -i also lists idle size-0 devices (dax0.0 after the setup shrank it, seeds);
-        # the recorded checks compare devices that have memory, as in every capture.
+        # -i also lists idle size-0 devices (seeds); the recorded checks compare devices
+        # that have memory, as in every capture (dax0.0, holding the region's start, is one).
         regions = self._tool("daxctl", "list", "-RDMi")
         for region in regions:
             region["devices"] = [d for d in region.get("devices", []) if d.get("size")]
@@ -98,7 +103,7 @@ class LiveMachine(Machine):
         return []
 
 
-def check_discovery(live: LiveMachine) -> Any:
+def check_discovery(live: LiveMachine) -> Inventory:
     """The very checks the recorded machines pass (tests/agent/discovery), on the live guest."""
     recorded = importlib.import_module("tests.agent.discovery.test_recorded_machines")
     inventory = discover(Path("/sys"))
@@ -113,19 +118,31 @@ def check_discovery(live: LiveMachine) -> Any:
     return inventory
 
 
+def devdax_device(inventory: Inventory, machine: GuestMachine) -> PoolDevice:
+    """The pool device discovery built from the devdax region."""
+    return next(d for d in inventory.devices if d.dax_region_id == machine.dax_region)
+
+
 def test_discovery_equals_cxl_list_and_daxctl_list(
     machine: GuestMachine, devdax: DevdaxBackend
 ) -> None:
     live = LiveMachine("live-guest")
     inventory = check_discovery(live)
     assert {r.region for r in inventory.cxl.regions} == {"region0", "region1"}
+    # dax0.0 holds the region's start: the agent would report it reserved
+    claimed = [(0, machine.free_offset_bytes)]
+    assert reserved_extents(devdax_device(inventory, machine)) == claimed
     # again with a lease's sub-device live in the devdax region
-    m = devdax.materialise_at(machine.dax_region, 0, LEASE, "discovered")
+    m = devdax.materialise_at(machine.dax_region, machine.free_offset_bytes, LEASE, "discovered")
     try:
         assert isinstance(m, DevdaxMaterialised)
         with_lease = check_discovery(live)
         devices = {d.chardev: d for d in with_lease.dax.devices()}
         assert devices[m.device].size == LEASE and devices[m.device].mode == "devdax"
+        # the agent's own sub-device is a lease, not reserved; anyone else's would be
+        pool_device = devdax_device(with_lease, machine)
+        assert reserved_extents(pool_device, {m.device}) == claimed
+        assert reserved_extents(pool_device) == [*claimed, (machine.free_offset_bytes, LEASE)]
     finally:
         devdax.release(m)
     kinds = {
@@ -138,7 +155,7 @@ def test_discovery_equals_cxl_list_and_daxctl_list(
 def test_devdax_lease_maps_writes_and_reads_back(
     machine: GuestMachine, devdax: DevdaxBackend, lease_name: str
 ) -> None:
-    m = devdax.materialise_at(machine.dax_region, 0, LEASE, lease_name)
+    m = devdax.materialise_at(machine.dax_region, machine.free_offset_bytes, LEASE, lease_name)
     try:
         assert isinstance(m, DevdaxMaterialised)
         dev = f"/sys/bus/dax/devices/{m.device}"
@@ -160,8 +177,9 @@ def test_devdax_lease_maps_writes_and_reads_back(
 
 
 def test_two_leases_are_separate_sub_devices(machine: GuestMachine, devdax: DevdaxBackend) -> None:
-    a = devdax.materialise_at(machine.dax_region, 0, LEASE, "tenant-a")
-    b = devdax.materialise_at(machine.dax_region, LEASE, LEASE, "tenant-b")
+    free = machine.free_offset_bytes
+    a = devdax.materialise_at(machine.dax_region, free, LEASE, "tenant-a")
+    b = devdax.materialise_at(machine.dax_region, free + LEASE, LEASE, "tenant-b")
     try:
         assert isinstance(a, DevdaxMaterialised) and isinstance(b, DevdaxMaterialised)
         assert a.device != b.device
@@ -196,7 +214,7 @@ def test_two_leases_are_separate_sub_devices(machine: GuestMachine, devdax: Devd
 
 
 def test_revoke_is_sigbus_in_the_holder(machine: GuestMachine, devdax: DevdaxBackend) -> None:
-    m = devdax.materialise_at(machine.dax_region, 0, LEASE, "revoked")
+    m = devdax.materialise_at(machine.dax_region, machine.free_offset_bytes, LEASE, "revoked")
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
 
@@ -229,7 +247,7 @@ def test_revoke_is_sigbus_in_the_holder(machine: GuestMachine, devdax: DevdaxBac
 def test_released_bytes_read_zero_in_the_next_lease(
     machine: GuestMachine, devdax: DevdaxBackend
 ) -> None:
-    offset = 4 * LEASE
+    offset = machine.free_offset_bytes + 4 * LEASE
     first = devdax.materialise_at(machine.dax_region, offset, LEASE, "first")
     with mmap.mmap(first.fd, LEASE, mmap.MAP_SHARED, RW) as view:
         view[:6] = b"secret"
@@ -250,25 +268,30 @@ def test_released_bytes_read_zero_in_the_next_lease(
 
 
 def test_failing_steps_leave_no_sub_device(machine: GuestMachine, devdax: DevdaxBackend) -> None:
+    free = machine.free_offset_bytes
+    claimed = dax_device_state(machine.claimed_device)
     before = devdax.sub_devices(machine.dax_region)
-    held = devdax.materialise_at(machine.dax_region, 0, LEASE, "holder")
+    held = devdax.materialise_at(machine.dax_region, free, LEASE, "holder")
     try:
         with_held = devdax.sub_devices(machine.dax_region)
-        # 1. the kernel refuses the mapping: the range belongs to another sub-device
-        with pytest.raises(BackendFailed, match="mapping"):
-            devdax.materialise_at(machine.dax_region, 0, LEASE, "overlap")
-        assert devdax.sub_devices(machine.dax_region) == with_held
+        # 1. the kernel refuses the mapping: the range belongs to another sub-device, the
+        #    lease's or dax0.0 (why poold must never place a lease on a reserved range)
+        for offset in (free, free - LEASE):
+            with pytest.raises(BackendFailed, match="mapping"):
+                devdax.materialise_at(machine.dax_region, offset, LEASE, "overlap")
+            assert devdax.sub_devices(machine.dax_region) == with_held
         # 2. a failure after bind (the device node cannot be opened): unbind, remove_id,
         #    size 0 and delete are undone in the real kernel
         broken = DevdaxBackend(dev_root=Path("/nonexistent"))
         with pytest.raises(BackendFailed, match="cannot open"):
-            broken.materialise_at(machine.dax_region, 2 * LEASE, LEASE, "unopenable")
+            broken.materialise_at(machine.dax_region, free + 2 * LEASE, LEASE, "unopenable")
         assert devdax.sub_devices(machine.dax_region) == with_held
         assert isinstance(held, DevdaxMaterialised)
-        assert sized_devices(devdax, machine.dax_region) == {held.device: LEASE}
+        assert sized_devices(devdax, machine) == {held.device: LEASE}
     finally:
         devdax.release(held)
-    assert sized_devices(devdax, machine.dax_region) == {}
+    assert sized_devices(devdax, machine) == {}
+    assert dax_device_state(machine.claimed_device) == claimed
     assert set(devdax.sub_devices(machine.dax_region)) <= set(before) | {held.device}
 
 

@@ -7,6 +7,10 @@ lease through ``agent.client.PoolClient`` on the agent's Unix socket; revocation
 `poolctl leases revoke`. The backend-level checks stay in test_in_guest.py (which runs
 first: nothing else uses the region then).
 
+The devdax region is not all free: the kernel's dax0.0 keeps holding its start
+(conftest.py), and the stack must cope with that by itself (issue #4): the agent reports
+the range as reserved, poold never places a lease there, nothing ever writes to dax0.0.
+
 Every lease is 2 MiB and touches little: emulated CXL memory runs at 10-20 MB/s.
 """
 
@@ -36,12 +40,19 @@ import pytest
 
 from agent.backends.devdax import DevdaxBackend
 from agent.backends.numa import pages_off_node
-from agent.client import PoolClient
+from agent.client import Lease, PoolClient
 from poold import procs
 from poold.api.client import PooldClient
-from poold.api.schemas import TenantSpec
+from poold.api.schemas import DeviceStatus, TenantSpec
 from poold.errors import LeaseNotActive, PoolError
-from tests.hw.guest.conftest import STACK_DIR, GuestMachine, PooldProcess, spawn_poold
+from tests.hw.guest.conftest import (
+    STACK_DIR,
+    GuestMachine,
+    PooldProcess,
+    dax_device_state,
+    resize_dax_device,
+    spawn_poold,
+)
 
 MIB = 1 << 20
 LEASE = 2 * MIB
@@ -49,9 +60,13 @@ HOST = "guest"
 # Two tenants, each its own unix user; both in the group that owns the agent socket.
 ALPHA_UID, BETA_UID = 1000, 1001
 POOL_GROUP, POOL_GID = "pool", 1100
+FILLER = "filler"  # a third tenant, alpha's uid, with room to fill the devdax region
 # The guest's far memory as an administrator describes it (memdev serials, vm.py).
 DEVDAX_MEDIA, NUMA_MEDIA = "ddr5", "ddr4"
 HEARTBEAT_S = 0.5
+# The agent rescans sysfs this often (udev is not watched here). A rescan costs ~0.1 s under
+# TCG; test_stack_wholly_claimed_region_grants_nothing waits for two of them.
+RESCAN_INTERVAL_S = 2.0
 START_TIMEOUT_S = 240.0  # imports under TCG take tens of seconds
 SETTLE_TIMEOUT_S = 60.0
 # A tenant may wait this long for the test's word: a poolctl run (imports and all) takes
@@ -86,6 +101,7 @@ class Stack:
     poold: procs.Child
     agent: procs.Child
     dax_region: int
+    claimed_device: str  # dax0.0: holds bytes of the region, not the agent's
 
     def logs(self) -> str:
         return (
@@ -117,9 +133,28 @@ class Stack:
         return state
 
     def sub_devices(self) -> dict[str, int]:
-        """The dax region's devices that hold memory (the size-0 seed left out)."""
+        """The dax region's devices that hold memory: the agent's (the size-0 seed and the
+        kernel's dax0.0 left out)."""
         devices = DevdaxBackend().sub_devices(self.dax_region)
-        return {name: size for name, size in devices.items() if size}
+        return {
+            name: size for name, size in devices.items() if size and name != self.claimed_device
+        }
+
+    def devdax_status(self) -> DeviceStatus:
+        """poold's view of the devdax region (``GET /v1/status``)."""
+        (device,) = [d for d in self.admin.status().devices if d.kind == "devdax"]
+        return device
+
+    def wait_reserved(self, extents: list[tuple[int, int]]) -> DeviceStatus:
+        """Poll poold until the devdax region's reserved extents are ``extents``: the agent
+        rescans every RESCAN_INTERVAL_S and its next heartbeat carries the change."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        device = self.devdax_status()
+        while device.reserved_extents != extents and time.monotonic() < deadline:
+            time.sleep(0.2)
+            device = self.devdax_status()
+        assert device.reserved_extents == extents, f"reserved {device.reserved_extents}"
+        return device
 
     def wait_heartbeats_after(self, moment: datetime) -> None:
         """Return once the agent has acted on a heartbeat reply poold made after ``moment``.
@@ -151,6 +186,7 @@ def write_agent_config(path: Path) -> None:
         "warm_pool_bytes = 0\n"
         "udev = false\n"
         "holder_check_interval_s = 0.5\n"
+        f"rescan_interval_s = {RESCAN_INTERVAL_S}\n"
         "[annotations.1]\n"
         f'media = "{DEVDAX_MEDIA}"\n'
         "[annotations.2]\n"
@@ -191,6 +227,15 @@ def stack(machine: GuestMachine, poold_process: PooldProcess) -> Iterator[Stack]
             admin.create_tenant(
                 TenantSpec(name=name, quota_bytes=16 * MIB, quota_leases=4, allowed_uids=[uid])
             )
+        # Fills the region: a quota that the region's capacity runs out before.
+        admin.create_tenant(
+            TenantSpec(
+                name=FILLER,
+                quota_bytes=machine.dax_region_bytes,
+                quota_leases=machine.dax_region_bytes // LEASE,
+                allowed_uids=[ALPHA_UID],
+            )
+        )
         write_agent_config(AGENT_CONFIG)
         socket_path = STACK_DIR / "run" / "agent.sock"
         socket_path.parent.mkdir(mode=0o755)
@@ -202,6 +247,7 @@ def stack(machine: GuestMachine, poold_process: PooldProcess) -> Iterator[Stack]
             poold=poold_process.child,
             agent=start_agent(poold_process.url, socket_path),
             dax_region=machine.dax_region,
+            claimed_device=machine.claimed_device,
         )
         yield stack
     finally:
@@ -213,18 +259,22 @@ def stack(machine: GuestMachine, poold_process: PooldProcess) -> Iterator[Stack]
 @pytest.fixture
 def pool(stack: Stack, machine: GuestMachine) -> Iterator[Stack]:
     """The stack, checked idle before and after each test: no live lease in the ledger, no
-    sub-device holding memory in the region (the stack never leaves one behind)."""
+    sub-device holding memory in the region (the stack never leaves one behind), dax0.0
+    reported reserved before and untouched after (the stack never writes to it)."""
     devices = {(d.kind, d.media): d for d in stack.admin.status().devices}
     assert {("devdax", DEVDAX_MEDIA), ("numa", NUMA_MEDIA)} <= set(devices), stack.logs()
     assert devices["devdax", DEVDAX_MEDIA].local_names == [f"dax_region{machine.dax_region}"]
+    assert devices["devdax", DEVDAX_MEDIA].reserved_extents == [(0, machine.free_offset_bytes)]
     assert devices["numa", NUMA_MEDIA].numa_node == machine.numa_node
     assert stack.live_leases() == [] and stack.sub_devices() == {}
+    claimed = dax_device_state(machine.claimed_device)
     yield stack
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while (stack.live_leases() or stack.sub_devices()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert stack.live_leases() == [], stack.logs()
     assert stack.sub_devices() == {}, stack.logs()
+    assert dax_device_state(machine.claimed_device) == claimed
 
 
 # --- tenants: forked processes with their own uid ---------------------------------------
@@ -589,6 +639,143 @@ def test_stack_numa_lease_pages_are_on_the_cpu_less_node(
     assert pool.wait_state(got["lease_id"], "released") == "released", pool.logs()
 
 
+# --- a dax region partly or wholly claimed by a device poold did not make (issue #4) ------
+
+
+def poolctl_json(stack: Stack, *args: str) -> tuple[int, dict[str, Any]]:
+    """`poolctl ARGS --json` and its exit code, run in this process (click's runner): a
+    poolctl process would spend tens of seconds importing under TCG."""
+    from click.testing import CliRunner
+
+    from cli.poolctl import main as poolctl
+
+    env = {"POOLD_URL": stack.url, "POOLD_TOKEN_FILE": str(stack.token_file)}
+    result = CliRunner().invoke(poolctl, [*args, "--json"], env=env)
+    try:
+        report: dict[str, Any] = json.loads(result.stdout)
+    except ValueError:
+        report = {"output": result.output, "exception": repr(result.exception)}
+    return result.exit_code, report
+
+
+def daxctl_mappings(device: str) -> list[tuple[int, int]]:
+    """(start, end) of each range of ``device``, as `daxctl list -DM` prints them."""
+    out = subprocess.run(
+        ["daxctl", "list", "-D", "-M", "-d", device],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    listed = json.loads(out)
+    (entry,) = listed if isinstance(listed, list) else [listed]
+    return [(m["start"], m["end"]) for m in entry["mappings"]]
+
+
+def filler(sizes: list[int] | None) -> TenantBody:
+    """A tenant that leases ``sizes`` (None: 2 MiB leases until refused), reports what it
+    got and the refusal's code, and releases everything when told."""
+
+    def body(client: PoolClient, chan: Channel) -> int:
+        held: list[Lease] = []
+        refused: list[str] = []
+        # ttl 600 s: no background renewal while the test looks.
+        for size in itertools.repeat(LEASE) if sizes is None else sizes:
+            try:
+                held.append(client.lease(size, ttl_s=600, tenant=FILLER, media=DEVDAX_MEDIA))
+            except PoolError as err:
+                refused.append(err.code)
+                if sizes is None:
+                    break  # full (FILLER's lease quota ends it too, at the latest)
+        leases = [
+            {
+                "lease_id": lease.lease_id,
+                "offset": lease.offset_bytes,
+                "device": fd_target(lease.fd).removeprefix("/dev/"),
+            }
+            for lease in held
+        ]
+        chan.send(leases=leases, refused=refused)
+        chan.recv()
+        for lease in held:
+            lease.release()
+        return 0
+
+    return body
+
+
+def test_stack_leases_stay_off_the_claimed_dax_device(pool: Stack, machine: GuestMachine) -> None:
+    """dax0.0 holds the region's start: poolctl shows exactly its range as reserved, the
+    region fills up with leases around it (none overlapping it, physically), the next lease
+    is no_capacity, and dax0.0 is as it was."""
+    base = DevdaxBackend().region(pool.dax_region).base_bytes
+    claimed = dax_device_state(machine.claimed_device)
+    ((start, end),) = claimed.mappings
+    assert daxctl_mappings(machine.claimed_device) == [(start, end)]
+    assert (start - base, end + 1 - start) == (0, machine.free_offset_bytes)
+    code, shown = poolctl_json(pool, "devices", "show", f"dax_region{pool.dax_region}")
+    assert code == 0, shown
+    assert shown["reserved_extents"] == [[start - base, claimed.size_bytes]]
+    assert shown["reserved_bytes"] == claimed.size_bytes
+    free_bytes = shown["capacity_bytes"] - claimed.size_bytes
+    assert shown["free_bytes"] == free_bytes == machine.dax_region_bytes - claimed.size_bytes
+
+    tenant = start_tenant(pool, FILLER, ALPHA_UID, filler(None))
+    got = tenant.recv()
+    assert got["refused"] == ["no_capacity"], got
+    held = got["leases"]
+    # Every free byte is leased, and nothing else: 2 MiB leases from the end of dax0.0 on.
+    offsets = sorted(lease["offset"] for lease in held)
+    assert offsets == list(range(machine.free_offset_bytes, machine.dax_region_bytes, LEASE))
+    assert pool.sub_devices() == {lease["device"]: LEASE for lease in held}
+    for lease in held:
+        # The tenant's sub-device is the ledger's range, physically, and clear of dax0.0.
+        (mapping,) = dax_device_state(lease["device"]).mappings
+        assert mapping == (base + lease["offset"], base + lease["offset"] + LEASE - 1)
+        assert mapping[0] > end or mapping[1] < start, f"{lease} overlaps {claimed}"
+    device = pool.devdax_status()
+    assert (device.leased_bytes, device.free_bytes) == (free_bytes, 0)
+    tenant.channel.send(release=True)
+    assert exit_code(tenant.wait()) == 0
+    for lease in held:
+        assert pool.wait_state(lease["lease_id"], "reclaimed") == "reclaimed", pool.logs()
+    assert dax_device_state(machine.claimed_device) == claimed  # `pool` checks it again
+
+
+def lease_count(poold: PooldProcess) -> int:
+    count: int = ledger_rows(poold, "SELECT count(*) FROM leases")[0][0]
+    return count
+
+
+def test_stack_wholly_claimed_region_grants_nothing(
+    pool: Stack, machine: GuestMachine, poold_process: PooldProcess
+) -> None:
+    """dax0.0 grown back over the whole region (unbind, resize, bind: an administrator's
+    daxctl): the agent reports it all reserved, every lease is no_capacity, poold places
+    nothing, so nothing is carved; shrunk back, the free part is offered again."""
+    claimed = dax_device_state(machine.claimed_device)
+    region_devices = DevdaxBackend().sub_devices(pool.dax_region)
+    leases_before = lease_count(poold_process)
+    resize_dax_device(machine.claimed_device, machine.dax_region_bytes)
+    try:
+        device = pool.wait_reserved([(0, machine.dax_region_bytes)])
+        assert (device.free_bytes, device.reserved_bytes) == (0, machine.dax_region_bytes)
+        tenant = start_tenant(pool, FILLER, ALPHA_UID, filler([LEASE, 4 * LEASE]))
+        got = tenant.recv()
+        tenant.channel.send(release=True)
+        assert exit_code(tenant.wait()) == 0
+        assert got == {"leases": [], "refused": ["no_capacity", "no_capacity"]}
+        # No lease row: poold placed nothing, so the agent was never asked to carve, and
+        # the kernel shows no write (no device made, none resized, the seed as it was).
+        assert lease_count(poold_process) == leases_before
+        grown = {**region_devices, machine.claimed_device: machine.dax_region_bytes}
+        assert DevdaxBackend().sub_devices(pool.dax_region) == grown
+    finally:
+        resize_dax_device(machine.claimed_device, claimed.size_bytes)
+    assert dax_device_state(machine.claimed_device) == claimed
+    device = pool.wait_reserved([(0, machine.free_offset_bytes)])
+    assert device.free_bytes == machine.dax_region_bytes - claimed.size_bytes
+
+
 # --- chaos: kill -9 in the middle of a scrub, and elsewhere (issue #5) --------------------
 
 # A restarted poold aborts a grant whose reply died with the old one after this long
@@ -636,19 +823,8 @@ def chaos_bystander(client: PoolClient, chan: Channel) -> int:
 
 
 def poolctl_audit(stack: Stack, *flags: str) -> tuple[int, dict[str, Any]]:
-    """`poolctl audit FLAGS --json`, run in this process (click's runner): a poolctl
-    process would spend most of a trial's time importing under TCG."""
-    from click.testing import CliRunner
-
-    from cli.poolctl import main as poolctl
-
-    env = {"POOLD_URL": stack.url, "POOLD_TOKEN_FILE": str(stack.token_file)}
-    result = CliRunner().invoke(poolctl, ["audit", *flags, "--json"], env=env)
-    try:
-        report: dict[str, Any] = json.loads(result.stdout)
-    except ValueError:
-        report = {"output": result.output, "exception": repr(result.exception)}
-    return result.exit_code, report
+    """`poolctl audit FLAGS --json`."""
+    return poolctl_json(stack, "audit", *flags)
 
 
 def ledger_rows(poold: PooldProcess, query: str, *params: Any) -> list[tuple[Any, ...]]:
@@ -739,6 +915,7 @@ def test_stack_chaos_kill_during_scrub_converges(pool: Stack, poold_process: Poo
 
     note(f"chaos: POOLD_HW_CHAOS_SEED={seed}, {len(kinds)} trials")
     quarantined_before = ledger_rows(poold_process, "SELECT count(*) FROM quarantine")[0][0]
+    claimed = pool.devdax_status().reserved_extents  # dax0.0's range (`pool` checked it)
     bystander = start_tenant(pool, "beta", BETA_UID, chaos_bystander)
     by = bystander.recv()
     started = time.monotonic()
@@ -802,19 +979,23 @@ def test_stack_chaos_kill_during_scrub_converges(pool: Stack, poold_process: Poo
         code, report = poolctl_audit(pool, "--reclaim")
         assert code in (0, 1), f"{what}: audit --reclaim exit {code}: {report}\n{pool.logs()}"
         assert not report.get("violations"), f"{what}: {report['violations']}"
-        # Zero leaked bytes: what is left is the bystander's lease and sub-device.
-        settled = ([f"{by['lease_id']} active"], {by["device"]: LEASE}, LEASE)
+        # Zero leaked bytes: what is left is the bystander's lease and sub-device. Reserved
+        # is dax0.0 alone: a restarted agent's leftover scrub sub-device is its own, not
+        # someone else's.
+        settled = ([f"{by['lease_id']} active"], {by["device"]: LEASE}, LEASE, claimed)
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         while time.monotonic() < deadline:
             live = pool.live_leases()
             devices = pool.sub_devices()
             leased = pool.admin.status().leased_bytes
-            if (live, devices, leased) == settled:
+            reserved = pool.devdax_status().reserved_extents
+            if (live, devices, leased, reserved) == settled:
                 break
             time.sleep(0.2)
         assert live == [f"{by['lease_id']} active"], f"{what}: live {live}\n{pool.logs()}"
         assert devices == {by["device"]: LEASE}, f"{what}: sub-devices {devices}\n{pool.logs()}"
         assert leased == LEASE, f"{what}: {leased} bytes leased\n{pool.logs()}"
+        assert reserved == claimed, f"{what}: reserved {reserved}\n{pool.logs()}"
         quarantined = ledger_rows(poold_process, "SELECT count(*) FROM quarantine")[0][0]
         assert quarantined == quarantined_before, f"{what}: a range was quarantined\n{pool.logs()}"
         assert overlapping_live_leases(poold_process) == [], what
