@@ -821,7 +821,7 @@ class KVStore:
                 geometry = Geometry.plan(new_len, self._slab_spec)
             except ValueError:  # holds no slot: too small to be worth keeping
                 geometry = None
-            if geometry is not None and (drop_exclusive or self._fits(geometry, exclusive=True)):
+            if geometry is not None and (drop_exclusive or self._exclusive_fit(geometry)):
                 break
             new_len += step
         if geometry is None or new_len >= old_len:
@@ -875,12 +875,10 @@ class KVStore:
         )
         return old_len - new.length_bytes
 
-    def _fits(self, geometry: Geometry, *, exclusive: bool) -> bool:
+    def _exclusive_fit(self, geometry: Geometry) -> bool:
+        """Every class's exclusive blocks have a slot in ``geometry``."""
         counts = {c.slot_bytes: c.slot_count for c in geometry.classes}
-        return all(
-            len(c.exclusive) + (0 if exclusive else len(c.replica)) <= counts.get(c.slot_bytes, 0)
-            for c in self._classes
-        )
+        return all(len(c.exclusive) <= counts.get(c.slot_bytes, 0) for c in self._classes)
 
     def _release_mapping(self) -> None:
         mapping, self._mapping = self._mapping, None
@@ -912,29 +910,25 @@ class KVStore:
         """Keep only slots that end by ``new_len``: move or evict the blocks past it."""
         by_spec = {id(c.spec): c for c in self._classes}
         kept_specs: list[SlabClass] = []
+        kept_classes: list[_Class] = []
         for spec in self.geometry.classes:
             keep = max(0, min(spec.slot_count, (new_len - spec.region_offset) // spec.slot_bytes))
-            kept_specs.append(SlabClass(spec.slot_bytes, keep, spec.region_offset))
+            kept = SlabClass(spec.slot_bytes, keep, spec.region_offset)
+            kept_specs.append(kept)
             cls = by_spec.get(id(spec))
-            if cls is None or keep == spec.slot_count:
+            if cls is None:
                 continue
             end = spec.region_offset + keep * spec.slot_bytes
-            live = len(cls.exclusive) + len(cls.replica)
-            while live > keep:  # more blocks than kept slots: LRU, replicas first
+            while len(cls.exclusive) + len(cls.replica) > keep:  # LRU, replicas first
                 self._evict(self._victim(cls))
-                live -= 1
             cls.free = [(o, r) for o, r in cls.free if o < end]
-            for block in [b for b in (*cls.exclusive.values(), *cls.replica.values())]:
+            for block in [*cls.exclusive.values(), *cls.replica.values()]:
                 if block.offset >= end:
                     self._relocate(block, *cls.free.pop())
-        # Runtime classes point at the new specs (same order, same slot sizes).
-        self._classes = [
-            c
-            for c in self._classes
-            if next(k for k in kept_specs if k.region_offset == c.spec.region_offset).slot_count
-        ]
-        for c in self._classes:
-            c.spec = next(k for k in kept_specs if k.region_offset == c.spec.region_offset)
+            cls.spec = kept  # same slots, fewer of them
+            if keep:
+                kept_classes.append(cls)
+        self._classes = kept_classes
         return tuple(kept_specs)
 
     def _relocate(self, block: _Block, offset: int, record: int) -> None:

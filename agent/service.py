@@ -25,7 +25,7 @@ from typing import Any
 from agent import protocol as p
 from agent.backends import Backend, Materialised
 from agent.backends.devdax import DevdaxBackend, DevdaxMaterialised
-from agent.backends.emulated import F_GET_SEALS, F_SEAL_SHRINK, EmulatedBackend
+from agent.backends.emulated import F_GET_SEALS, F_SEAL_SHRINK
 from agent.backends.numa import HugepageMode, NumaBackend
 from agent.holders import Holder
 from agent.holders import alive as holder_alive
@@ -310,8 +310,8 @@ class AgentService:
             if self.warm is not None and not args.shrinkable:
                 memory = self.warm.take(length)
             if memory is None:
-                memory = self._made_by(
-                    backend, length, f"poold-lease-{peer.pid}", shrinkable=args.shrinkable
+                memory = backend.materialise(
+                    length, f"poold-lease-{peer.pid}", shrinkable=args.shrinkable
                 )
             try:
                 lease = self._grant(req.model_copy(update={"activate": True}), args.wait_s)
@@ -440,15 +440,6 @@ class AgentService:
                 return local_device(device)
         return None
 
-    @staticmethod
-    def _made_by(
-        backend: Backend, length_bytes: int, name: str, *, shrinkable: bool
-    ) -> Materialised:
-        """``backend.materialise``, unsealed against shrinking when asked and supported."""
-        if shrinkable and isinstance(backend, EmulatedBackend):
-            return backend.materialise(length_bytes, name, shrinkable=True)
-        return backend.materialise(length_bytes, name)
-
     def _make(self, backend: Backend, lease: LeaseOut, *, shrinkable: bool = False) -> Materialised:
         """Memory for a placed lease, made the way its device kind needs."""
         name = f"poold-lease-{lease.id}"
@@ -476,7 +467,7 @@ class AgentService:
             return backend.materialise_on(
                 node, lease.length_bytes, name, self.hugepages, shrinkable=shrinkable
             )
-        return self._made_by(backend, lease.length_bytes, name, shrinkable=shrinkable)
+        return backend.materialise(lease.length_bytes, name, shrinkable=shrinkable)
 
     def _materialise_placed(self, lease: LeaseOut, *, shrinkable: bool = False) -> Materialised:
         """Two-step path: memory made after placement, then activated in the ledger."""

@@ -33,8 +33,13 @@ class Backend(Protocol):
         """The backend kind, as reported on the wire (``LeaseResult.backend``)."""
         ...
 
-    def materialise(self, length_bytes: int, name: str) -> Materialised:
-        """Exactly ``length_bytes`` of zeroed or fresh memory; ``name`` is for humans."""
+    def materialise(
+        self, length_bytes: int, name: str, *, shrinkable: bool = False
+    ) -> Materialised:
+        """Exactly ``length_bytes`` of zeroed or fresh memory; ``name`` is for humans.
+
+        ``shrinkable``: a memfd left unsealed against shrinking, where the backend makes
+        memfds (the agent checks the seals before it tells the tenant)."""
         ...
 
     def release(self, materialised: Materialised) -> None:

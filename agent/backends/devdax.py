@@ -213,7 +213,9 @@ class DevdaxBackend:
 
     # -- materialise -------------------------------------------------------------------
 
-    def materialise(self, length_bytes: int, name: str) -> Materialised:
+    def materialise(
+        self, length_bytes: int, name: str, *, shrinkable: bool = False
+    ) -> Materialised:
         """A devdax lease needs its region and offset: the agent calls :meth:`materialise_at`."""
         raise BackendFailed(
             "the devdax backend needs the lease's dax region and offset (materialise_at)",

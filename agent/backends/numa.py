@@ -279,11 +279,15 @@ class NumaBackend:
     def name(self) -> DeviceKind:
         return "numa"
 
-    def materialise(self, length_bytes: int, name: str) -> Materialised:
+    def materialise(
+        self, length_bytes: int, name: str, *, shrinkable: bool = False
+    ) -> Materialised:
         """On the backend's configured node (see :meth:`materialise_on`)."""
         if self.node is None:
             raise BackendFailed("the numa backend needs the lease's node (materialise_on)")
-        return self.materialise_on(self.node, length_bytes, name, self.hugepages)
+        return self.materialise_on(
+            self.node, length_bytes, name, self.hugepages, shrinkable=shrinkable
+        )
 
     def materialise_on(
         self,

@@ -244,14 +244,12 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
         with ledger.read() as s:
             return [hosts.to_out(h) for h in s.scalars(select(Host).order_by(Host.name))]
 
-    def watermark() -> float:
-        """PooldSettings.pressure_watermark, as serve() put it on the app (else the default)."""
-        return float(getattr(app.state, "pressure_watermark", pressure.DEFAULT_WATERMARK))
-
     def pressure_options() -> dict[str, float]:
         """The heartbeat's pressure settings (PooldSettings, as serve() put them on the app)."""
         return {
-            "pressure_watermark": watermark(),
+            "pressure_watermark": float(
+                getattr(app.state, "pressure_watermark", pressure.DEFAULT_WATERMARK)
+            ),
             "shrink_deadline_s": float(
                 getattr(app.state, "shrink_deadline_s", pressure.DEFAULT_DEADLINE_S)
             ),

@@ -33,7 +33,7 @@ from poold.lease_states import LIVE_STATES, LeaseEvent, LeaseState, next_state
 from poold.ledger import devices, events, hosts, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Host, Lease
-from poold.ledger.reaper import REVOCABLE, reclaim_event, revoke_in
+from poold.ledger.reaper import reclaim_event, revoke_in, revoke_matching
 from poold.ledger.types import utcnow
 
 LIVE = [s.value for s in LIVE_STATES]
@@ -152,23 +152,14 @@ def drain_device(
         )
     revoked: list[str] = []
     if deadline <= now:
-        with ledger.read() as s:
-            rows = s.execute(
-                select(Lease.id, Lease.state).where(
-                    Lease.device_id == device_id, Lease.state.in_([st.value for st in REVOCABLE])
-                )
-            ).all()
-        for lease_id, state in rows:
-            if revoke_in(
-                ledger,
-                lease_id,
-                LeaseState(state),
-                actor=actor,
-                reason=f"device {uid} drained",
-                now=now,
-                deadline_s=revoke_deadline_s,
-            ):
-                revoked.append(lease_id)
+        revoked = revoke_matching(
+            ledger,
+            [Lease.device_id == device_id],
+            reason=f"device {uid} drained",
+            actor=actor,
+            now=now,
+            deadline_s=revoke_deadline_s,
+        )
     return DrainResult(
         target=uid, state="draining", deadline_at=deadline, live_leases=live, revoked=revoked
     )
@@ -249,23 +240,14 @@ def drain_host(
         )
     revoked: list[str] = []
     if deadline is not None and deadline <= now:
-        with ledger.read() as s:
-            rows = s.execute(
-                select(Lease.id, Lease.state).where(
-                    Lease.host_id == host_id, Lease.state.in_([st.value for st in REVOCABLE])
-                )
-            ).all()
-        for lease_id, state in rows:
-            if revoke_in(
-                ledger,
-                lease_id,
-                LeaseState(state),
-                actor=actor,
-                reason=f"host {name} drained",
-                now=now,
-                deadline_s=revoke_deadline_s,
-            ):
-                revoked.append(lease_id)
+        revoked = revoke_matching(
+            ledger,
+            [Lease.host_id == host_id],
+            reason=f"host {name} drained",
+            actor=actor,
+            now=now,
+            deadline_s=revoke_deadline_s,
+        )
     return DrainResult(
         target=name, state=after, deadline_at=deadline, live_leases=live, revoked=revoked
     )

@@ -250,15 +250,13 @@ def shrink_hints(
     # Reserved extents (dax devices poold did not place) are neither free nor givable.
     used = {d.id: devices.reserved(d.reserved_extents) for d in reached}
     uses: list[pressure.LeaseUse] = []
-    mine: set[str] = set()
-    mine_rows: list[Lease] = []
+    mine: list[Lease] = []  # this host's: its heartbeat asks (and records) their share
     for lease in session.scalars(
         select(Lease).where(Lease.device_id.in_(ids), Lease.state.in_(live))
     ):
         used[lease.device_id].append(extents.Extent(lease.offset_bytes, lease.length_bytes))
         if lease.host_id == host.id:
-            mine.add(lease.id)
-            mine_rows.append(lease)
+            mine.append(lease)
         uses.append(
             pressure.LeaseUse(
                 lease_id=lease.id,
@@ -299,9 +297,9 @@ def shrink_hints(
         best = max(free, key=givable)
         free = [dataclasses.replace(d, wanted_bytes=wanted_bytes) if d is best else d for d in free]
     plan = pressure.plan(free, uses, watermark=watermark, now=now, deadline_s=deadline_s)
-    asked = {r.lease_id: r for r in plan if r.lease_id in mine}
+    asked = {r.lease_id: r for r in plan}
     hints: list[ShrinkHint] = []
-    for lease in mine_rows:
+    for lease in mine:
         request = asked.get(lease.id)
         if request is None:
             if lease.shrink_deadline_at is not None:  # pressure gone: nothing to revoke

@@ -45,12 +45,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.orm import Session
 
 from poold.lease_states import LeaseEvent, LeaseState
 from poold.ledger import leases
@@ -346,77 +347,39 @@ class Reaper:
             ):
                 result.aborted.append(row.id)
 
+    def _revoke(self, now: datetime, result: ReapResult, reason: Reason, *where: Any) -> None:
+        result.revoked.extend(
+            revoke_matching(
+                self.ledger,
+                where,
+                reason=reason,
+                actor=ACTOR,
+                now=now,
+                deadline_s=self.policy.revoke_deadline_s,
+                limit=BATCH,
+            )
+        )
+
     def _revoke_drained(self, now: datetime, result: ReapResult) -> None:
         for device_id, uid, deadline in drain_deadlines(self.ledger):
-            if deadline is not None and deadline > now:
-                continue
-            with self.ledger.read() as s:
-                rows = s.execute(
-                    select(Lease.id, Lease.state)
-                    .where(
-                        Lease.device_id == device_id,
-                        Lease.state.in_([st.value for st in REVOCABLE]),
-                    )
-                    .limit(BATCH)
-                ).all()
-            for lease_id, state in rows:
-                if revoke_in(
-                    self.ledger,
-                    lease_id,
-                    LeaseState(state),
-                    actor=ACTOR,
-                    reason=f"device {uid} drained",
-                    now=now,
-                    deadline_s=self.policy.revoke_deadline_s,
-                ):
-                    result.revoked.append(lease_id)
+            if deadline is None or deadline <= now:
+                self._revoke(now, result, f"device {uid} drained", Lease.device_id == device_id)
         for host_id, name, deadline in host_drain_deadlines(self.ledger):
             if deadline is None or deadline > now:
                 continue  # drained without a deadline: its leases run to their end
-            with self.ledger.read() as s:
-                rows = s.execute(
-                    select(Lease.id, Lease.state)
-                    .where(
-                        Lease.host_id == host_id,
-                        Lease.state.in_([st.value for st in REVOCABLE]),
-                    )
-                    .limit(BATCH)
-                ).all()
             reason = f"host {name} drained (deadline {deadline.isoformat(timespec='seconds')})"
-            for lease_id, state in rows:
-                if revoke_in(
-                    self.ledger,
-                    lease_id,
-                    LeaseState(state),
-                    actor=ACTOR,
-                    reason=reason,
-                    now=now,
-                    deadline_s=self.policy.revoke_deadline_s,
-                ):
-                    result.revoked.append(lease_id)
+            self._revoke(now, result, reason, Lease.host_id == host_id)
 
     def _revoke_unshrunk(self, now: datetime, result: ReapResult) -> None:
         """Pressure: a lease asked to give memory back that has not by the deadline."""
-        with self.ledger.read() as s:
-            rows = s.execute(
-                select(Lease.id, Lease.state, Lease.shrink_wanted_bytes)
-                .where(
-                    Lease.shrink_deadline_at <= now,
-                    Lease.state.in_([st.value for st in REVOCABLE]),
-                )
-                .limit(BATCH)
-            ).all()
-        for lease_id, state, wanted in rows:
-            if revoke_in(
-                self.ledger,
-                lease_id,
-                LeaseState(state),
-                actor=ACTOR,
-                reason=f"pool pressure: {wanted} bytes not given back by the deadline",
-                now=now,
-                deadline_s=self.policy.revoke_deadline_s,
-            ):
-                result.revoked.append(lease_id)
+        self._revoke(
+            now,
+            result,
+            lambda row: (
+                f"pool pressure: {row.shrink_wanted_bytes} bytes not given back by the deadline"
+            ),
+            Lease.shrink_deadline_at <= now,
+        )
 
     def _reclaim(self, due: dict[str, list[Any]], now: datetime, result: ReapResult) -> None:
         grace = timedelta(seconds=self.policy.expiry_grace_s)
@@ -510,53 +473,79 @@ def revoke_in(
         )
 
 
+# A revocation reason, or how to word it from the lease's row (id, state, shrink_wanted_bytes).
+Reason = str | Callable[[Any], str]
+
+
+def revoke_matching(
+    ledger: Ledger,
+    where: Iterable[Any],
+    *,
+    reason: Reason,
+    actor: str,
+    now: datetime,
+    deadline_s: float,
+    limit: int | None = None,
+) -> list[str]:
+    """Revoke every revocable lease matching ``where``, each in its own transaction; the ids
+    revoked (a lease that changed state meanwhile is left as it is)."""
+    stmt = select(Lease.id, Lease.state, Lease.shrink_wanted_bytes).where(
+        *where, Lease.state.in_([st.value for st in REVOCABLE])
+    )
+    with ledger.read() as s:
+        rows = s.execute(stmt if limit is None else stmt.limit(limit)).all()
+    return [
+        row.id
+        for row in rows
+        if revoke_in(
+            ledger,
+            row.id,
+            LeaseState(row.state),
+            actor=actor,
+            reason=reason if isinstance(reason, str) else reason(row),
+            now=now,
+            deadline_s=deadline_s,
+        )
+    ]
+
+
 def drain_deadlines(ledger: Ledger) -> list[tuple[int, str, datetime | None]]:
     """Each draining device with the deadline of its latest `device.drain` (None: at once)."""
     with ledger.read() as s:
-        devices = s.execute(select(Device.id, Device.uid).where(Device.state == "draining")).all()
-        if not devices:
-            return []
-        latest = (
-            select(Event.device_id, func.max(Event.id).label("event_id"))
-            .where(Event.kind == "device.drain", Event.device_id.in_([d.id for d in devices]))
-            .group_by(Event.device_id)
-            .subquery()
-        )
-        details: dict[int, dict[str, Any]] = {
-            device_id: detail
-            for device_id, detail in s.execute(
-                select(Event.device_id, Event.detail).join(latest, latest.c.event_id == Event.id)
-            )
-        }
-    out: list[tuple[int, str, datetime | None]] = []
-    for device_id, uid in devices:
-        raw = (details.get(device_id) or {}).get("deadline_at")
-        out.append((device_id, uid, datetime.fromisoformat(raw) if raw else None))
-    return out
+        draining = s.execute(select(Device.id, Device.uid).where(Device.state == "draining")).all()
+        return _latest_deadlines(s, "device.drain", Event.device_id, draining)
 
 
 def host_drain_deadlines(ledger: Ledger) -> list[tuple[int, str, datetime | None]]:
     """Each draining host with the deadline of its latest `host.drain` (None: no deadline)."""
     with ledger.read() as s:
-        drained = s.execute(select(Host.id, Host.name).where(Host.status == "draining")).all()
-        if not drained:
-            return []
-        latest = (
-            select(Event.host_id, func.max(Event.id).label("event_id"))
-            .where(Event.kind == "host.drain", Event.host_id.in_([h.id for h in drained]))
-            .group_by(Event.host_id)
-            .subquery()
+        draining = s.execute(select(Host.id, Host.name).where(Host.status == "draining")).all()
+        return _latest_deadlines(s, "host.drain", Event.host_id, draining)
+
+
+def _latest_deadlines(
+    s: Session, kind: str, target: Any, targets: Sequence[Any]
+) -> list[tuple[int, str, datetime | None]]:
+    """(id, name, deadline_at of the latest `kind` event of that id) for each target; the
+    drain events are the journal of a drain (admin_ops.drain_device/drain_host)."""
+    if not targets:
+        return []
+    latest = (
+        select(target, func.max(Event.id).label("event_id"))
+        .where(Event.kind == kind, target.in_([t[0] for t in targets]))
+        .group_by(target)
+        .subquery()
+    )
+    details: dict[int, dict[str, Any]] = {
+        target_id: detail
+        for target_id, detail in s.execute(
+            select(target, Event.detail).join(latest, latest.c.event_id == Event.id)
         )
-        details: dict[int, dict[str, Any]] = {
-            host_id: detail
-            for host_id, detail in s.execute(
-                select(Event.host_id, Event.detail).join(latest, latest.c.event_id == Event.id)
-            )
-        }
+    }
     out: list[tuple[int, str, datetime | None]] = []
-    for host_id, name in drained:
-        raw = (details.get(host_id) or {}).get("deadline_at")
-        out.append((host_id, name, datetime.fromisoformat(raw) if raw else None))
+    for target_id, name in targets:
+        raw = (details.get(target_id) or {}).get("deadline_at")
+        out.append((target_id, name, datetime.fromisoformat(raw) if raw else None))
     return out
 
 

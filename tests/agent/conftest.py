@@ -12,7 +12,9 @@ import shutil
 import socket
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import pytest
 
 from agent.backends import Materialised
 from agent.backends.emulated import EmulatedBackend
+from agent.link import PooldLink
 from agent.protocol import (
     PROTOCOL_VERSION,
     HelloArgs,
@@ -41,6 +44,9 @@ from agent.protocol import (
     StatsResult,
 )
 from agent.server import AgentServer, Peer
+from agent.service import AgentService
+from poold.api.client import PooldClient
+from poold.api.schemas import InventoryDevice, TenantSpec
 from poold.errors import LeaseNotActive, NotOwner, NotShrinkable, UnknownLease
 
 NOBODY = 65534
@@ -198,3 +204,56 @@ def server(sock_dir: Path, handler: EmulatedHandler) -> Iterator[AgentServer]:
     with AgentServer(sock_dir / "agent.sock", handler) as server:
         server.start_in_thread()
         yield server
+
+
+def emulated_device(capacity_bytes: int, alignment_bytes: int = 2 << 20) -> InventoryDevice:
+    """One emulated pool device of host h1, as an agent's inventory reports it."""
+    return InventoryDevice(
+        uid="h1/emulated:0",
+        kind="emulated",
+        media="emulated",
+        capacity_bytes=capacity_bytes,
+        alignment_bytes=alignment_bytes,
+        health="ok",
+        local_name="memfd",
+    )
+
+
+@dataclass
+class LinkedAgent:
+    """A real AgentService of host h1, linked to a real poold (the ``api`` fixture)."""
+
+    service: AgentService
+    link: PooldLink
+    client: PooldClient
+
+
+@contextmanager
+def linked_agent(
+    api_url: str, admin: PooldClient, device: InventoryDevice, tenants: Sequence[str]
+) -> Iterator[LinkedAgent]:
+    """Host h1 registered with ``device``, ``tenants`` allowed for this uid, an agent service."""
+    credential = admin.add_host("h1").credential
+    for name in tenants:
+        admin.create_tenant(TenantSpec(name=name, quota_bytes=1 << 30, allowed_uids=[os.getuid()]))
+    client = PooldClient(api_url, credential)
+    link = PooldLink(client, "test")
+    link.register([device])
+    service = AgentService("h1", link, {"emulated": EmulatedBackend()})
+    try:
+        yield LinkedAgent(service, link, client)
+    finally:
+        service.close()
+        client.close()
+
+
+@contextmanager
+def serving(service: AgentService) -> Iterator[Path]:
+    """``service`` behind a real AgentServer socket (in a short temp dir); its path."""
+    directory = Path(tempfile.mkdtemp(prefix="poold-agent-"))
+    try:
+        with AgentServer(directory / "agent.sock", service) as server:
+            server.start_in_thread()
+            yield server.socket_path
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

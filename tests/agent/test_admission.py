@@ -7,9 +7,6 @@ calls are serialised). One emulated device holds two 32 MiB leases.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,28 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from agent.backends.emulated import EmulatedBackend
 from agent.client import Lease, PoolClient
-from agent.link import PooldLink
-from agent.server import AgentServer
 from agent.service import AgentService
 from poold.api.client import PooldClient
-from poold.api.schemas import InventoryDevice, TenantSpec
 from poold.errors import NoCapacity, PoolError
+from tests.agent.conftest import emulated_device, linked_agent, serving
 from tests.conftest import ThreadedServer
 
 MIB = 1 << 20
 LEASE_BYTES = 32 * MIB
 
-DEVICE = InventoryDevice(
-    uid="h1/emulated:0",
-    kind="emulated",
-    media="emulated",
-    capacity_bytes=2 * LEASE_BYTES,
-    alignment_bytes=2 * MIB,
-    health="ok",
-    local_name="memfd",
-)
+DEVICE = emulated_device(2 * LEASE_BYTES)
 
 
 @dataclass
@@ -57,24 +43,15 @@ class Stack:
 
 @pytest.fixture
 def stack(api: ThreadedServer, admin: PooldClient) -> Iterator[Stack]:
-    credential = admin.add_host("h1").credential
-    for name in ("holder", "waiter"):
-        admin.create_tenant(TenantSpec(name=name, quota_bytes=1 << 30, allowed_uids=[os.getuid()]))
-    poold = PooldClient(api.url, credential)
-    link = PooldLink(poold, "test")
-    link.register([DEVICE])
-    service = AgentService("h1", link, {"emulated": EmulatedBackend()})
-    sock_dir = Path(tempfile.mkdtemp(prefix="poold-admission-"))
-    with AgentServer(sock_dir / "agent.sock", service) as server:
-        server.start_in_thread()
-        with PoolClient(server.socket_path, timeout_s=10) as holder:
-            s = Stack(service, server.socket_path, holder)
-            yield s
-            for c in s.clients:
-                c.close()
-    service.close()
-    poold.close()
-    shutil.rmtree(sock_dir, ignore_errors=True)
+    with (
+        linked_agent(api.url, admin, DEVICE, ["holder", "waiter"]) as agent,
+        serving(agent.service) as socket_path,
+        PoolClient(socket_path, timeout_s=10) as holder,
+    ):
+        s = Stack(agent.service, socket_path, holder)
+        yield s
+        for c in s.clients:
+            c.close()
 
 
 class Waiter:

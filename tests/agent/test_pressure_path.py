@@ -12,30 +12,25 @@ the deadline is revoked.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
 
-from agent.backends.emulated import EmulatedBackend
 from agent.client import PoolClient
 from agent.kv import KVStore
 from agent.link import PooldLink
-from agent.server import AgentServer
 from agent.service import AgentService
 from poold.api.client import PooldClient
-from poold.api.schemas import InventoryDevice, TenantSpec
 from poold.errors import InvalidSize, LeaseNotActive, NotShrinkable
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event
 from poold.ledger.models import Lease as LeaseRow
 from poold.ledger.reaper import Reaper, ReaperPolicy
+from tests.agent.conftest import emulated_device, linked_agent, serving
 from tests.conftest import ThreadedServer
 
 KIB = 1 << 10
@@ -43,15 +38,7 @@ MIB = 1 << 20
 BLOCK_BYTES = 256 * KIB
 LEASE_BYTES = 32 * MIB
 
-DEVICE = InventoryDevice(
-    uid="h1/emulated:0",
-    kind="emulated",
-    media="emulated",
-    capacity_bytes=2 * LEASE_BYTES,  # two leases fill it: under any watermark
-    alignment_bytes=2 * MIB,
-    health="ok",
-    local_name="memfd",
-)
+DEVICE = emulated_device(2 * LEASE_BYTES)  # two leases fill it: under any watermark
 
 
 @dataclass
@@ -72,21 +59,12 @@ class Stack:
 
 @pytest.fixture
 def stack(api: ThreadedServer, admin: PooldClient, ledger: Ledger) -> Iterator[Stack]:
-    credential = admin.add_host("h1").credential
-    for name in ("rich", "frugal"):
-        admin.create_tenant(TenantSpec(name=name, quota_bytes=1 << 30, allowed_uids=[os.getuid()]))
-    poold = PooldClient(api.url, credential)
-    link = PooldLink(poold, "test")
-    link.register([DEVICE])
-    service = AgentService("h1", link, {"emulated": EmulatedBackend()})
-    sock_dir = Path(tempfile.mkdtemp(prefix="poold-pressure-"))
-    with AgentServer(sock_dir / "agent.sock", service) as server:
-        server.start_in_thread()
-        with PoolClient(server.socket_path, timeout_s=10) as tenant:
-            yield Stack(api, link, service, tenant, ledger)
-    service.close()
-    poold.close()
-    shutil.rmtree(sock_dir, ignore_errors=True)
+    with (
+        linked_agent(api.url, admin, DEVICE, ["rich", "frugal"]) as agent,
+        serving(agent.service) as socket_path,
+        PoolClient(socket_path, timeout_s=10) as tenant,
+    ):
+        yield Stack(api, agent.link, agent.service, tenant, ledger)
 
 
 def fill(kv: KVStore, replicas: int) -> tuple[set[str], set[str]]:

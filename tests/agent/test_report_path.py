@@ -18,14 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent import protocol as p
-from agent.backends.emulated import EmulatedBackend
 from agent.kv import KVStore, Reporter
-from agent.link import PooldLink
 from agent.server import Peer
 from agent.service import AgentService
 from poold.api.client import PooldClient
-from poold.api.schemas import Heartbeat, InventoryDevice, LeaseReport, Renewal, TenantSpec
+from poold.api.schemas import Heartbeat, LeaseReport, Renewal
 from poold.errors import LeaseNotActive, NotOwner
+from tests.agent.conftest import LinkedAgent, emulated_device, linked_agent
 from tests.conftest import ThreadedServer, free_port
 
 KIB = 1 << 10
@@ -35,35 +34,16 @@ BLOCK_BYTES = 256 * KIB
 PEER = Peer(connection_id=1, pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
 STRANGER = Peer(connection_id=2, pid=1, uid=os.getuid() + 1, gid=os.getgid() + 1)
 
-DEVICE = InventoryDevice(
-    uid="h1/emulated:0",
-    kind="emulated",
-    media="emulated",
-    capacity_bytes=64 * MIB,
-    alignment_bytes=2 * MIB,
-    health="ok",
-    local_name="memfd",
-)
+DEVICE = emulated_device(64 * MIB)
 
 
-@dataclass
-class Agent:
-    service: AgentService
-    link: PooldLink
-    client: PooldClient
+Agent = LinkedAgent
 
 
 @pytest.fixture
 def agent(api: ThreadedServer, admin: PooldClient) -> Iterator[Agent]:
-    credential = admin.add_host("h1").credential
-    admin.create_tenant(TenantSpec(name="t", quota_bytes=1 << 30, allowed_uids=[os.getuid()]))
-    client = PooldClient(api.url, credential)
-    link = PooldLink(client, "test")
-    link.register([DEVICE])
-    service = AgentService("h1", link, {"emulated": EmulatedBackend()})
-    yield Agent(service, link, client)
-    service.close()
-    client.close()
+    with linked_agent(api.url, admin, DEVICE, ["t"]) as linked:
+        yield linked
 
 
 @dataclass
