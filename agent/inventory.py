@@ -23,8 +23,8 @@ from agent.discovery.annotations import AnnotationError, Annotations, from_agent
 from agent.discovery.hotplug import EventSource, RescanScheduler, udev_source
 from agent.journal import Journal
 from agent.link import PooldLink, inventory_digest
-from poold.api.schemas import InventoryDevice
 from poold.extents import align_down
+from poold.wire.agent import InventoryDevice
 
 log = logging.getLogger("pool_agent.inventory")
 

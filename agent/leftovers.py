@@ -41,15 +41,15 @@ from collections.abc import Callable, Iterable
 
 from agent.backends.devdax import DevdaxBackend
 from agent.journal import Journal, SubDevice
-from poold.api.schemas import LeftoverSubDevice
 from poold.errors import BackendFailed
+from poold.wire.agent import LeftoverSubDevice
 
 log = logging.getLogger("pool_agent.leftovers")
 
 # A sub-device must be seen untied this long before it is reported: a release or
 # revoke forgets the lease a moment before its teardown completes.
 LEFTOVER_SETTLE_S = 10.0
-# At most this many per heartbeat (the wire's cap, poold.api.schemas.Heartbeat.leftovers).
+# At most this many per heartbeat (the wire's cap, poold.wire.Heartbeat.leftovers).
 MAX_REPORTED = 10_000
 
 Key = tuple[int, str]  # (dax region id, sub-device name)

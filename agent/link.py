@@ -23,19 +23,19 @@ from collections.abc import Callable
 from datetime import datetime
 
 from poold.api.client import PooldClient
-from poold.api.schemas import (
+from poold.errors import PooldUnreachable, PoolError
+from poold.wire.agent import (
     AgentLease,
     GrantRequest,
     Heartbeat,
     HeartbeatReply,
     InventoryDevice,
     LeaseOp,
-    LeaseOut,
     LeaseReport,
     LeftoverSubDevice,
     Renewal,
 )
-from poold.errors import PooldUnreachable, PoolError
+from poold.wire.common import LeaseOut
 
 log = logging.getLogger("pool_agent.link")
 

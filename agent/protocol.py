@@ -28,14 +28,6 @@ from typing import Annotated, Any, Final
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from poold.api.schemas import (
-    MAX_LEASE_BYTES,
-    MAX_TTL_S,
-    DeviceKind,
-    LeaseState,
-    MediaClass,
-    TenantName,
-)
 from poold.errors import (
     AgentProtocolError,
     BadRequest,
@@ -44,6 +36,8 @@ from poold.errors import (
     PoolError,
     from_wire,
 )
+from poold.lease_states import LeaseState
+from poold.wire.common import MAX_LEASE_BYTES, MAX_TTL_S, DeviceKind, MediaClass, TenantName
 
 PROTOCOL_VERSION: Final = 1
 MAX_FRAME_BYTES: Final = 64 * 1024

@@ -36,20 +36,6 @@ from agent.link import Holdings, PooldLink
 from agent.server import Peer
 from agent.warm import WarmPool
 from poold import __version__
-from poold.api.schemas import (
-    AgentLease,
-    GrantRequest,
-    HeartbeatReply,
-    InventoryDevice,
-    LeaseHolder,
-    LeaseOp,
-    LeaseOut,
-    LeaseReport,
-    Revocation,
-    ScrubOrder,
-    ScrubProgress,
-    ShrinkHint,
-)
 from poold.errors import (
     BackendFailed,
     InvalidSize,
@@ -61,6 +47,20 @@ from poold.errors import (
     UnknownLease,
 )
 from poold.extents import align_up
+from poold.wire.agent import (
+    AgentLease,
+    GrantRequest,
+    HeartbeatReply,
+    InventoryDevice,
+    LeaseHolder,
+    LeaseOp,
+    LeaseReport,
+    Revocation,
+    ScrubOrder,
+    ScrubProgress,
+    ShrinkHint,
+)
+from poold.wire.common import LeaseOut
 
 log = logging.getLogger("pool_agent")
 
@@ -73,7 +73,6 @@ def _memfd_shrinkable(fd: int) -> bool:
         return False
 
 
-PROTOCOL_VERSION = 1
 ENDED_MEMORY = 4096
 # Tear a revoked lease down this long before poold's deadline, so the confirmation
 # arrives in time and the reaper never has to reclaim it by force.
@@ -283,7 +282,7 @@ class AgentService:
             agent_version=__version__,
             host=self.host,
             agent_pid=os.getpid(),
-            protocol_version=PROTOCOL_VERSION,
+            protocol_version=p.PROTOCOL_VERSION,
             peer_uid=peer.uid,
             peer_gid=peer.gid,
             peer_pid=peer.pid,

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from cli.poolctl import Ctx, emit_json, json_option, pass_ctx, run
 from cli.units import format_size
-from poold.api.schemas import AccountingBy, AccountingReport, ServedRow, UsageRow
+from poold.wire.admin import AccountingBy, AccountingReport, ServedRow, UsageRow
 
 _AGO = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*(?:ago)?\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

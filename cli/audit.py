@@ -17,8 +17,8 @@ from rich.table import Table
 from rich.text import Text
 
 from cli.poolctl import Ctx, emit_json, json_option, pass_ctx
-from poold.api.schemas import AuditItem, AuditReport
 from poold.errors import PoolError
+from poold.wire.admin import AuditItem, AuditReport
 
 NEEDS_HUMAN = 2
 

@@ -16,8 +16,8 @@ from rich.text import Text
 
 from cli.poolctl import Ctx, emit_json, fail, json_option, pass_ctx, run
 from cli.units import format_size
-from poold.api.schemas import DeviceAnnotate, DeviceStatus
 from poold.errors import BadRequest, PoolError, UnknownDevice
+from poold.wire.admin import DeviceAnnotate, DeviceStatus
 
 ANNOTATION_FIELDS = ("media", "recycled", "provenance", "cost_per_gib_month")
 

@@ -11,7 +11,7 @@ import click
 
 from cli.devices import resolve
 from cli.poolctl import Ctx, emit_json, json_option, pass_ctx, run
-from poold.api.schemas import DrainResult
+from poold.wire.admin import DrainResult
 
 
 def _drained(out: DrainResult, as_json: bool) -> None:

@@ -20,9 +20,9 @@ from rich.text import Text
 
 from cli.units import format_size, parse_size
 from poold.api.client import PooldClient
-from poold.api.schemas import TenantSpec, TenantUpdate
 from poold.errors import PoolError
 from poold.settings import DEFAULT_PORT, default_state_dir
+from poold.wire.admin import TenantSpec, TenantUpdate
 
 F = TypeVar("F", bound=Callable[..., Any])
 

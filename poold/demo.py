@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 
 from poold import procs
-from poold.api.schemas import TenantSpec
+from poold.wire.admin import TenantSpec
 
 console = Console(highlight=False)
 

@@ -73,6 +73,10 @@ TRANSITIONS: dict[tuple[LeaseState, LeaseEvent], LeaseState] = {
 LIVE_STATES: frozenset[LeaseState] = frozenset(
     {S.GRANTED, S.ACTIVE, S.EXPIRED, S.ORPHANED, S.REVOKING, S.SCRUBBING}
 )
+# The same, as the plain strings the ledger stores and compares in SQL (a driver may
+# bind an Enum by its name, so SQL never sees the enum members themselves).
+LIVE_STATE_VALUES: tuple[str, ...] = tuple(s.value for s in LeaseState if s in LIVE_STATES)
+LIVE_STATES_SQL = "(" + ",".join(f"'{s}'" for s in LIVE_STATE_VALUES) + ")"
 TERMINAL_STATES: frozenset[LeaseState] = frozenset({S.RELEASED, S.RECLAIMED, S.ABORTED})
 # States in which the holder may still use the memory and renew it.
 HELD_STATES: frozenset[LeaseState] = frozenset({S.GRANTED, S.ACTIVE})

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from poold.api.client import PooldClient
-from poold.api.schemas import TenantSpec
+from poold.wire.admin import TenantSpec
 
 
 def free_port() -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from poold.api.schemas import DeviceKind
+from poold.wire.common import DeviceKind
 
 
 @dataclass(frozen=True, slots=True)

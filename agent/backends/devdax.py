@@ -47,8 +47,8 @@ from pathlib import Path
 
 from agent.backends import Materialised
 from agent.backends.sysfs_write import ApplyHook, SysfsTransaction, read_attr, write_attr
-from poold.api.schemas import DeviceKind
 from poold.errors import BackendFailed, InvalidSize
+from poold.wire.common import DeviceKind
 
 log = logging.getLogger(__name__)
 

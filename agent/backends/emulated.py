@@ -19,8 +19,8 @@ import mmap
 import os
 
 from agent.backends import Materialised
-from poold.api.schemas import DeviceKind
 from poold.errors import BackendFailed, InvalidSize
+from poold.wire.common import DeviceKind
 
 # In the fcntl module since Python 3.8 on Linux; the fallbacks are the kernel's
 # values (include/uapi/linux/fcntl.h) for builds that lack them.

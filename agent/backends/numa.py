@@ -92,8 +92,8 @@ from typing import Literal
 from agent.backends import Materialised
 from agent.backends import numa_sys as sys_numa
 from agent.backends.emulated import _memfd_name, lease_seals
-from poold.api.schemas import DeviceKind
 from poold.errors import BackendFailed, InvalidSize
+from poold.wire.common import DeviceKind
 
 log = logging.getLogger(__name__)
 

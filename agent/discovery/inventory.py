@@ -20,7 +20,7 @@ from agent.discovery.model import PoolDevice, build_pool_devices
 from agent.discovery.numa import NumaInventory, read_numa
 from agent.discovery.sysfs import SysfsReader
 from agent.discovery.tiers import TierInventory, read_tiers
-from poold.api.schemas import InventoryDevice
+from poold.wire.agent import InventoryDevice
 
 LIVE_SYSFS = Path("/sys")
 

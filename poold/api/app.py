@@ -1,53 +1,32 @@
 """poold's HTTP/JSON API: parse, authorise, call the ledger, map errors. Nothing else.
 
-Handlers are plain functions over `poold.ledger`; every failure leaves as
-`{"code", "message"}` with the status its `PoolError` class carries.
+Every route of `poold.wire.routes` gets one handler here, bound by its name; the app
+refuses to build when a route has none. Who may call a route is the table's word
+(`Route.auth`), checked before the handler runs. Handlers open no transactions: each
+calls one ledger function (which owns its transaction) and returns its value. Every
+failure leaves as `{"code", "message"}` with the status its `PoolError` class carries.
 """
 
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
 import time
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from sqlalchemy import select
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from poold import __version__, pressure
-from poold.api.schemas import (
-    AccountingBy,
-    AccountingReport,
-    AgentOps,
-    AuditReport,
-    DeviceAnnotate,
-    DeviceDrainRequest,
-    DeviceStatus,
-    DrainResult,
-    EndRequest,
-    GrantRequest,
-    Heartbeat,
-    HeartbeatReply,
-    HostCreated,
-    HostDrainRequest,
-    HostOut,
-    HostSpec,
-    LeaseOpResult,
-    LeaseOut,
-    PoolStatus,
-    RenewRequest,
-    RevokedConfirm,
-    RevokeRequest,
-    TenantOut,
-    TenantSpec,
-    TenantUpdate,
-)
 from poold.errors import (
     BadRequest,
     Forbidden,
@@ -58,22 +37,50 @@ from poold.errors import (
     Unauthorized,
 )
 from poold.lease_states import LeaseEvent
-from poold.ledger import (
-    accounting,
-    admin_ops,
-    audit,
-    capacity,
-    devices,
-    events,
-    hosts,
-    leases,
-    tenants,
-)
+from poold.ledger import accounting as ledger_accounting
+from poold.ledger import admin_ops, capacity, devices, hosts, leases, tenants
+from poold.ledger import audit as ledger_audit
 from poold.ledger.db import Ledger
-from poold.ledger.models import Host, Tenant
 from poold.ledger.reaper import ReaperPolicy
+from poold.wire.admin import (
+    AccountingReport,
+    AuditReport,
+    DeviceAnnotate,
+    DeviceDrainRequest,
+    DeviceStatus,
+    DrainResult,
+    HostCreated,
+    HostDrainRequest,
+    HostOut,
+    HostSpec,
+    PoolStatus,
+    RevokeRequest,
+    TenantOut,
+    TenantSpec,
+    TenantUpdate,
+)
+from poold.wire.agent import (
+    AgentOps,
+    GrantRequest,
+    Heartbeat,
+    HeartbeatReply,
+    LeaseOpResult,
+    RenewRequest,
+    RevokedConfirm,
+)
+from poold.wire.common import EndRequest, LeaseOut
+from poold.wire.routes import (
+    ROUTES,
+    AccountingQuery,
+    AuditQuery,
+    Auth,
+    LeaseQuery,
+    Route,
+)
 
 log = logging.getLogger("poold.api")
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -116,8 +123,7 @@ async def principal(request: Request) -> Principal:
     if hit is not None and now - hit[1] < AUTH_CACHE_TTL_S:
         return Principal(admin=False, host=hit[0])
     ledger: Ledger = request.app.state.ledger
-    with ledger.read() as session:
-        name = hosts.authenticate_name(session.connection(), digest)
+    name = hosts.authenticate(ledger, digest)
     if len(cache) > 10_000:
         cache.clear()
     cache[digest] = (name, now)
@@ -128,8 +134,79 @@ async def principal(request: Request) -> Principal:
 Caller = Annotated[Principal, Depends(principal)]
 
 
+async def _admin(p: Caller) -> Principal:
+    if not p.admin:
+        raise Forbidden("this needs the admin token")
+    return p
+
+
+async def _agent(p: Caller) -> Principal:
+    if p.host is None:
+        raise Forbidden("this needs an agent credential")
+    return p
+
+
+_AUTH: dict[Auth, list[Any]] = {
+    "none": [],
+    "admin": [Depends(_admin)],
+    "agent": [Depends(_agent)],
+    "any": [Depends(principal)],
+}
+
+
+def _host_of(p: Principal) -> str:
+    """The calling agent's host (routes of auth "agent" have checked there is one)."""
+    assert p.host is not None
+    return p.host
+
+
 def _error(err: PoolError) -> JSONResponse:
     return JSONResponse(err.to_dict(), status_code=err.http_status)
+
+
+class _Binder:
+    """Binds handlers to the routes of `poold.wire.routes`, by name (subiquity's `bind`)."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self.bound: set[str] = set()
+
+    def __call__(self, fn: F) -> F:
+        route = ROUTES.get(fn.__name__)
+        if route is None:
+            raise RuntimeError(f"handler {fn.__name__} has no route in poold.wire.routes")
+        _check_body(route, fn)
+        self.app.add_api_route(
+            route.path,
+            fn,
+            methods=[route.method],
+            status_code=route.status_code,
+            dependencies=_AUTH[route.auth],
+            name=route.name,
+        )
+        self.bound.add(route.name)
+        return fn
+
+    def check_complete(self) -> None:
+        missing = [name for name in ROUTES if name not in self.bound]
+        if missing:
+            raise RuntimeError(f"routes without a handler: {', '.join(missing)}")
+
+
+def _check_body(route: Route[Any], fn: Callable[..., Any]) -> None:
+    """A handler's body parameter is the model the route table names, or none at all."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    models = set()
+    for name in inspect.signature(fn).parameters:
+        hint = hints.get(name)
+        for tp in (hint, *typing.get_args(hint)):
+            if isinstance(tp, type) and issubclass(tp, BaseModel):
+                if route.query is not None and tp is route.query:
+                    continue
+                models.add(tp)
+    expected = {route.body} if route.body is not None else set()
+    if models != expected:
+        raise RuntimeError(f"handler {fn.__name__} takes {models}, its route says {expected}")
 
 
 def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
@@ -138,13 +215,14 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
     app.state.admin_token = admin_token
     app.state.auth_cache = {}
     registry = CollectorRegistry()
-    requests_total = Counter(
+    errors_total = Counter(
         "poold_api_errors_total", "API errors by code", ["code"], registry=registry
     )
+    bind = _Binder(app)
 
     @app.exception_handler(PoolError)
     async def _pool_error(_req: Request, err: PoolError) -> JSONResponse:
-        requests_total.labels(err.code).inc()
+        errors_total.labels(err.code).inc()
         log.info("refused: %s: %s", err.code, err.message)
         return _error(err)
 
@@ -160,7 +238,7 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
             if any(tuple(e.get("loc", ()))[:2] == ("body", "size_bytes") for e in err.errors())
             else BadRequest
         )
-        requests_total.labels(cls.code).inc()
+        errors_total.labels(cls.code).inc()
         return _error(cls(f"invalid request: {problems}"))
 
     @app.exception_handler(StarletteHTTPException)
@@ -181,147 +259,123 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
             status_code=500,
         )
 
-    def admin_only(p: Principal) -> None:
-        if not p.admin:
-            raise Forbidden("this needs the admin token")
+    def policy() -> ReaperPolicy:
+        # server.py sets the configured one; an app built by a test uses the defaults.
+        found = getattr(app.state, "reaper_policy", None)
+        return found if isinstance(found, ReaperPolicy) else ReaperPolicy()
 
-    def agent_only(p: Principal) -> str:
-        if p.host is None:
-            raise Forbidden("this needs an agent credential")
-        return p.host
+    def receive(beat: Heartbeat, p: Principal, *, register: bool) -> HeartbeatReply:
+        """Apply a heartbeat with the pressure settings serve() put on the app."""
+        return hosts.receive_heartbeat(
+            ledger,
+            _host_of(p),
+            beat,
+            p.actor,
+            register=register,
+            pressure_watermark=float(
+                getattr(app.state, "pressure_watermark", pressure.DEFAULT_WATERMARK)
+            ),
+            shrink_deadline_s=float(
+                getattr(app.state, "shrink_deadline_s", pressure.DEFAULT_DEADLINE_S)
+            ),
+        )
 
-    @app.get("/v1/health")
+    @bind
     async def health() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
 
-    @app.get("/metrics")
+    @bind
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     # --- tenants ---------------------------------------------------------
-    @app.post("/v1/tenants", status_code=201)
+    @bind
     async def create_tenant(spec: TenantSpec, p: Caller) -> TenantOut:
-        admin_only(p)
-        with ledger.write() as s:
-            return tenants.to_out(s, tenants.create(s, spec, p.actor))
+        return tenants.create_tenant(ledger, spec, p.actor)
 
-    @app.get("/v1/tenants")
-    async def list_tenants(p: Caller) -> list[TenantOut]:
-        admin_only(p)
-        with ledger.read() as s:
-            return [tenants.to_out(s, t) for t in s.scalars(select(Tenant).order_by(Tenant.name))]
+    @bind
+    async def list_tenants() -> list[TenantOut]:
+        return tenants.list_tenants(ledger)
 
-    @app.get("/v1/tenants/{name}")
-    async def get_tenant(name: str, p: Caller) -> TenantOut:
-        admin_only(p)
-        with ledger.read() as s:
-            return tenants.to_out(s, tenants.get_by_name(s, name))
+    @bind
+    async def get_tenant(name: str) -> TenantOut:
+        return tenants.get_tenant(ledger, name)
 
-    @app.patch("/v1/tenants/{name}")
+    @bind
     async def update_tenant(name: str, change: TenantUpdate, p: Caller) -> TenantOut:
-        admin_only(p)
-        with ledger.write() as s:
-            return tenants.to_out(s, tenants.update(s, name, change, p.actor))
+        return tenants.update_tenant(ledger, name, change, p.actor)
 
-    @app.delete("/v1/tenants/{name}", status_code=204)
+    @bind
     async def delete_tenant(name: str, p: Caller) -> Response:
-        admin_only(p)
-        with ledger.write() as s:
-            tenants.delete(s, name, p.actor)
+        tenants.delete_tenant(ledger, name, p.actor)
         return Response(status_code=204)
 
-    # --- hosts -----------------------------------------------------------
-    @app.post("/v1/hosts", status_code=201)
+    # --- hosts and their agents ------------------------------------------
+    @bind
     async def add_host(spec: HostSpec, p: Caller) -> HostCreated:
-        admin_only(p)
-        with ledger.write() as s:
-            host, credential = hosts.add(s, spec.name, p.actor)
-            return HostCreated(**hosts.to_out(host).model_dump(), credential=credential)
+        return hosts.add_host(ledger, spec.name, p.actor)
 
-    @app.get("/v1/hosts")
-    async def list_hosts(p: Caller) -> list[HostOut]:
-        admin_only(p)
-        with ledger.read() as s:
-            return [hosts.to_out(h) for h in s.scalars(select(Host).order_by(Host.name))]
+    @bind
+    async def list_hosts() -> list[HostOut]:
+        return hosts.list_hosts(ledger)
 
-    def pressure_options() -> dict[str, float]:
-        """The heartbeat's pressure settings (PooldSettings, as serve() put them on the app)."""
-        return {
-            "pressure_watermark": float(
-                getattr(app.state, "pressure_watermark", pressure.DEFAULT_WATERMARK)
-            ),
-            "shrink_deadline_s": float(
-                getattr(app.state, "shrink_deadline_s", pressure.DEFAULT_DEADLINE_S)
-            ),
-        }
-
-    @app.post("/v1/agent/register")
+    @bind
     async def register(beat: Heartbeat, p: Caller) -> HeartbeatReply:
-        name = agent_only(p)
         if beat.inventory is None:
             raise BadRequest("register needs the host's inventory")
-        with ledger.write() as s:
-            host = hosts.get_by_name(s, name)
-            events.record(
-                s,
-                actor=p.actor,
-                kind="host.register",
-                host_id=host.id,
-                detail={"agent_version": beat.agent_version, "devices": len(beat.inventory)},
-            )
-            return hosts.heartbeat(s, host, beat, **pressure_options())
+        return receive(beat, p, register=True)
 
-    @app.post("/v1/agent/heartbeat")
+    @bind
     async def heartbeat(beat: Heartbeat, p: Caller) -> HeartbeatReply:
-        name = agent_only(p)
-        with ledger.write() as s:
-            return hosts.heartbeat(s, hosts.get_by_name(s, name), beat, **pressure_options())
+        return receive(beat, p, register=False)
+
+    @bind
+    async def apply_ops(body: AgentOps, p: Caller) -> list[LeaseOpResult]:
+        return leases.apply_ops(ledger, _host_of(p), body.ops, p.actor)
+
+    @bind
+    async def confirm_revoked(body: RevokedConfirm, p: Caller) -> list[LeaseOpResult]:
+        return admin_ops.confirm_revoked(ledger, _host_of(p), body.lease_ids, p.actor)
 
     # --- leases ----------------------------------------------------------
-    @app.post("/v1/agent/ops")
-    async def agent_ops(body: AgentOps, p: Caller) -> list[LeaseOpResult]:
-        return leases.apply_ops(ledger, agent_only(p), body.ops, p.actor)
-
-    @app.post("/v1/leases", status_code=201)
+    @bind
     async def grant(req: GrantRequest, p: Caller) -> LeaseOut:
-        return leases.grant(ledger, agent_only(p), req, p.actor)
+        return leases.grant(ledger, _host_of(p), req, p.actor)
 
-    @app.post("/v1/leases/{lease_id}/activate")
+    @bind
     async def activate(lease_id: str, p: Caller) -> LeaseOut:
-        return leases.activate(ledger, agent_only(p), lease_id, p.actor)
+        return leases.activate(ledger, _host_of(p), lease_id, p.actor)
 
-    @app.post("/v1/leases/{lease_id}/renew")
+    @bind
     async def renew(lease_id: str, body: RenewRequest, p: Caller) -> LeaseOut:
-        return leases.renew(ledger, agent_only(p), lease_id, body.ttl_s)
+        return leases.renew(ledger, _host_of(p), lease_id, body.ttl_s)
 
-    @app.post("/v1/leases/{lease_id}/release")
+    @bind
     async def release(lease_id: str, body: EndRequest, p: Caller) -> LeaseOut:
         return leases.end(
             ledger, lease_id, LeaseEvent.RELEASE, p.actor, body.reason, host_name=p.host
         )
 
-    @app.post("/v1/leases/{lease_id}/abort")
+    @bind
     async def abort(lease_id: str, body: EndRequest, p: Caller) -> LeaseOut:
         return leases.end(
-            ledger, lease_id, LeaseEvent.ABORT, p.actor, body.reason, host_name=agent_only(p)
+            ledger, lease_id, LeaseEvent.ABORT, p.actor, body.reason, host_name=_host_of(p)
         )
 
-    @app.get("/v1/leases")
-    async def list_leases(
-        p: Caller,
-        tenant: str | None = None,
-        host: str | None = None,
-        state: Annotated[list[str] | None, Query()] = None,
-        live: bool = False,
-        limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
-    ) -> list[LeaseOut]:
-        if not p.admin:
-            host = p.host  # an agent sees its own host's leases only
+    @bind
+    async def revoke(lease_id: str, body: RevokeRequest, p: Caller) -> LeaseOut:
+        deadline_s = body.deadline_s if body.deadline_s is not None else policy().revoke_deadline_s
+        return admin_ops.revoke_lease(ledger, lease_id, body.reason, p.actor, deadline_s=deadline_s)
+
+    @bind
+    async def list_leases(p: Caller, q: Annotated[LeaseQuery, Query()]) -> list[LeaseOut]:
+        # An agent sees its own host's leases only.
+        host = q.host if p.admin else p.host
         return leases.list_leases(
-            ledger, tenant=tenant, host=host, states=state, live_only=live, limit=limit
+            ledger, tenant=q.tenant, host=host, states=q.state, live_only=q.live, limit=q.limit
         )
 
-    @app.get("/v1/leases/{lease_id}")
+    @bind
     async def show_lease(lease_id: str, p: Caller) -> LeaseOut:
         out = leases.show(ledger, lease_id)
         if not p.admin and out.host != p.host:
@@ -329,45 +383,23 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
             raise NotOwner(f"lease {lease_id} is not held on host {p.host!r}", lease_id=lease_id)
         return out
 
-    @app.get("/v1/status")
-    async def status(p: Caller) -> PoolStatus:
-        admin_only(p)
+    # --- capacity and devices --------------------------------------------
+    @bind
+    async def status() -> PoolStatus:
         return capacity.pool_status(ledger)
 
-    # --- devices ---------------------------------------------------------
-    # `:path`: device uids contain "/" (host-scoped ones are "host/numa:node2").
-    @app.get("/v1/devices/{uid:path}")
-    async def show_device(uid: str, p: Caller) -> DeviceStatus:
-        admin_only(p)
+    @bind
+    async def show_device(uid: str) -> DeviceStatus:
         return capacity.device_status(ledger, uid)
 
-    @app.patch("/v1/devices/{uid:path}")
+    @bind
     async def annotate_device(uid: str, change: DeviceAnnotate, p: Caller) -> DeviceStatus:
-        admin_only(p)
-        with ledger.write() as s:
-            devices.annotate(s, uid, change, p.actor)
+        devices.annotate_device(ledger, uid, change, p.actor)
         return capacity.device_status(ledger, uid)
 
-    # --- lifecycle: revoke, drain, audit (poold/ledger/admin_ops.py, audit.py) ---
-    def policy() -> ReaperPolicy:
-        # server.py sets the configured one; an app built by a test uses the defaults.
-        found = getattr(app.state, "reaper_policy", None)
-        return found if isinstance(found, ReaperPolicy) else ReaperPolicy()
-
-    @app.post("/v1/leases/{lease_id}/revoke")
-    async def revoke_lease(lease_id: str, body: RevokeRequest, p: Caller) -> LeaseOut:
-        admin_only(p)
-        deadline_s = body.deadline_s if body.deadline_s is not None else policy().revoke_deadline_s
-        return admin_ops.revoke_lease(ledger, lease_id, body.reason, p.actor, deadline_s=deadline_s)
-
-    @app.post("/v1/agent/revoked")
-    async def revoked(body: RevokedConfirm, p: Caller) -> list[LeaseOpResult]:
-        return admin_ops.confirm_revoked(ledger, agent_only(p), body.lease_ids, p.actor)
-
-    # Declared after GET/PATCH /v1/devices/{uid:path}: a POST matches only these.
-    @app.post("/v1/devices/{uid:path}/drain")
+    # --- drain (poold/ledger/admin_ops.py) ----------------------------------
+    @bind
     async def drain_device(uid: str, body: DeviceDrainRequest, p: Caller) -> DrainResult:
-        admin_only(p)
         return admin_ops.drain_device(
             ledger,
             uid,
@@ -377,14 +409,12 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
             revoke_deadline_s=policy().revoke_deadline_s,
         )
 
-    @app.post("/v1/devices/{uid:path}/undrain")
+    @bind
     async def undrain_device(uid: str, p: Caller) -> DrainResult:
-        admin_only(p)
         return admin_ops.undrain_device(ledger, uid, p.actor)
 
-    @app.post("/v1/hosts/{name}/drain")
+    @bind
     async def drain_host(name: str, p: Caller, body: HostDrainRequest | None = None) -> DrainResult:
-        admin_only(p)
         body = body or HostDrainRequest()  # older clients send no body: no deadline
         return admin_ops.drain_host(
             ledger,
@@ -396,36 +426,29 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
             revoke_deadline_s=policy().revoke_deadline_s,
         )
 
-    @app.post("/v1/hosts/{name}/undrain")
+    @bind
     async def undrain_host(name: str, p: Caller) -> DrainResult:
-        admin_only(p)
         return admin_ops.drain_host(ledger, name, p.actor, draining=False)
 
-    @app.post("/v1/audit")
-    async def run_audit(p: Caller, reclaim: bool = False) -> AuditReport:
-        admin_only(p)
-        return audit.run_audit(ledger, policy(), reclaim_safe=reclaim)
+    # --- audit and accounting --------------------------------------------
+    @bind
+    async def audit(q: Annotated[AuditQuery, Query()]) -> AuditReport:
+        return ledger_audit.run_audit(ledger, policy(), reclaim_safe=q.reclaim)
 
-    # --- accounting (poold/ledger/accounting.py) ---------------------------------
-    @app.get("/v1/accounting")
-    async def get_accounting(
-        p: Caller,
-        by: AccountingBy = "tenant",
-        since: datetime | None = None,
-        until: datetime | None = None,
-    ) -> AccountingReport:
-        admin_only(p)
+    @bind
+    async def accounting(q: Annotated[AccountingQuery, Query()]) -> AccountingReport:
         # A time without a zone is UTC, as everywhere in the ledger.
-        until = _utc(until) if until is not None else datetime.now(UTC)
-        since = _utc(since) if since is not None else until - ACCOUNTING_PERIOD
+        until = _utc(q.until) if q.until is not None else datetime.now(UTC)
+        since = _utc(q.since) if q.since is not None else until - ACCOUNTING_PERIOD
         if since >= until:
             raise BadRequest(f"since ({since.isoformat()}) must be before until")
         # server.py sets the configured price; an app built by a test has none.
         ddr5 = getattr(app.state, "ddr5_cost_per_gib_month", None)
-        return accounting.report(
-            ledger, by, since, until, float(ddr5) if ddr5 is not None else None
+        return ledger_accounting.report(
+            ledger, q.by, since, until, float(ddr5) if ddr5 is not None else None
         )
 
+    bind.check_complete()
     return app
 
 

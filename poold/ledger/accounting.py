@@ -24,17 +24,12 @@ from datetime import datetime
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from poold.api.schemas import (
-    AccountingBy,
-    AccountingReport,
-    LeaseReport,
-    ServedRow,
-    UsageRow,
-)
-from poold.lease_states import LIVE_STATES, LeaseState
+from poold.lease_states import LIVE_STATE_VALUES, LIVE_STATES, LeaseState
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Host, Lease, Tenant
 from poold.ledger.types import utcnow
+from poold.wire.admin import AccountingBy, AccountingReport, ServedRow, UsageRow
+from poold.wire.agent import LeaseReport
 
 GIB = 1 << 30
 # A month of a cost basis is a twelfth of a 365-day year, as cloud price lists count it.
@@ -46,7 +41,6 @@ SAVINGS_MEDIA = "ddr4"
 # counted. A scrubbing lease is live (its bytes are taken) but its holder released it,
 # so its last report is history, not usage.
 MEMORY_HELD: frozenset[str] = frozenset(s.value for s in LIVE_STATES - {LeaseState.SCRUBBING})
-LIVE: frozenset[str] = frozenset(s.value for s in LIVE_STATES)
 # Never handed to a tenant: no GiB-hours.
 NOT_SERVED: frozenset[str] = frozenset({LeaseState.ABORTED.value})
 
@@ -106,7 +100,7 @@ def usage_row(group: str, leases: Iterable[LeaseUsage]) -> UsageRow:
     contribute reported counts; every live lease contributes its leased bytes."""
     count = reported = leased = used = exclusive = replica = ex_blocks = rep_blocks = 0
     for lease in leases:
-        if lease.state not in LIVE:
+        if lease.state not in LIVE_STATES:
             continue
         count += 1
         leased += lease.length_bytes
@@ -142,7 +136,7 @@ GROUP_KEYS: dict[str, Callable[[LeaseUsage], str]] = {
 
 def usage(leases: Iterable[LeaseUsage], by: AccountingBy) -> tuple[UsageRow, list[UsageRow]]:
     """The pool-wide row and one row per group (sorted by group name) of the live leases."""
-    live = [lease for lease in leases if lease.state in LIVE]
+    live = [lease for lease in leases if lease.state in LIVE_STATES]
     key = GROUP_KEYS[by]
     groups: dict[str, list[LeaseUsage]] = {}
     for lease in live:
@@ -240,7 +234,7 @@ def live_usage(session: Session) -> list[LeaseUsage]:
         .join(Tenant, Tenant.id == Lease.tenant_id)
         .join(Host, Host.id == Lease.host_id)
         .join(Device, Device.id == Lease.device_id)
-        .where(Lease.state.in_(sorted(LIVE)))
+        .where(Lease.state.in_(LIVE_STATE_VALUES))
     )
     return [
         LeaseUsage(

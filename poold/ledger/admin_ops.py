@@ -20,7 +20,6 @@ from datetime import timedelta
 
 from sqlalchemy import func, select, update
 
-from poold.api.schemas import DrainResult, LeaseOpResult, LeaseOut
 from poold.errors import (
     BadRequest,
     GenerationConflict,
@@ -29,14 +28,15 @@ from poold.errors import (
     PoolError,
     UnknownLease,
 )
-from poold.lease_states import LIVE_STATES, LeaseEvent, LeaseState, next_state
+from poold.lease_states import LIVE_STATE_VALUES, LeaseEvent, LeaseState, next_state
 from poold.ledger import devices, events, hosts, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Host, Lease
 from poold.ledger.reaper import reclaim_event, revoke_in, revoke_matching
 from poold.ledger.types import utcnow
-
-LIVE = [s.value for s in LIVE_STATES]
+from poold.wire.admin import DrainResult
+from poold.wire.agent import LeaseOpResult
+from poold.wire.common import LeaseOut
 
 
 def revoke_lease(
@@ -145,7 +145,7 @@ def drain_device(
         live = int(
             s.scalar(
                 select(func.count(Lease.id)).where(
-                    Lease.device_id == device_id, Lease.state.in_(LIVE)
+                    Lease.device_id == device_id, Lease.state.in_(LIVE_STATE_VALUES)
                 )
             )
             or 0
@@ -234,7 +234,9 @@ def drain_host(
         )
         live = int(
             s.scalar(
-                select(func.count(Lease.id)).where(Lease.host_id == host_id, Lease.state.in_(LIVE))
+                select(func.count(Lease.id)).where(
+                    Lease.host_id == host_id, Lease.state.in_(LIVE_STATE_VALUES)
+                )
             )
             or 0
         )

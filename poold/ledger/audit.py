@@ -58,15 +58,6 @@ from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import ScalarSelect, case, func, insert, or_, select
 from sqlalchemy.orm import Session
 
-from poold.api.schemas import (
-    AgentFindings,
-    AgentLease,
-    AuditItem,
-    AuditReport,
-    Heartbeat,
-    LeftoverSubDevice,
-    Revocation,
-)
 from poold.lease_states import LIVE_STATES, LeaseEvent, LeaseState
 from poold.ledger import events
 from poold.ledger import leases as lease_ops
@@ -74,9 +65,10 @@ from poold.ledger.db import Ledger
 from poold.ledger.models import AuditRun, Device, Event, Host, Lease, Quarantine, Tenant
 from poold.ledger.reaper import ReaperPolicy, orphaned_since, reclaim_event
 from poold.ledger.types import utcnow
+from poold.wire.admin import AgentFindings, AuditItem, AuditReport
+from poold.wire.agent import AgentLease, Heartbeat, LeftoverSubDevice, Revocation
 
 ACTOR = "poold:audit"
-LIVE = frozenset(s.value for s in LIVE_STATES)
 # At most this many items of each list are kept in the audit_runs row (counts are exact).
 STORED_ITEMS = 1000
 # Events the audit writes for an agent to act on; hosts.heartbeat turns them into
@@ -176,7 +168,7 @@ def check(snap: Snapshot, policy: ReaperPolicy, now: datetime) -> Findings:
                     f"lease is {lease.state} but its last event says {last_state}",
                 )
             )
-        if lease.state not in LIVE:
+        if lease.state not in LIVE_STATES:
             continue
         by_device[lease.device_id].append(lease)
         tenant_bytes[lease.tenant_id] += lease.length_bytes
@@ -579,7 +571,7 @@ def check_agents(
 
     for lease in leases:
         state_of[lease.id] = lease.state
-        if lease.state not in LIVE:
+        if lease.state not in LIVE_STATES:
             continue
         live_by_host[lease.host_id].add(lease.id)
         if lease.state == LeaseState.SCRUBBING.value:
@@ -652,7 +644,7 @@ def check_agents(
                 "state": state,
                 "sub_device": left.sub_device,
             }
-            if state is not None and state in LIVE:
+            if state is not None and state in LIVE_STATES:
                 mismatches.append(
                     AuditItem(
                         kind="leftover_of_live_lease",
@@ -911,7 +903,7 @@ def run_audit(
         reclaim=reclaim_safe,
         exit_code=code,
         leases=len(snap.leases),
-        live_leases=sum(1 for x in snap.leases if x.state in LIVE),
+        live_leases=sum(1 for x in snap.leases if x.state in LIVE_STATES),
         devices=len(snap.devices),
         violations=findings.violations,
         reclaimable=findings.reclaimable,

@@ -11,15 +11,13 @@ from collections import defaultdict
 from sqlalchemy import select
 
 from poold import extents
-from poold.api.schemas import DeviceStatus, HostStatus, PoolStatus
 from poold.errors import UnknownDevice
 from poold.extents import Extent
-from poold.lease_states import LIVE_STATES
+from poold.lease_states import LIVE_STATE_VALUES
 from poold.ledger.db import Ledger
 from poold.ledger.devices import admin_annotation, reserved
 from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine
-
-LIVE = [s.value for s in LIVE_STATES]
+from poold.wire.admin import DeviceStatus, HostStatus, PoolStatus
 
 
 def pool_status(ledger: Ledger) -> PoolStatus:
@@ -37,7 +35,7 @@ def pool_status(ledger: Ledger) -> PoolStatus:
         host_live: dict[int, int] = defaultdict(int)
         for device_id, host_id, offset, length in session.execute(
             select(Lease.device_id, Lease.host_id, Lease.offset_bytes, Lease.length_bytes).where(
-                Lease.state.in_(LIVE)
+                Lease.state.in_(LIVE_STATE_VALUES)
             )
         ):
             used[device_id].append(Extent(offset, length))

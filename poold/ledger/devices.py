@@ -19,12 +19,14 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from poold import extents
-from poold.api.schemas import DeviceAnnotate, DeviceAnnotation, InventoryDevice
 from poold.errors import BadRequest, UnknownDevice
 from poold.extents import Extent
 from poold.ledger import events
+from poold.ledger.db import Ledger
 from poold.ledger.models import Device
 from poold.ledger.types import utcnow
+from poold.wire.admin import DeviceAnnotate, DeviceAnnotation
+from poold.wire.agent import InventoryDevice
 
 ANNOTATION_FIELDS = ("media", "recycled", "provenance", "cost_per_gib_month")
 # What a device is when nobody said anything (the models' column defaults).
@@ -125,3 +127,9 @@ def annotate(session: Session, uid: str, change: DeviceAnnotate, actor: str) -> 
         detail={"uid": uid, "set": setting, "cleared": sorted(change.clear)},
     )
     return dev
+
+
+def annotate_device(ledger: Ledger, uid: str, change: DeviceAnnotate, actor: str) -> None:
+    """`annotate` in a transaction of its own (the API opens none)."""
+    with ledger.write() as session:
+        annotate(session, uid, change, actor)

@@ -16,18 +16,6 @@ from sqlalchemy import Connection, bindparam, select, update
 from sqlalchemy.orm import Session
 
 from poold import extents, pressure
-from poold.api.schemas import (
-    Heartbeat,
-    HeartbeatReply,
-    HostOut,
-    InventoryDevice,
-    LeaseReport,
-    RenewResult,
-    ReportRefusal,
-    Revocation,
-    ScrubOrder,
-    ShrinkHint,
-)
 from poold.errors import (
     AlreadyExists,
     BadRequest,
@@ -38,10 +26,23 @@ from poold.errors import (
     UnknownHost,
     UnknownLease,
 )
-from poold.lease_states import LIVE_STATES, LeaseState
+from poold.lease_states import LIVE_STATE_VALUES, LeaseState
 from poold.ledger import accounting, audit, devices, events, leases
+from poold.ledger.db import Ledger
 from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine
 from poold.ledger.types import check_ints_fit, utcnow
+from poold.wire.admin import HostCreated, HostOut
+from poold.wire.agent import (
+    Heartbeat,
+    HeartbeatReply,
+    InventoryDevice,
+    LeaseReport,
+    RenewResult,
+    ReportRefusal,
+    Revocation,
+    ScrubOrder,
+    ShrinkHint,
+)
 
 
 def hash_credential(credential: str) -> str:
@@ -246,7 +247,7 @@ def shrink_hints(
         _clear_shrink_requests(session, host)
         return []
     ids = [d.id for d in reached]
-    live = [s.value for s in LIVE_STATES]
+    live = LIVE_STATE_VALUES
     # Reserved extents (dax devices poold did not place) are neither free nor givable.
     used = {d.id: devices.reserved(d.reserved_extents) for d in reached}
     uses: list[pressure.LeaseUse] = []
@@ -348,7 +349,7 @@ def held_but_ended(session: Session, host: Host, held: list[str]) -> list[str]:
                 select(Lease.id).where(
                     Lease.id.in_(held[start : start + leases.IN_CHUNK]),
                     Lease.host_id == host.id,
-                    Lease.state.in_([s.value for s in LIVE_STATES]),
+                    Lease.state.in_(LIVE_STATE_VALUES),
                 )
             )
         )
@@ -472,3 +473,56 @@ def heartbeat(
             wanted_bytes=beat.admission_wanted_bytes,
         ),
     )
+
+
+# --- entry points: each owns its transaction (the API opens none) -------------------
+
+
+def add_host(ledger: Ledger, name: str, actor: str) -> HostCreated:
+    with ledger.write() as session:
+        host, credential = add(session, name, actor)
+        return HostCreated(**to_out(host).model_dump(), credential=credential)
+
+
+def list_hosts(ledger: Ledger) -> list[HostOut]:
+    with ledger.read() as session:
+        return [to_out(h) for h in session.scalars(select(Host).order_by(Host.name))]
+
+
+def authenticate(ledger: Ledger, credential_digest: str) -> str:
+    """The host name behind an agent credential's digest, or `unauthorized`."""
+    with ledger.read() as session:
+        return authenticate_name(session.connection(), credential_digest)
+
+
+def receive_heartbeat(
+    ledger: Ledger,
+    host_name: str,
+    beat: Heartbeat,
+    actor: str,
+    *,
+    register: bool = False,
+    pressure_watermark: float = pressure.DEFAULT_WATERMARK,
+    shrink_deadline_s: float = pressure.DEFAULT_DEADLINE_S,
+) -> HeartbeatReply:
+    """One heartbeat (or the agent's first, `register`, journalled) in one transaction."""
+    with ledger.write() as session:
+        host = get_by_name(session, host_name)
+        if register:
+            events.record(
+                session,
+                actor=actor,
+                kind="host.register",
+                host_id=host.id,
+                detail={
+                    "agent_version": beat.agent_version,
+                    "devices": len(beat.inventory or []),
+                },
+            )
+        return heartbeat(
+            session,
+            host,
+            beat,
+            pressure_watermark=pressure_watermark,
+            shrink_deadline_s=shrink_deadline_s,
+        )

@@ -22,7 +22,6 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from poold import placement
-from poold.api.schemas import GrantRequest, LeaseOp, LeaseOpResult, LeaseOut
 from poold.errors import (
     GenerationConflict,
     InvalidSize,
@@ -34,11 +33,16 @@ from poold.errors import (
     UnknownLease,
 )
 from poold.extents import Extent
-from poold.lease_states import LIVE_STATES, LeaseEvent, LeaseState, next_state
+from poold.lease_states import (
+    LIVE_STATE_VALUES,
+    LIVE_STATES_SQL,
+    LeaseEvent,
+    LeaseState,
+    next_state,
+)
 from poold.ledger import events, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import (
-    LIVE_STATES_SQL,
     Device,
     DevicePath,
     Event,
@@ -48,11 +52,12 @@ from poold.ledger.models import (
     Tenant,
 )
 from poold.ledger.types import check_ints_fit, utcnow
+from poold.wire.agent import GrantRequest, LeaseOp, LeaseOpResult
+from poold.wire.common import LeaseOut
 
 MAX_ATTEMPTS = 16
 IN_CHUNK = 10_000
 RETRY_BACKOFF_S = 0.002
-LIVE = [s.value for s in LIVE_STATES]
 
 # The hot path's statements, built once: constructing a Select costs tens of
 # microseconds of Python each time, and a grant runs about ten of them.
@@ -400,10 +405,10 @@ def apply_ops(
                     "lease_id": op.lease_id,
                     "from_state": before.value,
                     "to_state": after.value,
-                    "ended_at": now if after.value not in LIVE else None,
+                    "ended_at": now if after.value not in LIVE_STATE_VALUES else None,
                 },
             )
-            if after.value not in LIVE:
+            if after.value not in LIVE_STATE_VALUES:
                 freed_devices.add(row.device_id)
             if event is LeaseEvent.SCRUB_FAILED:
                 # Bytes that may still hold a tenant's data are never handed out again.
@@ -604,7 +609,7 @@ def _move(session: Session, lease: Lease, event: LeaseEvent, actor: str, reason:
     before = LeaseState(lease.state)
     after = next_state(before, event)
     lease.state = after.value
-    if after.value not in LIVE:
+    if after.value not in LIVE_STATE_VALUES:
         lease.ended_at = utcnow()
         # Freed bytes change what the allocator may hand out.
         session.execute(
@@ -806,7 +811,7 @@ def list_leases(
     if host is not None:
         stmt = stmt.where(Host.name == host)
     if live_only:
-        stmt = stmt.where(Lease.state.in_(LIVE))
+        stmt = stmt.where(Lease.state.in_(LIVE_STATE_VALUES))
     if states:
         stmt = stmt.where(Lease.state.in_(list(states)))
     stmt = stmt.order_by(Lease.granted_at.desc()).limit(limit)
@@ -861,7 +866,7 @@ def move_if(
     if ids is None:
         return False
     changes: dict[str, Any] = {"state": after.value, **(values or {})}
-    ended = after.value not in LIVE
+    ended = after.value not in LIVE_STATE_VALUES
     if ended:
         changes["ended_at"] = now
     result = conn.execute(

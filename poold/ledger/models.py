@@ -27,6 +27,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ExcludeConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from poold.lease_states import LIVE_STATES_SQL
 from poold.ledger.types import UTCDateTime
 
 # Stable constraint names so that migrations can refer to them on every backend.
@@ -38,7 +39,6 @@ NAMING = {
     "pk": "pk_%(table_name)s",
 }
 
-LIVE_STATES_SQL = "('granted','active','expired','orphaned','revoking','scrubbing')"
 
 
 class Base(DeclarativeBase):

@@ -8,14 +8,13 @@ from sqlalchemy import Connection, bindparam, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from poold.api.schemas import TenantOut, TenantSpec, TenantUpdate
 from poold.errors import AlreadyExists, NotOwner, TenantInUse, UnknownTenant
-from poold.lease_states import LIVE_STATES
+from poold.lease_states import LIVE_STATE_VALUES
 from poold.ledger import events
+from poold.ledger.db import Ledger
 from poold.ledger.models import Lease, Tenant
 from poold.ledger.types import check_ints_fit, utcnow
-
-LIVE = [s.value for s in LIVE_STATES]
+from poold.wire.admin import TenantOut, TenantSpec, TenantUpdate
 
 
 def get_by_name(session: Session, name: str) -> Tenant:
@@ -29,7 +28,7 @@ def usage(session: Session, tenant_id: int) -> tuple[int, int]:
     """(live lease bytes, live lease count) held by a tenant."""
     row = session.execute(
         select(func.coalesce(func.sum(Lease.length_bytes), 0), func.count(Lease.id)).where(
-            Lease.tenant_id == tenant_id, Lease.state.in_(LIVE)
+            Lease.tenant_id == tenant_id, Lease.state.in_(LIVE_STATE_VALUES)
         )
     ).one()
     return int(row[0]), int(row[1])
@@ -158,3 +157,31 @@ def may_act(tenant: Any, uid: int, gids: list[int], host: str) -> bool:
     if tenant.allowed_hosts and host not in tenant.allowed_hosts:
         return False
     return uid in tenant.allowed_uids or any(g in tenant.allowed_gids for g in gids)
+
+
+# --- entry points: each owns its transaction (the API opens none) -------------------
+
+
+def create_tenant(ledger: Ledger, spec: TenantSpec, actor: str) -> TenantOut:
+    with ledger.write() as session:
+        return to_out(session, create(session, spec, actor))
+
+
+def list_tenants(ledger: Ledger) -> list[TenantOut]:
+    with ledger.read() as session:
+        return [to_out(session, t) for t in session.scalars(select(Tenant).order_by(Tenant.name))]
+
+
+def get_tenant(ledger: Ledger, name: str) -> TenantOut:
+    with ledger.read() as session:
+        return to_out(session, get_by_name(session, name))
+
+
+def update_tenant(ledger: Ledger, name: str, change: TenantUpdate, actor: str) -> TenantOut:
+    with ledger.write() as session:
+        return to_out(session, update(session, name, change, actor))
+
+
+def delete_tenant(ledger: Ledger, name: str, actor: str) -> None:
+    with ledger.write() as session:
+        delete(session, name, actor)

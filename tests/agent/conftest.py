@@ -46,8 +46,9 @@ from agent.protocol import (
 from agent.server import AgentServer, Peer
 from agent.service import AgentService
 from poold.api.client import PooldClient
-from poold.api.schemas import InventoryDevice, TenantSpec
 from poold.errors import LeaseNotActive, NotOwner, NotShrinkable, UnknownLease
+from poold.wire.admin import TenantSpec
+from poold.wire.agent import InventoryDevice
 
 NOBODY = 65534
 

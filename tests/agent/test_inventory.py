@@ -19,7 +19,7 @@ from agent.discovery.hotplug import EventSource
 from agent.inventory import InventoryWatcher, host_inventory
 from agent.link import PooldLink
 from poold.api.client import PooldClient
-from poold.api.schemas import DeviceStatus
+from poold.wire.admin import DeviceStatus
 from tests.conftest import ThreadedServer
 from tests.fixtures.machines.loader import extract_machine
 from tests.fixtures.synthetic import write_synthetic_sysfs

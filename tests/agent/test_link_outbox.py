@@ -7,8 +7,9 @@ import pytest
 
 from agent.link import PooldLink
 from poold.api.client import PooldClient
-from poold.api.schemas import GrantRequest, LeaseOp, TenantSpec
 from poold.errors import Unauthorized
+from poold.wire.admin import TenantSpec
+from poold.wire.agent import GrantRequest, LeaseOp
 from tests.conftest import ThreadedServer
 from tests.poold.conftest import UID, device
 

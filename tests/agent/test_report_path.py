@@ -22,8 +22,8 @@ from agent.kv import KVStore, Reporter
 from agent.server import Peer
 from agent.service import AgentService
 from poold.api.client import PooldClient
-from poold.api.schemas import Heartbeat, LeaseReport, Renewal
 from poold.errors import LeaseNotActive, NotOwner
+from poold.wire.agent import Heartbeat, LeaseReport, Renewal
 from tests.agent.conftest import LinkedAgent, emulated_device, linked_agent
 from tests.conftest import ThreadedServer, free_port
 

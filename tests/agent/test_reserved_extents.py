@@ -21,8 +21,9 @@ from agent.discovery import inventory as discovery
 from agent.inventory import ScanRaced, host_inventory, journal_path, own_sub_devices, scan
 from agent.journal import Entry, Journal, SubDevice
 from poold.api.client import PooldClient
-from poold.api.schemas import GrantRequest, Heartbeat, InventoryDevice, TenantSpec
 from poold.errors import BackendFailed, PoolError
+from poold.wire.admin import TenantSpec
+from poold.wire.agent import GrantRequest, Heartbeat, InventoryDevice
 from tests.agent.backends.test_devdax import BASE0, REGION0, FakeDaxKernel, _add_write_only_attrs
 from tests.conftest import ThreadedServer
 from tests.fixtures.machines.loader import Machine

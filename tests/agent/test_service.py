@@ -21,10 +21,11 @@ from agent.link import PooldLink
 from agent.server import Peer
 from agent.service import AgentService, LocalDevice
 from poold.api.client import PooldClient
-from poold.api.schemas import InventoryDevice, TenantSpec
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Quarantine
 from poold.ledger.types import utcnow
+from poold.wire.admin import TenantSpec
+from poold.wire.agent import InventoryDevice
 from tests.agent.backends.test_devdax import BASE0, FakeDaxKernel, _add_write_only_attrs
 from tests.conftest import ThreadedServer
 from tests.fixtures.machines.loader import Machine

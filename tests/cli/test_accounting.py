@@ -11,14 +11,8 @@ from click.testing import CliRunner, Result
 import cli.poolctl  # before cli.accounting: poolctl registers that command at its end
 from cli.accounting import parse_time
 from poold.api.client import PooldClient
-from poold.api.schemas import (
-    DeviceAnnotate,
-    GrantRequest,
-    Heartbeat,
-    InventoryDevice,
-    LeaseReport,
-    TenantSpec,
-)
+from poold.wire.admin import DeviceAnnotate, TenantSpec
+from poold.wire.agent import GrantRequest, Heartbeat, InventoryDevice, LeaseReport
 from tests.conftest import ADMIN_TOKEN, ThreadedServer
 
 MiB = 1 << 20

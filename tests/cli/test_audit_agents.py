@@ -15,7 +15,11 @@ import pytest
 from sqlalchemy import update
 
 from poold.api.client import PooldClient
-from poold.api.schemas import (
+from poold.ledger.db import Ledger
+from poold.ledger.models import Event, Host
+from poold.ledger.types import utcnow
+from poold.wire.admin import TenantSpec
+from poold.wire.agent import (
     AgentLease,
     GrantRequest,
     Heartbeat,
@@ -23,11 +27,7 @@ from poold.api.schemas import (
     LeaseHolder,
     LeaseOp,
     LeftoverSubDevice,
-    TenantSpec,
 )
-from poold.ledger.db import Ledger
-from poold.ledger.models import Event, Host
-from poold.ledger.types import utcnow
 from tests.cli.test_lifecycle import poolctl
 from tests.conftest import ThreadedServer
 

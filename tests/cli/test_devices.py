@@ -8,7 +8,8 @@ from click.testing import CliRunner, Result
 
 from cli.poolctl import main
 from poold.api.client import PooldClient
-from poold.api.schemas import GrantRequest, Heartbeat, InventoryDevice, TenantSpec
+from poold.wire.admin import TenantSpec
+from poold.wire.agent import GrantRequest, Heartbeat, InventoryDevice
 from tests.conftest import ADMIN_TOKEN, ThreadedServer
 
 MiB = 1 << 20

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from poold.api.client import PooldClient
-from poold.api.schemas import Heartbeat, InventoryDevice
+from poold.wire.agent import Heartbeat, InventoryDevice
 from tests.cli.test_devices import poolctl
 from tests.conftest import ThreadedServer
 

@@ -8,10 +8,10 @@ from datetime import datetime, timedelta
 import httpx
 
 from poold.api.client import PooldClient
-from poold.api.schemas import GrantRequest, Heartbeat
 from poold.ledger.db import Ledger
 from poold.ledger.reaper import Reaper, ReaperPolicy
 from poold.ledger.types import utcnow
+from poold.wire.agent import GrantRequest, Heartbeat
 from tests.cli.test_lifecycle import agent, lease, poolctl
 from tests.conftest import ADMIN_TOKEN, ThreadedServer
 

@@ -12,11 +12,12 @@ from sqlalchemy import update
 
 from cli.poolctl import main
 from poold.api.client import PooldClient
-from poold.api.schemas import GrantRequest, Heartbeat, InventoryDevice, TenantSpec
 from poold.errors import NoCapacity
 from poold.ledger.db import Ledger
 from poold.ledger.models import Lease
 from poold.ledger.types import utcnow
+from poold.wire.admin import TenantSpec
+from poold.wire.agent import GrantRequest, Heartbeat, InventoryDevice
 from tests.conftest import ADMIN_TOKEN, ThreadedServer
 
 MiB = 1 << 20

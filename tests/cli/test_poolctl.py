@@ -11,8 +11,8 @@ from click.testing import CliRunner, Result
 from cli.poolctl import main
 from cli.units import format_size, parse_size
 from poold.api.client import PooldClient
-from poold.api.schemas import GrantRequest, Heartbeat, InventoryDevice
 from poold.ledger import migrate
+from poold.wire.agent import GrantRequest, Heartbeat, InventoryDevice
 from tests.conftest import ADMIN_TOKEN, ThreadedServer
 
 

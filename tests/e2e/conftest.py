@@ -18,7 +18,7 @@ from sqlalchemy import create_engine, text
 
 from poold import procs
 from poold.api.client import PooldClient
-from poold.api.schemas import TenantSpec
+from poold.wire.admin import TenantSpec
 from tests import conftest, pg
 
 AGENT_CAPACITY = 256 << 20

@@ -17,7 +17,8 @@ from sqlalchemy import create_engine, text
 
 from poold import procs
 from poold.api.client import PooldClient
-from poold.api.schemas import GrantRequest, Heartbeat, InventoryDevice, Renewal, TenantSpec
+from poold.wire.admin import TenantSpec
+from poold.wire.agent import GrantRequest, Heartbeat, InventoryDevice, Renewal
 
 MiB = 1 << 20
 REAPER_ENV = {

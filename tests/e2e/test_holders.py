@@ -64,7 +64,7 @@ def test_restarted_agent_reconciles_leases_it_has_no_memory_for(cluster: Cluster
     import os
 
     from poold.api.client import PooldClient
-    from poold.api.schemas import GrantRequest
+    from poold.wire.agent import GrantRequest
 
     # A grant poold committed but the agent never journalled (as if it died in between).
     cred = (cluster.work / "agent.credential").read_text().strip()

@@ -172,7 +172,7 @@ def test_bad_input_gets_codes_and_changes_nothing(cluster: Cluster) -> None:
         assert code_of(lambda: client.lease(200 << 20, renew=False)) == "quota_exceeded"
         c.admin.update_tenant(
             "alpha",
-            __import__("poold.api.schemas", fromlist=["TenantUpdate"]).TenantUpdate(
+            __import__("poold.wire.admin", fromlist=["TenantUpdate"]).TenantUpdate(
                 quota_bytes=1 << 40
             ),
         )

@@ -6,10 +6,11 @@ from typing import Any
 
 from sqlalchemy import select
 
-from poold.api.schemas import InventoryDevice, TenantSpec
 from poold.ledger import hosts, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Base
+from poold.wire.admin import TenantSpec
+from poold.wire.agent import InventoryDevice
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -15,8 +15,8 @@ import pytest
 
 from agent.journal import Entry, Journal
 from agent.leftovers import LeftoverSweep
-from poold.api.schemas import LeftoverSubDevice
 from poold.errors import BackendFailed
+from poold.wire.agent import LeftoverSubDevice
 from tests.agent.backends.test_devdax import (
     DRIVER,
     MIB,

@@ -43,8 +43,8 @@ from agent.backends.numa import pages_off_node
 from agent.client import Lease, PoolClient
 from poold import procs
 from poold.api.client import PooldClient
-from poold.api.schemas import DeviceStatus, TenantSpec
 from poold.errors import LeaseNotActive, PoolError
+from poold.wire.admin import DeviceStatus, TenantSpec
 from tests.hw.guest.conftest import (
     STACK_DIR,
     GuestMachine,

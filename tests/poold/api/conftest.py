@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from poold.api.client import PooldClient
-from poold.api.schemas import Heartbeat, InventoryDevice, TenantSpec
+from poold.wire.admin import TenantSpec
+from poold.wire.agent import Heartbeat, InventoryDevice
 from tests.conftest import ADMIN_TOKEN, ThreadedServer
 from tests.poold.conftest import GID, UID, MiB
 

@@ -8,12 +8,13 @@ import pytest
 from sqlalchemy import update
 
 from poold.api.client import PooldClient
-from poold.api.schemas import DeviceAnnotate, GrantRequest, Heartbeat, LeaseReport
 from poold.errors import BadRequest, Forbidden
 from poold.ledger.accounting import HOURS_PER_MONTH
 from poold.ledger.db import Ledger
 from poold.ledger.models import Lease
 from poold.settings import PooldSettings
+from poold.wire.admin import DeviceAnnotate
+from poold.wire.agent import GrantRequest, Heartbeat, LeaseReport
 from tests.conftest import ThreadedServer
 from tests.poold.api.conftest import Agent, Raw
 from tests.poold.conftest import UID, MiB

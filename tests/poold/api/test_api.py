@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from poold.api.client import PooldClient
-from poold.api.schemas import GrantRequest, Heartbeat, LeaseOp, Renewal, TenantSpec, TenantUpdate
 from poold.errors import AlreadyExists, Forbidden, TenantInUse, Unauthorized, UnknownTenant
 from poold.ledger.db import Ledger
+from poold.wire.admin import TenantSpec, TenantUpdate
+from poold.wire.agent import GrantRequest, Heartbeat, LeaseOp, Renewal
 from tests.conftest import ThreadedServer
 from tests.poold.api.conftest import EMULATED, Agent, Raw
 from tests.poold.conftest import GID, UID, GiB, MiB, snapshot

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from poold.api.schemas import GrantRequest
 from poold.ledger.db import Ledger
+from poold.wire.agent import GrantRequest
 from tests.conftest import ADMIN_TOKEN
 from tests.poold.api.conftest import Agent, Raw
 from tests.poold.conftest import GID, UID, MiB, snapshot

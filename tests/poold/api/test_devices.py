@@ -6,8 +6,9 @@ import httpx
 import pytest
 
 from poold.api.client import PooldClient
-from poold.api.schemas import DeviceAnnotate, Heartbeat, InventoryDevice
 from poold.errors import Forbidden, UnknownDevice
+from poold.wire.admin import DeviceAnnotate
+from poold.wire.agent import Heartbeat, InventoryDevice
 from tests.conftest import ADMIN_TOKEN, ThreadedServer
 
 HOST_SCOPED = "h1/numa:node2"

@@ -6,7 +6,6 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from poold.api.schemas import LeaseReport
 from poold.ledger.accounting import (
     HOURS_PER_MONTH,
     LeaseSpan,
@@ -17,6 +16,7 @@ from poold.ledger.accounting import (
     usage,
     usage_row,
 )
+from poold.wire.agent import LeaseReport
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -9,12 +9,14 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from poold.api.client import PooldClient
-from poold.api.schemas import AuditItem, GrantRequest, LeaseOut
 from poold.ledger import audit, events, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import AuditRun, Device, Lease, Quarantine, Tenant
 from poold.ledger.reaper import ReaperPolicy
 from poold.ledger.types import utcnow
+from poold.wire.admin import AuditItem
+from poold.wire.agent import GrantRequest
+from poold.wire.common import LeaseOut
 from tests.poold.conftest import UID, MiB, seed
 
 POLICY = ReaperPolicy(expiry_grace_s=30, activation_deadline_s=30, revoke_deadline_s=20)
@@ -163,8 +165,8 @@ def test_agent_reports_reveal_stale_and_leaked_leases(ledger: Ledger) -> None:
     """The ledger against what the agent says it holds: stale is orphaned, leaked revoked."""
     from datetime import timedelta
 
-    from poold.api.schemas import Heartbeat, LeaseOp
     from poold.ledger import hosts, leases
+    from poold.wire.agent import Heartbeat, LeaseOp
 
     seed(ledger)
     kept, lost, ended = grant(ledger), grant(ledger), grant(ledger)

@@ -14,22 +14,22 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
 
-from poold.api.schemas import (
+from poold.ledger import audit, hosts, leases
+from poold.ledger.db import Ledger
+from poold.ledger.models import Event, Host
+from poold.ledger.reaper import ReaperPolicy
+from poold.ledger.types import utcnow
+from poold.wire.agent import (
     AgentLease,
     GrantRequest,
     Heartbeat,
     HeartbeatReply,
     LeaseHolder,
     LeaseOp,
-    LeaseOut,
     LeftoverSubDevice,
     ScrubProgress,
 )
-from poold.ledger import audit, hosts, leases
-from poold.ledger.db import Ledger
-from poold.ledger.models import Event, Host
-from poold.ledger.reaper import ReaperPolicy
-from poold.ledger.types import utcnow
+from poold.wire.common import LeaseOut
 from tests.poold.conftest import UID, MiB, device, seed
 
 POLICY = ReaperPolicy(expiry_grace_s=30, activation_deadline_s=30, revoke_deadline_s=20)

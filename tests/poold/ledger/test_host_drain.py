@@ -10,12 +10,13 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import select
 
-from poold.api.schemas import GrantRequest, Heartbeat, LeaseOut
 from poold.ledger import admin_ops, hosts, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Host
 from poold.ledger.reaper import ACTOR, Reaper, ReaperPolicy, host_drain_deadlines
 from poold.ledger.types import utcnow
+from poold.wire.agent import GrantRequest, Heartbeat
+from poold.wire.common import LeaseOut
 from tests.poold.conftest import UID, MiB, device, seed
 
 POLICY = ReaperPolicy(revoke_deadline_s=20)

@@ -7,11 +7,12 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from poold.api.schemas import DeviceAnnotate, InventoryDevice
 from poold.errors import BadRequest, UnknownDevice
 from poold.ledger import capacity, devices, hosts
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, DevicePath, Event
+from poold.wire.admin import DeviceAnnotate
+from poold.wire.agent import InventoryDevice
 
 MiB = 1 << 20
 UID = "cxl:ram:serials=3,4:ways=2:gran=4096:size=536870912"
@@ -142,8 +143,8 @@ def test_effective_is_field_by_field() -> None:
 
 def test_admission_wanted_bytes_makes_room_replicas_first(ledger: Ledger) -> None:
     """A lease waiting on the agent becomes shrink hints even with pressure off."""
-    from poold.api.schemas import GrantRequest, Heartbeat, LeaseReport
     from poold.ledger import leases
+    from poold.wire.agent import GrantRequest, Heartbeat, LeaseReport
     from tests.poold.conftest import UID, MiB, device, seed
 
     seed(ledger, devices=[device(capacity_bytes=64 * MiB)])

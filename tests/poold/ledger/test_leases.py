@@ -12,7 +12,6 @@ import pytest
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from poold.api.schemas import GrantRequest, LeaseOp, LeaseOut
 from poold.errors import (
     GenerationConflict,
     LeaseNotActive,
@@ -29,6 +28,8 @@ from poold.ledger import leases, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Event, Lease, Tenant
 from poold.ledger.types import utcnow
+from poold.wire.agent import GrantRequest, LeaseOp
+from poold.wire.common import LeaseOut
 from tests.poold.conftest import UID, GiB, MiB, device, seed, snapshot
 
 LIVE = {s.value for s in LIVE_STATES}

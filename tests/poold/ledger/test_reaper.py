@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from sqlalchemy import select, update
 
-from poold.api.schemas import GrantRequest, Heartbeat, LeaseOut, Renewal
 from poold.errors import InvalidTransition, NoCapacity
 from poold.lease_states import LeaseEvent, LeaseState
 from poold.ledger import admin_ops, hosts, leases
@@ -29,6 +28,8 @@ from poold.ledger.reaper import (
     may_expire,
 )
 from poold.ledger.types import utcnow
+from poold.wire.agent import GrantRequest, Heartbeat, Renewal
+from poold.wire.common import LeaseOut
 from tests.poold.conftest import UID, MiB, device, seed
 
 POLICY = ReaperPolicy(
@@ -369,8 +370,8 @@ def test_drained_host_refuses_grants_keeps_leases(ledger: Ledger) -> None:
 
 def test_devdax_ranges_are_scrubbed_before_they_are_free(ledger: Ledger) -> None:
     """devdax reuses the same physical bytes: reclaim goes through scrubbing."""
-    from poold.api.schemas import LeaseOp
     from poold.ledger.reaper import reclaim_event
+    from poold.wire.agent import LeaseOp
 
     assert reclaim_event("devdax") is LeaseEvent.RECLAIM_DIRTY
     assert reclaim_event("numa") is LeaseEvent.RECLAIM

@@ -12,13 +12,14 @@ import pytest
 from sqlalchemy import select
 
 from poold.api.client import PooldClient
-from poold.api.schemas import GrantRequest, Heartbeat, InventoryDevice, LeaseOut, LeaseReport
 from poold.errors import NoCapacity
 from poold.extents import Extent
 from poold.ledger import audit, capacity, hosts, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device
 from poold.ledger.reaper import ReaperPolicy
+from poold.wire.agent import GrantRequest, Heartbeat, InventoryDevice, LeaseReport
+from poold.wire.common import LeaseOut
 from tests.conftest import ThreadedServer
 from tests.poold.conftest import UID, MiB, device, seed
 

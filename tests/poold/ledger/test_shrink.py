@@ -8,11 +8,11 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import select, update
 
-from poold.api.schemas import LeaseOp
 from poold.ledger import leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Lease
 from poold.ledger.types import utcnow
+from poold.wire.agent import LeaseOp
 from tests.poold.conftest import MiB, device, seed, snapshot
 from tests.poold.ledger.test_leases import grant, release
 
