@@ -1,3 +1,5 @@
+"""`python -m cli`: poolctl without its console script."""
+
 from cli.poolctl import main
 
 main()

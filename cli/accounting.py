@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from cli.poolctl import Ctx, emit_json, json_option, pass_ctx, run
+from cli.common import Ctx, emit_json, json_option, pass_ctx, run
 from cli.units import format_size
 from poold.wire.admin import AccountingBy, AccountingReport, ServedRow, UsageRow
 
@@ -144,7 +144,7 @@ def print_report(report: AccountingReport) -> None:
 @click.option("--until", type=Time(), default=None, help="period end (default: now)")
 @json_option
 @pass_ctx
-def accounting_command(
+def accounting(
     c: Ctx, by: AccountingBy, since: datetime | None, until: datetime | None, as_json: bool
 ) -> None:
     """Leased, used, exclusive and replica bytes; GiB-hours, cost and DDR4 savings."""
@@ -153,7 +153,3 @@ def accounting_command(
         emit_json(report)
         return
     print_report(report)
-
-
-# Typed once here: poolctl imports it while this module's decorators are mid-import.
-accounting: click.Command = accounting_command

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 from rich.text import Text
 
-from cli.poolctl import Ctx, emit_json, json_option, pass_ctx
+from cli.common import Ctx, emit_json, json_option, pass_ctx
 from poold.errors import PoolError
 from poold.wire.admin import AuditItem, AuditReport
 
@@ -94,7 +94,7 @@ def print_report(report: AuditReport, console: Console) -> None:
 @click.option("--reclaim", is_flag=True, help="reclaim what is safe to reclaim")
 @json_option
 @pass_ctx
-def audit_command(c: Ctx, reclaim: bool, as_json: bool) -> None:
+def audit(c: Ctx, reclaim: bool, as_json: bool) -> None:
     """Check the ledger's invariants and list (or --reclaim) what leases left behind.
 
     It also compares the ledger with what agents report: stale and leaked leases,
@@ -129,7 +129,3 @@ def audit_command(c: Ctx, reclaim: bool, as_json: bool) -> None:
     else:
         print_report(report, console)
     sys.exit(report.exit_code)
-
-
-# poolctl imports this at its end; the declared type survives the import cycle for mypy.
-audit: click.Command = audit_command

@@ -2,29 +2,25 @@
 
 Lists every device poold knows (kind, media, recycled, capacity, free, NUMA node, health,
 state) from ``GET /v1/status``; ``annotate`` records what sysfs cannot tell (media class,
-recycled DIMMs, provenance, cost), which wins over what agents report.
+recycled DIMMs, provenance, cost), which wins over what agents report; ``drain`` stops
+placing leases on a device and revokes its leases at a deadline, ``undrain`` undoes it.
 """
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from cli.poolctl import Ctx, emit_json, fail, json_option, pass_ctx, run
+from cli.common import Ctx, emit_drained, emit_json, fail, json_option, pass_ctx, run
 from cli.units import format_size
-from poold.errors import BadRequest, PoolError, UnknownDevice
+from poold.errors import BadRequest, UnknownDevice
 from poold.wire.admin import DeviceAnnotate, DeviceStatus
 
 ANNOTATION_FIELDS = ("media", "recycled", "provenance", "cost_per_gib_month")
-
-
-def _fail(err: PoolError) -> NoReturn:
-    fail(err)
-    raise SystemExit(1)  # fail() exits; this tells the type checker so
 
 
 def _media(d: DeviceStatus) -> str:
@@ -115,14 +111,14 @@ def resolve(items: list[DeviceStatus], name: str) -> DeviceStatus:
     if len(matches) == 1:
         return matches[0]
     if matches:
-        _fail(
+        fail(
             BadRequest(
                 f"{name!r} names several devices ({', '.join(d.uid for d in matches)}); "
                 "use the uid or the id",
                 name=name,
             )
         )
-    _fail(UnknownDevice(f"no device {name!r} (see `poolctl devices`)", name=name))
+    fail(UnknownDevice(f"no device {name!r} (see `poolctl devices`)", name=name))
 
 
 def show_one(d: DeviceStatus, as_json: bool) -> None:
@@ -158,9 +154,10 @@ def show_one(d: DeviceStatus, as_json: bool) -> None:
         click.echo(f"{key:>20}: {'-' if value is None else value}")
 
 
+@click.group("devices", invoke_without_command=True)
 @json_option
 @click.pass_context
-def list_devices(ctx: click.Context, as_json: bool) -> None:
+def devices(ctx: click.Context, as_json: bool) -> None:
     """Far-memory devices: kind, media, recycled, capacity, free, NUMA node, health, state."""
     if ctx.invoked_subcommand is not None:
         return
@@ -173,12 +170,7 @@ def list_devices(ctx: click.Context, as_json: bool) -> None:
     print_devices(st.devices)
 
 
-# Built explicitly (not decorated) so that its type is declared: poolctl imports this module
-# at its end, and a decorated name in that import cycle has a type mypy cannot infer.
-devices_command: click.Group = click.group("devices", invoke_without_command=True)(list_devices)
-
-
-@devices_command.command("show")
+@devices.command("show")
 @click.argument("device")
 @json_option
 @pass_ctx
@@ -188,7 +180,7 @@ def devices_show(c: Ctx, device: str, as_json: bool) -> None:
     show_one(resolve(st.devices, device), as_json)
 
 
-@devices_command.command("annotate")
+@devices.command("annotate")
 @click.argument("device")
 @click.option("--media", default=None, help="media class: ddr4, ddr5, ...")
 @click.option("--recycled/--not-recycled", default=None, help="whether the DIMMs are recycled")
@@ -229,8 +221,38 @@ def devices_annotate(
     try:
         change = DeviceAnnotate.model_validate({**fields, "clear": list(clear)})
     except ValueError as exc:  # pydantic's ValidationError: e.g. media "DDR 4"
-        _fail(BadRequest(f"invalid annotation: {exc}"))
+        fail(BadRequest(f"invalid annotation: {exc}"))
     st = run(lambda: c.client.status())
     target = resolve(st.devices, device)
     out = run(lambda: c.client.annotate_device(target.uid, change))
     show_one(out, as_json)
+
+
+@devices.command("drain")
+@click.argument("device")
+@click.option(
+    "--deadline-s",
+    type=click.FloatRange(min=0),
+    default=300.0,
+    show_default=True,
+    help="live leases are revoked after this long",
+)
+@click.option("--now", "now_", is_flag=True, help="revoke the live leases at once")
+@json_option
+@pass_ctx
+def devices_drain(c: Ctx, device: str, deadline_s: float, now_: bool, as_json: bool) -> None:
+    """Stop placing leases on a device; revoke its leases at the deadline (or --now)."""
+    target = resolve(run(lambda: c.client.status()).devices, device)
+    emit_drained(
+        run(lambda: c.client.drain_device(target.uid, deadline_s=deadline_s, now=now_)), as_json
+    )
+
+
+@devices.command("undrain")
+@click.argument("device")
+@json_option
+@pass_ctx
+def devices_undrain(c: Ctx, device: str, as_json: bool) -> None:
+    """Put a draining device back online."""
+    target = resolve(run(lambda: c.client.status()).devices, device)
+    emit_drained(run(lambda: c.client.undrain_device(target.uid)), as_json)

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from click.testing import CliRunner, Result
 
-import cli.poolctl  # before cli.accounting: poolctl registers that command at its end
+import cli.poolctl
 from cli.accounting import parse_time
 from poold.api.client import PooldClient
 from poold.wire.admin import DeviceAnnotate, TenantSpec

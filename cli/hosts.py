@@ -1,0 +1,99 @@
+"""`poolctl hosts`: which hosts run a pool agent, and whether poold places leases on them.
+
+add (issuing the agent's credential), list, and drain/undrain: a draining host takes
+no new leases, and its live leases are revoked at a deadline if one is given.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from cli.common import Ctx, emit_drained, emit_json, json_option, pass_ctx, run, table
+
+
+@click.group("hosts")
+def hosts() -> None:
+    """Hosts running a pool agent."""
+
+
+@hosts.command("add")
+@click.argument("name")
+@click.option(
+    "--credential-file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="write the agent credential here (mode 0600) instead of printing it",
+)
+@json_option
+@pass_ctx
+def hosts_add(c: Ctx, name: str, credential_file: Path | None, as_json: bool) -> None:
+    """Add a host and issue its agent credential (shown once)."""
+    out = run(lambda: c.client.add_host(name))
+    if credential_file is not None:
+        fd = os.open(credential_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(out.credential + "\n")
+    if as_json:
+        emit_json(out)
+    elif credential_file is not None:
+        click.echo(f"host {name} added; credential written to {credential_file}")
+    else:
+        click.echo(f"host {name} added; agent credential (shown once):\n{out.credential}")
+
+
+@hosts.command("list")
+@json_option
+@pass_ctx
+def hosts_list(c: Ctx, as_json: bool) -> None:
+    """List hosts and when their agents last reported."""
+    items = run(lambda: c.client.list_hosts())
+    if as_json:
+        emit_json(items)
+    else:
+        table(
+            "hosts",
+            ["host", "status", "last heartbeat", "added"],
+            [
+                (
+                    h.name,
+                    h.status,
+                    h.last_heartbeat_at.isoformat(timespec="seconds")
+                    if h.last_heartbeat_at
+                    else None,
+                    h.created_at.isoformat(timespec="seconds"),
+                )
+                for h in items
+            ],
+        )
+
+
+@hosts.command("drain")
+@click.argument("host")
+@click.option(
+    "--deadline-s",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="revoke the host's live leases after this long (default: they run to their end)",
+)
+@click.option("--now", "now_", is_flag=True, help="revoke the host's live leases at once")
+@json_option
+@pass_ctx
+def hosts_drain(c: Ctx, host: str, deadline_s: float | None, now_: bool, as_json: bool) -> None:
+    """Place no new leases on a host; revoke its leases at the deadline (or --now).
+
+    Without --deadline-s or --now its leases run to their end. `hosts undrain`
+    cancels a deadline not yet reached.
+    """
+    emit_drained(run(lambda: c.client.drain_host(host, deadline_s=deadline_s, now=now_)), as_json)
+
+
+@hosts.command("undrain")
+@click.argument("host")
+@json_option
+@pass_ctx
+def hosts_undrain(c: Ctx, host: str, as_json: bool) -> None:
+    """Let a draining host take new leases again."""
+    emit_drained(run(lambda: c.client.undrain_host(host)), as_json)

@@ -1,0 +1,136 @@
+"""`poolctl leases`: which leases of far memory exist, and how an administrator ends one.
+
+list, show, release (ends it in the ledger now) and revoke (the host's agent tears it
+down, or it is reclaimed at the deadline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from cli.common import Ctx, emit_json, json_option, pass_ctx, run, table
+from cli.units import format_size
+
+
+@click.group("leases")
+def leases() -> None:
+    """Leases of far memory."""
+
+
+LEASE_COLUMNS = [
+    "lease",
+    "tenant",
+    "host",
+    "device",
+    "offset",
+    "length",
+    "state",
+    "epoch",
+    "expires",
+]
+
+
+def _lease_rows(items: Sequence[Any]) -> list[tuple[Any, ...]]:
+    return [
+        (
+            x.id,
+            x.tenant,
+            x.host,
+            x.device_uid,
+            x.offset_bytes,
+            format_size(x.length_bytes),
+            x.state,
+            x.epoch,
+            x.expires_at.isoformat(timespec="seconds"),
+        )
+        for x in items
+    ]
+
+
+@leases.command("list")
+@click.option("--tenant", default=None)
+@click.option("--host", default=None)
+@click.option("--state", "states", multiple=True, help="filter by state (repeatable)")
+@click.option("--live", is_flag=True, help="only leases that still hold bytes")
+@click.option("--limit", type=int, default=1000, show_default=True)
+@json_option
+@pass_ctx
+def leases_list(
+    c: Ctx,
+    tenant: str | None,
+    host: str | None,
+    states: tuple[str, ...],
+    live: bool,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List leases, newest first."""
+    items = run(
+        lambda: c.client.list_leases(
+            tenant=tenant, host=host, states=list(states), live=live, limit=limit
+        )
+    )
+    if as_json:
+        emit_json(items)
+    else:
+        table("leases", LEASE_COLUMNS, _lease_rows(items))
+
+
+@leases.command("show")
+@click.argument("lease_id")
+@json_option
+@pass_ctx
+def leases_show(c: Ctx, lease_id: str, as_json: bool) -> None:
+    """Show one lease."""
+    x = run(lambda: c.client.show_lease(lease_id))
+    if as_json:
+        emit_json(x)
+        return
+    t = Table(title=f"lease {lease_id}", show_header=False)
+    for key, value in x.model_dump().items():
+        t.add_row(key, str(value))
+    Console().print(t)
+
+
+@leases.command("release")
+@click.argument("lease_id")
+@click.option("--reason", default="released by administrator", show_default=True)
+@json_option
+@pass_ctx
+def leases_release(c: Ctx, lease_id: str, reason: str, as_json: bool) -> None:
+    """Release a lease in the ledger."""
+    x = run(lambda: c.client.release(lease_id, reason))
+    if as_json:
+        emit_json(x)
+    else:
+        click.echo(f"lease {lease_id}: {x.state}")
+
+
+@leases.command("revoke")
+@click.argument("lease_id")
+@click.option("--reason", required=True, help="why (journalled, shown to the tenant's agent)")
+@click.option(
+    "--deadline-s",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="how long the agent has to give the memory back (default: poold's revoke_deadline_s)",
+)
+@json_option
+@pass_ctx
+def leases_revoke(
+    c: Ctx, lease_id: str, reason: str, deadline_s: float | None, as_json: bool
+) -> None:
+    """Revoke a lease: its agent tears it down, or it is reclaimed at the deadline."""
+    x = run(lambda: c.client.revoke(lease_id, reason, deadline_s))
+    if as_json:
+        emit_json(x)
+    else:
+        click.echo(
+            f"lease {lease_id}: {x.state}; reclaimed by "
+            f"{x.expires_at.isoformat(timespec='seconds')} at the latest"
+        )
