@@ -3,7 +3,9 @@
 Every failure a caller can act on is a `PoolError` subclass carrying a `code`
 (stable across releases: tests and clients match on it, never on the message)
 and the HTTP status the API maps it to. The agent socket and poolctl reuse the
-same codes, so an error reads the same wherever it surfaces.
+same codes, so an error reads the same wherever it surfaces. Each code belongs to
+exactly one class: a class that claims a taken code (or inherits its parent's)
+is refused when it is defined.
 """
 
 from __future__ import annotations
@@ -11,11 +13,38 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 
+class DuplicateErrorCode(TypeError):
+    """Two PoolError classes claim one code: a client could not tell which one was raised."""
+
+
+# code -> the one class that carries it; filled as each class is defined, so a second
+# class claiming a code fails its own import instead of shadowing the first on the wire.
+_BY_CODE: dict[str, type[PoolError]] = {}
+
+
+def _register(cls: type[PoolError]) -> None:
+    if "code" not in vars(cls):
+        raise DuplicateErrorCode(
+            f"{cls.__module__}.{cls.__qualname__} inherits code {cls.code!r}: give it its own"
+        )
+    taken = _BY_CODE.get(cls.code)
+    if taken is not None:
+        raise DuplicateErrorCode(
+            f"{cls.__module__}.{cls.__qualname__} claims code {cls.code!r}, "
+            f"already {taken.__module__}.{taken.__qualname__}'s"
+        )
+    _BY_CODE[cls.code] = cls
+
+
 class PoolError(Exception):
     """Base of every error with a stable code."""
 
     code: ClassVar[str] = "internal"
     http_status: ClassVar[int] = 500
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _register(cls)
 
     def __init__(self, message: str, **detail: Any) -> None:
         super().__init__(message)
@@ -27,6 +56,9 @@ class PoolError(Exception):
         if self.detail:
             body["detail"] = self.detail
         return body
+
+
+_register(PoolError)
 
 
 class BadRequest(PoolError):
@@ -159,14 +191,8 @@ class BackendFailed(PoolError):
 
 
 def all_codes() -> dict[str, type[PoolError]]:
-    """Every code defined here, for lookups from wire bodies back to exception types."""
-    seen: dict[str, type[PoolError]] = {}
-    stack: list[type[PoolError]] = [PoolError]
-    while stack:
-        cls = stack.pop()
-        seen.setdefault(cls.code, cls)
-        stack.extend(cls.__subclasses__())
-    return seen
+    """Every code and its one class, for lookups from wire bodies back to exception types."""
+    return dict(_BY_CODE)
 
 
 def from_wire(code: str, message: str, detail: dict[str, Any] | None = None) -> PoolError:
