@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from agent.backends.devdax import DevdaxBackend
+from agent.backends import Backend
 from agent.journal import Journal, SubDevice
 from poold.errors import BackendFailed
 from poold.wire.agent import LeftoverSubDevice
@@ -62,7 +62,7 @@ class LeftoverSweep:
 
     def __init__(
         self,
-        backend: DevdaxBackend | None,
+        backend: Backend | None,
         *,
         settle_s: float = LEFTOVER_SETTLE_S,
         clock: Callable[[], float] = time.monotonic,
@@ -106,9 +106,7 @@ class LeftoverSweep:
         None when sysfs cannot tell (region unreadable or gone): the records are kept."""
         assert self.backend is not None
         try:
-            if self.backend.region(region_id).static:
-                return {}
-            return self.backend.sub_devices(region_id)
+            return self.backend.sub_device_sizes(region_id)
         except (BackendFailed, OSError) as err:
             log.warning("cannot read the sub-devices of dax region %d: %s", region_id, err)
             return None

@@ -58,7 +58,6 @@ def run(config: AgentConfig) -> int:
     warm = WarmPool(backends["emulated"], config.warm_pool_bytes)
     warm.start()
     service = AgentService(config.host, link, backends, warm)
-    service.hugepages = config.hugepages
     service.journal = Journal(config.state_dir / "journal.db")
     adopted, orphaned = service.adopt()
     if adopted or orphaned:

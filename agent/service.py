@@ -11,7 +11,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
-import fcntl
 import logging
 import os
 import re
@@ -23,10 +22,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from agent import protocol as p
-from agent.backends import Backend, Materialised
-from agent.backends.devdax import DevdaxBackend, DevdaxMaterialised
-from agent.backends.emulated import F_GET_SEALS, F_SEAL_SHRINK
-from agent.backends.numa import HugepageMode, NumaBackend
+from agent.backends import Backend, Materialised, Placement
 from agent.holders import Holder
 from agent.holders import alive as holder_alive
 from agent.journal import Entry as JournalEntry
@@ -63,14 +59,6 @@ from poold.wire.agent import (
 from poold.wire.common import LeaseOut
 
 log = logging.getLogger("pool_agent")
-
-
-def _memfd_shrinkable(fd: int) -> bool:
-    """True for a memfd without F_SEAL_SHRINK: what the tenant is told, checked, not assumed."""
-    try:
-        return not fcntl.fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK
-    except OSError:  # not a memfd (a dax device)
-        return False
 
 
 ENDED_MEMORY = 4096
@@ -166,9 +154,8 @@ class AgentService:
         self._scrubbing: set[str] = set()  # lease ids whose range is being (or was) zeroed
         self._scrubs_running: dict[str, _RunningScrub] = {}  # by lease id
         self._scrub_reissues: dict[str, datetime] = {}  # lease id -> reissued_at acted on
-        devdax = backends.get("devdax")
-        self.leftovers = LeftoverSweep(devdax if isinstance(devdax, DevdaxBackend) else None)
-        self.hugepages: HugepageMode = "off"
+        # Sub-devices are the devdax backend's (the kind poold names it by) alone.
+        self.leftovers = LeftoverSweep(backends.get("devdax"))
         # Latest accounting report per lease, not yet handed to the link's heartbeat.
         self._reports: dict[str, LeaseReport] = {}
         # poold's shrink hints (pressure) per held lease, handed out once in `renew`.
@@ -260,8 +247,8 @@ class AgentService:
         if held.memory is None:
             # Re-adopted: a devdax sub-device is destroyed by name; a memfd's pages
             # go when the holder unmaps them (the agent has no fd left to close).
-            backend = self.backends.get("devdax")
-            if isinstance(backend, DevdaxBackend) and held.sub_device is not None:
+            backend = self.backends.get(held.lease.device_kind)
+            if backend is not None and held.sub_device is not None:
                 try:
                     backend.revoke(held.region_id or 0, held.sub_device)
                 except Exception:
@@ -339,9 +326,10 @@ class AgentService:
             expires_at=lease.expires_at,
             page_size_bytes=memory.page_size_bytes,
             holder=Holder.of(peer.pid, peer.uid),
-            sub_device=memory.device if isinstance(memory, DevdaxMaterialised) else None,
-            region_id=memory.region_id if isinstance(memory, DevdaxMaterialised) else None,
-            shrinkable=args.shrinkable and _memfd_shrinkable(memory.fd),
+            sub_device=memory.sub_device,
+            region_id=memory.dax_region_id,
+            # What the tenant is told is checked on the fd, not assumed from the request.
+            shrinkable=args.shrinkable and memory.can_shrink(),
         )
         # Journalled before the fd leaves: a crash after this point is re-adopted.
         self._journal(held)
@@ -441,32 +429,28 @@ class AgentService:
 
     def _make(self, backend: Backend, lease: LeaseOut, *, shrinkable: bool = False) -> Materialised:
         """Memory for a placed lease, made the way its device kind needs."""
-        name = f"poold-lease-{lease.id}"
         local = self._locate(lease.device_uid)
-        if isinstance(backend, DevdaxBackend):
-            if local is None or local.dax_region_id is None:
-                raise BackendFailed(f"device {lease.device_uid} has no dax region on this host")
-            region_id = local.dax_region_id
+        placement = Placement(
+            device_uid=lease.device_uid,
+            offset_bytes=lease.offset_bytes,
+            length_bytes=lease.length_bytes,
+            dax_region_id=local.dax_region_id if local is not None else None,
+            numa_node=local.numa_node if local is not None else lease.numa_node,
+        )
 
-            def carved(device: str) -> None:
-                # Journalled before it is sized: a crash between the carve and the lease's
-                # journal entry leaves a sub-device the next start destroys (adopt), never
-                # one reported to poold as someone else's range.
-                sub = SubDevice(region_id, device, lease.id, lease.length_bytes, time.time())
-                self.leftovers.record(self.journal, sub)
+        def carved(device: str) -> None:
+            # Journalled before it is sized: a crash between the carve and the lease's
+            # journal entry leaves a sub-device the next start destroys (adopt), never
+            # one reported to poold as someone else's range.
+            assert placement.dax_region_id is not None  # only a dax region is carved
+            sub = SubDevice(
+                placement.dax_region_id, device, lease.id, lease.length_bytes, time.time()
+            )
+            self.leftovers.record(self.journal, sub)
 
-            # The ledger offset is the sub-device's real range inside the region.
-            return backend.materialise_at(
-                region_id, lease.offset_bytes, lease.length_bytes, name, on_carve=carved
-            )
-        if isinstance(backend, NumaBackend):
-            node = local.numa_node if local is not None else lease.numa_node
-            if node is None:
-                raise BackendFailed(f"device {lease.device_uid} has no NUMA node on this host")
-            return backend.materialise_on(
-                node, lease.length_bytes, name, self.hugepages, shrinkable=shrinkable
-            )
-        return backend.materialise(lease.length_bytes, name, shrinkable=shrinkable)
+        return backend.materialise_placed(
+            placement, f"poold-lease-{lease.id}", shrinkable=shrinkable, on_carve=carved
+        )
 
     def _materialise_placed(self, lease: LeaseOut, *, shrinkable: bool = False) -> Materialised:
         """Two-step path: memory made after placement, then activated in the ledger."""
@@ -535,7 +519,9 @@ class AgentService:
                 LeaseOp(lease_id=held.lease.id, op="release_dirty", reason="holder released")
             )
             lease = held.lease  # its offset is the sub-device's range in the region
-            self._scrub_later(held.region_id, lease.offset_bytes, lease.length_bytes, lease.id)
+            self._scrub_later(
+                lease.device_kind, held.region_id, lease.offset_bytes, lease.length_bytes, lease.id
+            )
             return p.ReleaseResult(lease_id=held.lease.id, state="scrubbing")
         self.link.enqueue(LeaseOp(lease_id=held.lease.id, op="release", reason="holder released"))
         self._capacity_changed()
@@ -555,7 +541,7 @@ class AgentService:
                 f"lease {lease.id} was revoked; cannot shrink it", lease_id=lease.id
             )
         memory = held.memory
-        if not held.shrinkable or memory is None or isinstance(memory, DevdaxMaterialised):
+        if not held.shrinkable or memory is None or not memory.can_shrink():
             raise NotShrinkable(
                 f"lease {lease.id} cannot be shrunk in place (lease it shrinkable, or "
                 "release it and lease a smaller one)",
@@ -598,10 +584,12 @@ class AgentService:
         return p.ShrinkResult(lease_id=lease.id, length_bytes=new, freed_bytes=old - new)
 
     def _scrub_later(
-        self, region_id: int, offset_bytes: int, length_bytes: int, lease_id: str
+        self, kind: str, region_id: int, offset_bytes: int, length_bytes: int, lease_id: str
     ) -> None:
-        """Zero a released devdax range off the request path, then tell poold how it went."""
-        backend = self.backends.get("devdax")
+        """Zero a released devdax range off the request path, then tell poold how it went.
+
+        ``kind``: the device kind of the range, whose backend zeroes it."""
+        backend = self.backends.get(kind)
         running = _RunningScrub(started_at=datetime.now(UTC))
         with self._lock:
             if lease_id in self._scrubbing:
@@ -632,7 +620,7 @@ class AgentService:
         def run() -> None:
             ok = False
             try:
-                if isinstance(backend, DevdaxBackend):
+                if backend is not None:
                     ok = backend.scrub(
                         region_id,
                         offset_bytes,
@@ -864,7 +852,11 @@ class AgentService:
             local = self._locate(order.device_uid)
             if local is not None and local.dax_region_id is not None:
                 self._scrub_later(
-                    local.dax_region_id, order.offset_bytes, order.length_bytes, order.lease_id
+                    local.kind,
+                    local.dax_region_id,
+                    order.offset_bytes,
+                    order.length_bytes,
+                    order.lease_id,
                 )
 
     def _store_shrink_hints(self, hints: builtins.list[ShrinkHint]) -> None:
@@ -959,11 +951,11 @@ class AgentService:
         except PoolError as err:
             log.warning("could not confirm revocations to poold: %s", err.message)
 
-    @staticmethod
-    def _pages_stay_with_holder(held: HeldLease) -> bool:
+    def _pages_stay_with_holder(self, held: HeldLease) -> bool:
         """A memfd (emulated, numa) lease whose holder lives: revoking cannot unmap it."""
         kind = held.memory.backend if held.memory is not None else held.lease.device_kind
-        if kind == "devdax" or held.holder is None:
+        backend = self.backends.get(kind)
+        if (backend is not None and backend.revoke_unmaps) or held.holder is None:
             return False
         return holder_alive(held.holder)
 

@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.backends import Materialised
+from agent.backends import Materialised, OnCarve, Placement
 from agent.backends.sysfs_write import ApplyHook, SysfsTransaction, read_attr, write_attr
 from poold.errors import BackendFailed, InvalidSize
 from poold.wire.common import DeviceKind
@@ -126,6 +126,14 @@ class DevdaxMaterialised(Materialised):
     region_id: int = -1
     offset_bytes: int = 0
 
+    @property
+    def sub_device(self) -> str | None:
+        return self.device
+
+    @property
+    def dax_region_id(self) -> int | None:
+        return self.region_id
+
 
 def _parse_int(value: str | None, what: str) -> int:
     if value is None or value == "":
@@ -162,6 +170,10 @@ class DevdaxBackend:
     @property
     def name(self) -> DeviceKind:
         return "devdax"
+
+    @property
+    def revoke_unmaps(self) -> bool:
+        return True  # unbinding unmaps the sub-device from every process (see revoke)
 
     # -- discovery of what we write to -------------------------------------------------
 
@@ -201,6 +213,13 @@ class DevdaxBackend:
         link = self.sysfs_root / region.path / device / "driver"
         return os.path.basename(os.readlink(link)) if os.path.islink(link) else None
 
+    def sub_device_sizes(self, region_id: int) -> dict[str, int]:
+        """The region's sub-devices and their sizes; {} for a static region, whose one
+        device is leased whole and never carved."""
+        if self.region(region_id).static:
+            return {}
+        return self.sub_devices(region_id)
+
     def sub_devices(self, region_id: int) -> dict[str, int]:
         """Every device of the region with its size in bytes (size-0 seeds included)."""
         region = self.region(region_id)
@@ -222,6 +241,27 @@ class DevdaxBackend:
             length_bytes=length_bytes,
         )
 
+    def materialise_placed(
+        self,
+        placement: Placement,
+        name: str,
+        *,
+        shrinkable: bool = False,
+        on_carve: OnCarve | None = None,
+    ) -> Materialised:
+        """The sub-device at the placement's offset of its dax region (device memory has
+        no seals: ``shrinkable`` does not apply)."""
+        if placement.dax_region_id is None:
+            raise BackendFailed(f"device {placement.device_uid} has no dax region on this host")
+        # The ledger offset is the sub-device's real range inside the region.
+        return self.materialise_at(
+            placement.dax_region_id,
+            placement.offset_bytes,
+            placement.length_bytes,
+            name,
+            on_carve=on_carve,
+        )
+
     def materialise_at(
         self,
         region_id: int,
@@ -229,7 +269,7 @@ class DevdaxBackend:
         length_bytes: int,
         name: str,
         *,
-        on_carve: Callable[[str], None] | None = None,
+        on_carve: OnCarve | None = None,
     ) -> DevdaxMaterialised:
         """A sub-device of exactly ``[offset, offset+length)`` of the region, bound and opened.
 
@@ -282,7 +322,7 @@ class DevdaxBackend:
         offset_bytes: int,
         length_bytes: int,
         name: str,
-        on_carve: Callable[[str], None] | None = None,
+        on_carve: OnCarve | None = None,
     ) -> DevdaxMaterialised:
         start = region.base_bytes + offset_bytes
         end = start + length_bytes - 1
@@ -432,7 +472,7 @@ class DevdaxBackend:
         offset_bytes: int,
         length_bytes: int,
         *,
-        on_carve: Callable[[str], None] | None = None,
+        on_carve: OnCarve | None = None,
         on_deleted: Callable[[str], None] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> bool:

@@ -17,8 +17,10 @@ import errno
 import fcntl
 import mmap
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from agent.backends import Materialised
+from agent.backends import Materialised, OnCarve, Placement
 from poold.errors import BackendFailed, InvalidSize
 from poold.wire.common import DeviceKind
 
@@ -115,18 +117,68 @@ def release(fd: int) -> None:
     os.close(fd)
 
 
-class EmulatedBackend:
+@dataclass(frozen=True, slots=True)
+class MemfdMaterialised(Materialised):
+    """A memfd lease (emulated or numa): it may shrink unless sealed against it."""
+
+    def can_shrink(self) -> bool:
+        try:
+            return not fcntl.fcntl(self.fd, F_GET_SEALS) & F_SEAL_SHRINK
+        except OSError:  # the fd is gone (closed after a revoke)
+            return False
+
+
+class NoSubDevices:
+    """What a memfd backend answers to the sub-device side of the Backend protocol: it
+    carves none, and its pages are never reused, so there is nothing to destroy by name
+    or to scrub (an order for either is a mistake, refused)."""
+
+    @property
+    def revoke_unmaps(self) -> bool:
+        return False  # a live mapping keeps a memfd's pages (DESIGN.md "Memory follows the pages")
+
+    def revoke(self, region_id: int, sub_device: str) -> None:
+        raise BackendFailed(f"a memfd backend has no sub-device {sub_device} to destroy")
+
+    def scrub(
+        self,
+        region_id: int,
+        offset_bytes: int,
+        length_bytes: int,
+        *,
+        on_carve: OnCarve | None = None,
+        on_deleted: Callable[[str], None] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> bool:
+        raise BackendFailed("a memfd backend has no range to scrub: its pages are fresh")
+
+    def sub_device_sizes(self, region_id: int) -> dict[str, int]:
+        return {}
+
+
+class EmulatedBackend(NoSubDevices):
     """The :class:`agent.backends.Backend` for memfds on ordinary RAM."""
 
     @property
     def name(self) -> DeviceKind:
         return "emulated"
 
+    def materialise_placed(
+        self,
+        placement: Placement,
+        name: str,
+        *,
+        shrinkable: bool = False,
+        on_carve: OnCarve | None = None,
+    ) -> Materialised:
+        """Ordinary RAM is the same wherever the ledger placed the lease: only its length."""
+        return self.materialise(placement.length_bytes, name, shrinkable=shrinkable)
+
     def materialise(
         self, length_bytes: int, name: str, *, shrinkable: bool = False
     ) -> Materialised:
         fd = materialise(length_bytes, name, shrinkable=shrinkable)
-        return Materialised(
+        return MemfdMaterialised(
             fd=fd,
             backend="emulated",
             length_bytes=length_bytes,

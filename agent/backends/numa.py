@@ -89,9 +89,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from agent.backends import Materialised
+from agent.backends import Materialised, OnCarve, Placement
 from agent.backends import numa_sys as sys_numa
-from agent.backends.emulated import _memfd_name, lease_seals
+from agent.backends.emulated import MemfdMaterialised, NoSubDevices, _memfd_name, lease_seals
 from poold.errors import BackendFailed, InvalidSize
 from poold.wire.common import DeviceKind
 
@@ -260,8 +260,11 @@ def _bound_memfd(node: int, length_bytes: int, name: str, huge: bool) -> int:
     return fd
 
 
-class NumaBackend:
-    """The :class:`agent.backends.Backend` for memfds bound to one NUMA node."""
+class NumaBackend(NoSubDevices):
+    """The :class:`agent.backends.Backend` for memfds bound to one NUMA node.
+
+    ``hugepages`` is the page size mode of every lease it makes (the agent's config).
+    """
 
     def __init__(
         self,
@@ -287,6 +290,25 @@ class NumaBackend:
             raise BackendFailed("the numa backend needs the lease's node (materialise_on)")
         return self.materialise_on(
             self.node, length_bytes, name, self.hugepages, shrinkable=shrinkable
+        )
+
+    def materialise_placed(
+        self,
+        placement: Placement,
+        name: str,
+        *,
+        shrinkable: bool = False,
+        on_carve: OnCarve | None = None,
+    ) -> Materialised:
+        """On the placement's node, in the backend's hugepage mode."""
+        if placement.numa_node is None:
+            raise BackendFailed(f"device {placement.device_uid} has no NUMA node on this host")
+        return self.materialise_on(
+            placement.numa_node,
+            placement.length_bytes,
+            name,
+            self.hugepages,
+            shrinkable=shrinkable,
         )
 
     def materialise_on(
@@ -321,7 +343,7 @@ class NumaBackend:
         except BaseException:
             os.close(fd)
             raise
-        return Materialised(
+        return MemfdMaterialised(
             fd=fd,
             backend="numa",
             length_bytes=length_bytes,
