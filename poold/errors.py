@@ -162,6 +162,17 @@ class PooldUnreachable(PoolError):
     http_status = 503
 
 
+class LedgerUnavailable(PoolError):
+    """The ledger database is down, failing over or refusing connections: retry later.
+
+    Nothing was committed by the request that got it (the transaction was rolled
+    back, or never began), so a retry with the same request id is always safe.
+    """
+
+    code = "ledger_unavailable"
+    http_status = 503
+
+
 class AgentUnreachable(PoolError):
     """The tenant could not reach the host's agent (no socket, refused, timed out, dropped)."""
 

@@ -16,6 +16,7 @@ from poold.wire.common import (
     HealthState,
     MediaClass,
     Model,
+    RequestId,
     TenantName,
 )
 
@@ -115,7 +116,11 @@ class LeftoverSubDevice(Model):
 
 
 class Heartbeat(Model):
-    """One request per host per interval: inventory, all renewals, agent facts."""
+    """One request per host per interval: inventory, all renewals, agent facts.
+
+    Renewals are idempotent (a renewal applied twice sets the same expiry from a later
+    now), so a heartbeat needs no request id; a failed one is resent whole.
+    """
 
     agent_version: str = ""
     inventory_digest: str | None = None
@@ -237,10 +242,19 @@ class LeaseOpResult(Model):
 
 class AgentOps(Model):
     ops: list[LeaseOp] = Field(max_length=100_000)
+    # Names this batch, so that a retry after a lost reply gets the first answer
+    # instead of being applied again (poold remembers recent ids per host).
+    request_id: RequestId | None = None
 
 
 class GrantRequest(Model):
-    """What an agent asks for on behalf of a tenant process it authenticated."""
+    """What an agent asks for on behalf of a tenant process it authenticated.
+
+    ``request_id`` names the grant: a retry with the same id (after a timeout, on
+    another poold) gets the lease the first attempt made, never a second one.
+    """
+
+    request_id: RequestId | None = None
 
     tenant: TenantName | None = None  # None: the one tenant the uid/gid may act for
     size_bytes: int = Field(gt=0, le=MAX_LEASE_BYTES)

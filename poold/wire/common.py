@@ -59,6 +59,9 @@ HostName = Annotated[
 ]
 
 
+# An agent's name for one mutating request (a uuid4 in practice), for idempotent retries.
+RequestId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+
 MAX_BLOCKS = 1 << 48  # as the agent socket protocol allows (agent/protocol.py)
 
 
