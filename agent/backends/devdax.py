@@ -46,7 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.backends import Materialised, OnCarve, Placement
-from agent.backends.sysfs_write import ApplyHook, SysfsTransaction, read_attr, write_attr
+from agent.backends.sysfs_write import ApplyHook, SysfsTransaction, write_attr
+from agent.discovery.sysfs import SysfsReader
 from poold.errors import BackendFailed, InvalidSize
 from poold.wire.common import DeviceKind
 
@@ -178,7 +179,15 @@ class DevdaxBackend:
     # -- discovery of what we write to -------------------------------------------------
 
     def _read(self, rel: str | Path) -> str | None:
-        return read_attr(self.sysfs_root, rel)
+        """The attribute ``rel`` under the sysfs root, read the way discovery reads it; None
+        when this kernel (or device) lacks it. One that is there but cannot be read fails
+        the step rather than read as absent: a region whose ``create`` is unreadable is
+        not a static one."""
+        reader = SysfsReader(self.sysfs_root)  # per read: its warnings are this read's
+        value = reader.read_str(reader.path(str(rel)), probe=True)
+        if reader.warnings:
+            raise BackendFailed(f"sysfs attribute {reader.warnings[0]}", path=str(rel))
+        return value
 
     def region(self, region_id: int) -> DaxRegionInfo:
         """The dax region ``region_id``, found through its device ``dax<id>.0``."""
@@ -210,8 +219,9 @@ class DevdaxBackend:
         return region.path / device
 
     def _bound_driver(self, region: DaxRegionInfo, device: str) -> str | None:
-        link = self.sysfs_root / region.path / device / "driver"
-        return os.path.basename(os.readlink(link)) if os.path.islink(link) else None
+        """The driver ``device`` is bound to; None when unbound (no ``driver`` link)."""
+        reader = SysfsReader(self.sysfs_root)
+        return reader.link_name(reader.path(str(region.path), device, "driver"))
 
     def sub_device_sizes(self, region_id: int) -> dict[str, int]:
         """The region's sub-devices and their sizes; {} for a static region, whose one
@@ -225,6 +235,8 @@ class DevdaxBackend:
         region = self.region(region_id)
         out: dict[str, int] = {}
         prefix = f"dax{region_id}."
+        # os.listdir, not SysfsReader.listdir: a region gone meanwhile must fail (the
+        # leftover sweep then keeps its records), not read as a region with no devices.
         for entry in sorted(os.listdir(self.sysfs_root / region.path)):
             if entry.startswith(prefix):
                 out[entry] = int(self._read(region.path / entry / "size") or "0", 0)

@@ -92,6 +92,7 @@ from typing import Literal
 from agent.backends import Materialised, OnCarve, Placement
 from agent.backends import numa_sys as sys_numa
 from agent.backends.emulated import MemfdMaterialised, NoSubDevices, _memfd_name, lease_seals
+from agent.discovery.sysfs import SysfsReader
 from poold.errors import BackendFailed, InvalidSize
 from poold.wire.common import DeviceKind
 
@@ -105,24 +106,18 @@ _VERIFY_BATCH = 65536  # addresses per move_pages call
 
 def node_free_hugepages(node: int, sysfs_root: Path = Path("/sys")) -> int | None:
     """Free 2 MiB pages in the node's pool, or None when the kernel does not say."""
-    path = (
-        Path(sysfs_root)
-        / f"devices/system/node/node{node}/hugepages/hugepages-2048kB/free_hugepages"
-    )
-    try:
-        return int(path.read_text())
-    except (OSError, ValueError):
-        return None
+    reader = SysfsReader(Path(sysfs_root))
+    pool = reader.path("devices/system/node", f"node{node}", "hugepages/hugepages-2048kB")
+    return reader.read_int(pool / "free_hugepages", base=10, probe=True)
 
 
 def _node_meminfo_kib(node: int, sysfs_root: Path) -> dict[str, int] | None:
     """``/sys/devices/system/node/nodeN/meminfo`` as {field: kB}; None if absent."""
-    path = Path(sysfs_root) / f"devices/system/node/node{node}/meminfo"
-    fields: dict[str, int] = {}
-    try:
-        text = path.read_text()
-    except OSError:
+    reader = SysfsReader(Path(sysfs_root))
+    text = reader.read_str(reader.path("devices/system/node", f"node{node}", "meminfo"), probe=True)
+    if text is None:
         return None
+    fields: dict[str, int] = {}
     for line in text.splitlines():
         # "Node 0 MemFree:        21877100 kB"
         parts = line.split()

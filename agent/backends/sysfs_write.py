@@ -11,6 +11,9 @@ this device) doesn't have it", never a file to create. Tests point the root at a
 a recorded machine, where the writes land in plain files; they may pass an ``apply``
 hook that plays the kernel's side effects (a new seed device, a driver link) after each
 write, which is the only place the fake sits.
+
+Only writes are here: the backends read sysfs through discovery's
+:class:`~agent.discovery.sysfs.SysfsReader`, like every other reader of the agent.
 """
 
 from __future__ import annotations
@@ -36,14 +39,6 @@ class SysfsWrite:
 
     path: str
     value: str
-
-
-def read_attr(root: Path, rel: str | Path) -> str | None:
-    """The stripped value of an attribute under ``root``, or None when it is missing."""
-    try:
-        return guarded_path(root, rel).read_text().strip()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
 
 
 def guarded_path(root: Path, rel: str | Path) -> Path:
