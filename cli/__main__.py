@@ -2,4 +2,4 @@
 
 from cli.poolctl import main
 
-main()
+main(prog_name="poolctl")

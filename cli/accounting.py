@@ -13,11 +13,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, get_args
 
 import click
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
-from cli.common import Ctx, emit_json, json_option, pass_ctx, run
+from cli.common import Ctx, emit_json, json_option, pass_ctx, run, table, wants_json
 from cli.units import format_size
 from poold.wire.admin import AccountingBy, AccountingReport, ServedRow, UsageRow
 
@@ -68,14 +65,8 @@ def _hours(value: float) -> str:
 
 
 def _print(title: str, columns: list[str], rows: list[list[str]], left: int) -> None:
-    """A table whose first `left` columns are names; the rest are numbers. Plain text
-    cells: device uids ("cxl:ram:...") must not become markup or emoji."""
-    t = Table(title=title)
-    for i, col in enumerate(columns):
-        t.add_column(col, justify="left" if i < left else "right")
-    for row in rows:
-        t.add_row(*[Text(c) for c in row])
-    Console().print(t)
+    """A table whose first `left` columns are names; the rest are numbers."""
+    table(title, columns, rows, right=columns[left:])
 
 
 def usage_cells(row: UsageRow) -> list[str]:
@@ -149,7 +140,7 @@ def accounting(
 ) -> None:
     """Leased, used, exclusive and replica bytes; GiB-hours, cost and DDR4 savings."""
     report = run(lambda: c.client.accounting(by, since=since, until=until))
-    if as_json:
+    if wants_json(as_json):
         emit_json(report)
         return
     print_report(report)

@@ -11,11 +11,23 @@ from __future__ import annotations
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from pydantic import ValidationError
 
-from cli.common import Ctx, emit_drained, emit_json, fail, json_option, pass_ctx, run
+from cli.common import (
+    MEDIA_CLASS,
+    Ctx,
+    describe_validation,
+    emit_drained,
+    emit_json,
+    exclusive,
+    fail,
+    json_option,
+    key_values,
+    pass_ctx,
+    run,
+    table,
+    wants_json,
+)
 from cli.units import format_size
 from poold.errors import BadRequest, UnknownDevice
 from poold.wire.admin import DeviceAnnotate, DeviceStatus
@@ -65,19 +77,8 @@ def device_rows(items: list[DeviceStatus]) -> list[tuple[Any, ...]]:
 RIGHT_ALIGNED = {"id", "capacity", "free", "node", "tier"}
 
 
-def plain_table(title: str, columns: list[str], rows: list[tuple[Any, ...]]) -> None:
-    """A rich table whose cells are plain text: no markup, and no emoji codes, which
-    device uids are full of ("cxl:ram:serials=..." would print a ram emoji)."""
-    t = Table(title=title)
-    for col in columns:
-        t.add_column(col, justify="right" if col in RIGHT_ALIGNED else "left")
-    for row in rows:
-        t.add_row(*[Text("-" if c is None else str(c)) for c in row])
-    Console().print(t)
-
-
 def print_devices(items: list[DeviceStatus]) -> None:
-    plain_table(
+    table(
         "devices",
         [
             "id",
@@ -94,6 +95,7 @@ def print_devices(items: list[DeviceStatus]) -> None:
             "hosts",
         ],
         device_rows(items),
+        right=RIGHT_ALIGNED,
     )
 
 
@@ -122,7 +124,7 @@ def resolve(items: list[DeviceStatus], name: str) -> DeviceStatus:
 
 
 def show_one(d: DeviceStatus, as_json: bool) -> None:
-    if as_json:
+    if wants_json(as_json):
         emit_json(d)
         return
     admin = d.admin_annotations.model_dump(exclude_none=True)
@@ -150,8 +152,7 @@ def show_one(d: DeviceStatus, as_json: bool) -> None:
         ("hosts", ",".join(d.hosts) or "-"),
         ("local names", ",".join(d.local_names) or "-"),
     ]
-    for key, value in rows:
-        click.echo(f"{key:>20}: {'-' if value is None else value}")
+    key_values("", rows)
 
 
 @click.group("devices", invoke_without_command=True)
@@ -164,7 +165,7 @@ def devices(ctx: click.Context, as_json: bool) -> None:
     c = ctx.find_object(Ctx)
     assert c is not None  # poolctl's main group always sets it
     st = run(lambda: c.client.status())
-    if as_json:
+    if wants_json(as_json):
         emit_json(st.devices)
         return
     print_devices(st.devices)
@@ -182,7 +183,7 @@ def devices_show(c: Ctx, device: str, as_json: bool) -> None:
 
 @devices.command("annotate")
 @click.argument("device")
-@click.option("--media", default=None, help="media class: ddr4, ddr5, ...")
+@click.option("--media", type=MEDIA_CLASS, default=None, help="media class: ddr4, ddr5, hbm, ...")
 @click.option("--recycled/--not-recycled", default=None, help="whether the DIMMs are recycled")
 @click.option("--provenance", default=None, help='where it came from: "rack 12 host 7"')
 @click.option("--cost-per-gib-month", type=click.FloatRange(min=0), default=None, help="cost basis")
@@ -220,8 +221,8 @@ def devices_annotate(
         )
     try:
         change = DeviceAnnotate.model_validate({**fields, "clear": list(clear)})
-    except ValueError as exc:  # pydantic's ValidationError: e.g. media "DDR 4"
-        fail(BadRequest(f"invalid annotation: {exc}"))
+    except ValidationError as exc:  # e.g. --media ddr4 with --clear media
+        fail(BadRequest(f"invalid annotation: {describe_validation(exc)}"))
     st = run(lambda: c.client.status())
     target = resolve(st.devices, device)
     out = run(lambda: c.client.annotate_device(target.uid, change))
@@ -239,9 +240,14 @@ def devices_annotate(
 )
 @click.option("--now", "now_", is_flag=True, help="revoke the live leases at once")
 @json_option
-@pass_ctx
-def devices_drain(c: Ctx, device: str, deadline_s: float, now_: bool, as_json: bool) -> None:
+@click.pass_context
+def devices_drain(
+    ctx: click.Context, device: str, deadline_s: float, now_: bool, as_json: bool
+) -> None:
     """Stop placing leases on a device; revoke its leases at the deadline (or --now)."""
+    exclusive(ctx, "deadline_s", "now_")
+    c = ctx.find_object(Ctx)
+    assert c is not None  # poolctl's main group always sets it
     target = resolve(run(lambda: c.client.status()).devices, device)
     emit_drained(
         run(lambda: c.client.drain_device(target.uid, deadline_s=deadline_s, now=now_)), as_json

@@ -11,7 +11,18 @@ from pathlib import Path
 
 import click
 
-from cli.common import Ctx, emit_drained, emit_json, json_option, pass_ctx, run, table
+from cli.common import (
+    HOST_NAME,
+    Ctx,
+    emit_drained,
+    emit_json,
+    exclusive,
+    json_option,
+    pass_ctx,
+    run,
+    table,
+    wants_json,
+)
 
 
 @click.group("hosts")
@@ -20,7 +31,7 @@ def hosts() -> None:
 
 
 @hosts.command("add")
-@click.argument("name")
+@click.argument("name", type=HOST_NAME)
 @click.option(
     "--credential-file",
     type=click.Path(path_type=Path),
@@ -36,7 +47,7 @@ def hosts_add(c: Ctx, name: str, credential_file: Path | None, as_json: bool) ->
         fd = os.open(credential_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(out.credential + "\n")
-    if as_json:
+    if wants_json(as_json):
         emit_json(out)
     elif credential_file is not None:
         click.echo(f"host {name} added; credential written to {credential_file}")
@@ -50,7 +61,7 @@ def hosts_add(c: Ctx, name: str, credential_file: Path | None, as_json: bool) ->
 def hosts_list(c: Ctx, as_json: bool) -> None:
     """List hosts and when their agents last reported."""
     items = run(lambda: c.client.list_hosts())
-    if as_json:
+    if wants_json(as_json):
         emit_json(items)
     else:
         table(
@@ -71,7 +82,7 @@ def hosts_list(c: Ctx, as_json: bool) -> None:
 
 
 @hosts.command("drain")
-@click.argument("host")
+@click.argument("host", type=HOST_NAME)
 @click.option(
     "--deadline-s",
     type=click.FloatRange(min=0),
@@ -80,18 +91,23 @@ def hosts_list(c: Ctx, as_json: bool) -> None:
 )
 @click.option("--now", "now_", is_flag=True, help="revoke the host's live leases at once")
 @json_option
-@pass_ctx
-def hosts_drain(c: Ctx, host: str, deadline_s: float | None, now_: bool, as_json: bool) -> None:
+@click.pass_context
+def hosts_drain(
+    ctx: click.Context, host: str, deadline_s: float | None, now_: bool, as_json: bool
+) -> None:
     """Place no new leases on a host; revoke its leases at the deadline (or --now).
 
     Without --deadline-s or --now its leases run to their end. `hosts undrain`
     cancels a deadline not yet reached.
     """
+    exclusive(ctx, "deadline_s", "now_")
+    c = ctx.find_object(Ctx)
+    assert c is not None  # poolctl's main group always sets it
     emit_drained(run(lambda: c.client.drain_host(host, deadline_s=deadline_s, now=now_)), as_json)
 
 
 @hosts.command("undrain")
-@click.argument("host")
+@click.argument("host", type=HOST_NAME)
 @json_option
 @pass_ctx
 def hosts_undrain(c: Ctx, host: str, as_json: bool) -> None:

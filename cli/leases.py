@@ -12,9 +12,27 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from cli.common import Ctx, emit_json, json_option, pass_ctx, run, table
+from cli.common import (
+    HOST_NAME,
+    MAX_LEASES_PER_CALL,
+    TENANT_NAME,
+    Ctx,
+    emit_json,
+    json_option,
+    key_values,
+    output_format,
+    pass_ctx,
+    run,
+    table,
+    usage_error,
+    wants_json,
+)
 from cli.units import format_size
+from poold.lease_states import LIVE_STATES, LeaseState
+
+LEASE_STATES = [s.value for s in LeaseState]
 
 
 @click.group("leases")
@@ -53,11 +71,22 @@ def _lease_rows(items: Sequence[Any]) -> list[tuple[Any, ...]]:
 
 
 @leases.command("list")
-@click.option("--tenant", default=None)
-@click.option("--host", default=None)
-@click.option("--state", "states", multiple=True, help="filter by state (repeatable)")
+@click.option("--tenant", type=TENANT_NAME, default=None)
+@click.option("--host", type=HOST_NAME, default=None)
+@click.option(
+    "--state",
+    "states",
+    type=click.Choice(LEASE_STATES),
+    multiple=True,
+    help="filter by state (repeatable)",
+)
 @click.option("--live", is_flag=True, help="only leases that still hold bytes")
-@click.option("--limit", type=int, default=1000, show_default=True)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1, max=MAX_LEASES_PER_CALL),
+    default=1000,
+    show_default=True,
+)
 @json_option
 @pass_ctx
 def leases_list(
@@ -70,15 +99,22 @@ def leases_list(
     as_json: bool,
 ) -> None:
     """List leases, newest first."""
+    ended = [st for st in states if LeaseState(st) not in LIVE_STATES]
+    if live and ended:
+        # poold would answer with an empty list: say why instead.
+        usage_error(
+            f"--live lists leases that still hold bytes, and a lease {ended[0]!r} holds "
+            "none: drop --live or that --state"
+        )
     items = run(
         lambda: c.client.list_leases(
             tenant=tenant, host=host, states=list(states), live=live, limit=limit
         )
     )
-    if as_json:
+    if wants_json(as_json):
         emit_json(items)
     else:
-        table("leases", LEASE_COLUMNS, _lease_rows(items))
+        table("leases", LEASE_COLUMNS, _lease_rows(items), right={"offset", "length", "epoch"})
 
 
 @leases.command("show")
@@ -88,12 +124,16 @@ def leases_list(
 def leases_show(c: Ctx, lease_id: str, as_json: bool) -> None:
     """Show one lease."""
     x = run(lambda: c.client.show_lease(lease_id))
-    if as_json:
+    if wants_json(as_json):
         emit_json(x)
         return
+    fields = list(x.model_dump().items())
+    if output_format() == "plain":
+        key_values(f"lease {lease_id}", fields)
+        return
     t = Table(title=f"lease {lease_id}", show_header=False)
-    for key, value in x.model_dump().items():
-        t.add_row(key, str(value))
+    for key, value in fields:
+        t.add_row(Text(key), Text(str(value)))
     Console().print(t)
 
 
@@ -105,7 +145,7 @@ def leases_show(c: Ctx, lease_id: str, as_json: bool) -> None:
 def leases_release(c: Ctx, lease_id: str, reason: str, as_json: bool) -> None:
     """Release a lease in the ledger."""
     x = run(lambda: c.client.release(lease_id, reason))
-    if as_json:
+    if wants_json(as_json):
         emit_json(x)
     else:
         click.echo(f"lease {lease_id}: {x.state}")
@@ -127,7 +167,7 @@ def leases_revoke(
 ) -> None:
     """Revoke a lease: its agent tears it down, or it is reclaimed at the deadline."""
     x = run(lambda: c.client.revoke(lease_id, reason, deadline_s))
-    if as_json:
+    if wants_json(as_json):
         emit_json(x)
     else:
         click.echo(

@@ -1,9 +1,10 @@
 """poolctl: which commands the administrator's CLI has, and the options they all share.
 
-This module only assembles the root group: `--url`, `--token`, `--token-file`, the
-context object, and one subgroup (or command) per module of this package. Listings
-print rich tables, or JSON with --json; every error prints one line with its stable
-code and exits non-zero (cli/common.py).
+This module only assembles the root group: `--url`, `--token`, `--token-file`,
+`--format`, `--version`, the context object, and one subgroup (or command) per module
+of this package. Views print tables (rich on a terminal, full-width plain text when
+piped) or JSON; every error prints one line with its stable code and exits non-zero
+(the scheme is in cli/common.py).
 """
 
 from __future__ import annotations
@@ -14,17 +15,19 @@ import click
 
 from cli.accounting import accounting
 from cli.audit import audit
-from cli.common import Ctx
+from cli.common import OUTPUT_FORMATS, Ctx, OutputFormat, PoolctlGroup, token_source
 from cli.db import db
 from cli.devices import devices
 from cli.hosts import hosts
 from cli.leases import leases
 from cli.status import status
 from cli.tenants import tenants
+from poold import __version__
 from poold.settings import DEFAULT_PORT
 
 
-@click.group()
+@click.group("poolctl", cls=PoolctlGroup)
+@click.version_option(__version__, "--version", prog_name="poolctl", message="%(prog)s %(version)s")
 @click.option(
     "--url",
     envvar="POOLD_URL",
@@ -40,10 +43,24 @@ from poold.settings import DEFAULT_PORT
     default=None,
     help="file holding the admin token (default: poold's state dir)",
 )
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(OUTPUT_FORMATS),
+    default=None,
+    help="table (rich), plain (full width, nothing cut) or json (as each view's --json); "
+    "default: table on a terminal, plain when piped",
+)
 @click.pass_context
-def main(ctx: click.Context, url: str, token: str | None, token_file: Path | None) -> None:
+def main(
+    ctx: click.Context,
+    url: str,
+    token: str | None,
+    token_file: Path | None,
+    output_format: OutputFormat | None,
+) -> None:
     """Administer a poold far-memory pool."""
-    ctx.obj = Ctx(url, token, token_file)
+    ctx.obj = Ctx(url, token, token_file, output_format, token_source(ctx))
     ctx.call_on_close(ctx.obj.close)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from cli.common import Ctx, emit_json, json_option, pass_ctx, run, table
+from cli.common import Ctx, emit_json, json_option, pass_ctx, run, table, wants_json
 from cli.units import format_size
 
 
@@ -17,7 +17,7 @@ from cli.units import format_size
 def status(c: Ctx, as_json: bool) -> None:
     """Capacity per host and device: total, leased, free."""
     st = run(lambda: c.client.status())
-    if as_json:
+    if wants_json(as_json):
         emit_json(st)
         return
     table(

@@ -9,10 +9,30 @@ from collections.abc import Sequence
 from typing import Any
 
 import click
+from pydantic import ValidationError
 
-from cli.common import SIZE, Ctx, emit_json, json_option, pass_ctx, run, table
+from cli.common import (
+    HOST_NAME,
+    MEDIA_CLASS,
+    QUOTA,
+    TENANT_NAME,
+    Ctx,
+    describe_validation,
+    emit_json,
+    fail,
+    json_option,
+    pass_ctx,
+    run,
+    table,
+    usage_error,
+    wants_json,
+)
 from cli.units import format_size
+from poold.errors import BadRequest
 from poold.wire.admin import TenantSpec, TenantUpdate
+
+UNIX_ID = click.IntRange(min=0, max=(1 << 32) - 1)
+LEASE_COUNT = click.IntRange(min=0, max=1 << 31)
 
 
 @click.group("tenants")
@@ -40,13 +60,20 @@ TENANT_COLUMNS = ["tenant", "quota", "max leases", "leased", "leases", "uids", "
 
 
 @tenants.command("add")
-@click.argument("name")
-@click.option("--quota", "quota_bytes", type=SIZE, required=True, help="e.g. 64GiB")
-@click.option("--max-leases", "quota_leases", type=int, default=1024, show_default=True)
-@click.option("--uid", "uids", type=int, multiple=True, help="unix uid allowed (repeatable)")
-@click.option("--gid", "gids", type=int, multiple=True, help="unix gid allowed (repeatable)")
-@click.option("--media", multiple=True, help="allowed media class (repeatable; default any)")
-@click.option("--host", "hosts", multiple=True, help="restrict to these hosts (repeatable)")
+@click.argument("name", type=TENANT_NAME)
+@click.option("--quota", "quota_bytes", type=QUOTA, required=True, help="e.g. 64GiB")
+@click.option("--max-leases", "quota_leases", type=LEASE_COUNT, default=1024, show_default=True)
+@click.option("--uid", "uids", type=UNIX_ID, multiple=True, help="unix uid allowed (repeatable)")
+@click.option("--gid", "gids", type=UNIX_ID, multiple=True, help="unix gid allowed (repeatable)")
+@click.option(
+    "--media",
+    type=MEDIA_CLASS,
+    multiple=True,
+    help="allowed media class (repeatable; default any)",
+)
+@click.option(
+    "--host", "hosts", type=HOST_NAME, multiple=True, help="restrict to these hosts (repeatable)"
+)
 @json_option
 @pass_ctx
 def tenants_add(
@@ -71,10 +98,10 @@ def tenants_add(
             allowed_media=list(media),
             allowed_hosts=list(hosts),
         )
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from exc
+    except ValidationError as exc:  # what the parameter types left: e.g. a quota over 1 EiB
+        fail(BadRequest(describe_validation(exc)))
     out = run(lambda: c.client.create_tenant(spec))
-    if as_json:
+    if wants_json(as_json):
         emit_json(out)
     else:
         click.echo(
@@ -89,29 +116,29 @@ def tenants_add(
 def tenants_list(c: Ctx, as_json: bool) -> None:
     """List tenants with their quotas and use."""
     items = run(lambda: c.client.list_tenants())
-    if as_json:
+    if wants_json(as_json):
         emit_json(items)
     else:
         table("tenants", TENANT_COLUMNS, _tenant_rows(items))
 
 
 @tenants.command("show")
-@click.argument("name")
+@click.argument("name", type=TENANT_NAME)
 @json_option
 @pass_ctx
 def tenants_show(c: Ctx, name: str, as_json: bool) -> None:
     """Show one tenant."""
     t = run(lambda: c.client.get_tenant(name))
-    if as_json:
+    if wants_json(as_json):
         emit_json(t)
     else:
         table(f"tenant {name}", TENANT_COLUMNS, _tenant_rows([t]))
 
 
 @tenants.command("set-quota")
-@click.argument("name")
-@click.option("--bytes", "quota_bytes", type=SIZE, default=None, help="e.g. 128GiB")
-@click.option("--leases", "quota_leases", type=int, default=None)
+@click.argument("name", type=TENANT_NAME)
+@click.option("--bytes", "quota_bytes", type=QUOTA, default=None, help="e.g. 128GiB")
+@click.option("--leases", "quota_leases", type=LEASE_COUNT, default=None)
 @json_option
 @pass_ctx
 def tenants_set_quota(
@@ -119,13 +146,13 @@ def tenants_set_quota(
 ) -> None:
     """Change a tenant's quota in bytes and/or number of leases."""
     if quota_bytes is None and quota_leases is None:
-        raise click.UsageError("give --bytes and/or --leases")
-    out = run(
-        lambda: c.client.update_tenant(
-            name, TenantUpdate(quota_bytes=quota_bytes, quota_leases=quota_leases)
-        )
-    )
-    if as_json:
+        usage_error("nothing to change: give --bytes and/or --leases")
+    try:
+        change = TenantUpdate(quota_bytes=quota_bytes, quota_leases=quota_leases)
+    except ValidationError as exc:
+        fail(BadRequest(describe_validation(exc)))
+    out = run(lambda: c.client.update_tenant(name, change))
+    if wants_json(as_json):
         emit_json(out)
     else:
         click.echo(
@@ -134,9 +161,13 @@ def tenants_set_quota(
 
 
 @tenants.command("delete")
-@click.argument("name")
+@click.argument("name", type=TENANT_NAME)
+@json_option
 @pass_ctx
-def tenants_delete(c: Ctx, name: str) -> None:
+def tenants_delete(c: Ctx, name: str, as_json: bool) -> None:
     """Delete a tenant that holds no live lease."""
     run(lambda: c.client.delete_tenant(name))
-    click.echo(f"tenant {name} deleted")
+    if wants_json(as_json):
+        emit_json({"tenant": name, "deleted": True})
+    else:
+        click.echo(f"tenant {name} deleted")
