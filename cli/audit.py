@@ -3,20 +3,24 @@
 poold runs the audit (`POST /v1/audit`, poold/ledger/audit.py) and records an
 `audit_runs` row; this command prints the report as tables or JSON and exits
 with the report's code: 0 clean, 1 reclaimed (or reclaimable), 2 needs a human.
-A progress bar shows on a terminal only; piped output carries nothing extra.
+Any failure (poold down, no token, a refused token) is 2 as well, and with --json it
+is also a JSON object on stdout, `{"code", "message", "exit_code"}`, so that a cron
+line `poolctl audit --json > file` always leaves a file a script can read. A progress
+bar shows on a terminal only; piped output carries nothing extra.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from typing import NoReturn
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from rich.text import Text
 
-from cli.common import Ctx, emit_json, json_option, pass_ctx
+from cli.common import Ctx, emit_json, fail, json_option, output_format, pass_ctx, table
 from poold.errors import PoolError
 from poold.wire.admin import AuditItem, AuditReport
 
@@ -30,27 +34,20 @@ def _device(it: AuditItem) -> str | None:
     return f"{it.device_uid} ({it.sub_device})" if it.device_uid else it.sub_device
 
 
-def _items_table(title: str, items: list[AuditItem]) -> Table:
-    t = Table(title=f"{title} ({len(items)})")
-    for col in ("kind", "lease", "device", "tenant", "host", "state", "detail", "action"):
-        t.add_column(col)
-    for it in items:
-        t.add_row(
-            *[
-                Text("-" if v is None else str(v))
-                for v in (
-                    it.kind,
-                    it.lease_id,
-                    _device(it),
-                    it.tenant,
-                    it.host,
-                    it.state,
-                    it.message,
-                    it.action,
-                )
-            ]
-        )
-    return t
+ITEM_COLUMNS = ("kind", "lease", "device", "tenant", "host", "state", "detail", "action")
+
+
+def _items_table(title: str, items: list[AuditItem], console: Console) -> None:
+    table(
+        f"{title} ({len(items)})",
+        ITEM_COLUMNS,
+        [
+            (it.kind, it.lease_id, _device(it), it.tenant, it.host, it.state, it.message, it.action)
+            for it in items
+        ],
+        right=(),
+        console=console,
+    )
 
 
 def print_report(report: AuditReport, console: Console) -> None:
@@ -60,9 +57,9 @@ def print_report(report: AuditReport, console: Console) -> None:
         ("pending (within grace, or the reaper's call)", report.pending),
     ):
         if items:
-            console.print(_items_table(title, items))
+            _items_table(title, items, console)
     if not report.agents.available:
-        console.print(Text(f"agent reports: not available ({report.agents.note})"))
+        _say(console, f"agent reports: not available ({report.agents.note})")
     for title, items in (
         ("stale: live leases whose agent holds no memory", report.agents.stale),
         (
@@ -76,18 +73,34 @@ def print_report(report: AuditReport, console: Console) -> None:
         ("holders the ledger and the agent disagree on", report.agents.holder_mismatches),
     ):
         if items:
-            console.print(_items_table(title, items))
+            _items_table(title, items, console)
     verdict = {0: "clean", 1: "reclaimed" if report.reclaim else "reclaimable items found"}.get(
         report.exit_code, "needs a human"
     )
-    console.print(
-        Text(
-            f"audit #{report.run_id}: {report.leases} leases ({report.live_leases} live) on "
-            f"{report.devices} devices in {report.audit_s:.2f}s; {len(report.violations)} "
-            f"violation(s), {len(report.reclaimable)} reclaimable, {report.reclaimed} "
-            f"reclaimed: {verdict}"
-        )
+    _say(
+        console,
+        f"audit #{report.run_id}: {report.leases} leases ({report.live_leases} live) on "
+        f"{report.devices} devices in {report.audit_s:.2f}s; {len(report.violations)} "
+        f"violation(s), {len(report.reclaimable)} reclaimable, {report.reclaimed} "
+        f"reclaimed: {verdict}",
     )
+
+
+def _say(console: Console, line: str) -> None:
+    """One line: through rich for a table, plain (never wrapped) otherwise."""
+    if output_format() == "table":
+        console.print(Text(line))
+    else:
+        click.echo(line)
+
+
+def _failed(c: Ctx, err: PoolError, as_json: bool) -> NoReturn:
+    """Exit 2 (needs a human); with --json, the error as JSON on stdout as well."""
+    err = c.explain(err)
+    if as_json:
+        body = {"code": err.code, "message": err.message, "exit_code": NEEDS_HUMAN}
+        click.echo(json.dumps(body, indent=2, sort_keys=True))
+    fail(err, NEEDS_HUMAN)
 
 
 @click.command("audit")
@@ -107,8 +120,9 @@ def audit(c: Ctx, reclaim: bool, as_json: bool) -> None:
     poold failed).
     """
     console = Console()
+    as_json = output_format(as_json) == "json"
     try:
-        if console.is_terminal and not as_json:
+        if console.is_terminal and output_format(as_json) == "table":
             with Progress(
                 SpinnerColumn(),
                 TextColumn("auditing the ledger" + (" and reclaiming" if reclaim else "")),
@@ -122,8 +136,9 @@ def audit(c: Ctx, reclaim: bool, as_json: bool) -> None:
         else:
             report = c.client.audit(reclaim=reclaim)
     except PoolError as err:
-        click.echo(f"poolctl: error[{err.code}]: {err.message}", err=True)
-        sys.exit(NEEDS_HUMAN)
+        _failed(c, err, as_json)
+    except Exception as exc:  # anything else still leaves the cron line a readable answer
+        _failed(c, PoolError(f"{type(exc).__name__}: {exc}"), as_json)
     if as_json:
         emit_json(report)
     else:

@@ -104,9 +104,11 @@ def test_format_json_is_the_views_json(
     assert json.loads(own.stdout) == json.loads(root.stdout)
 
 
-def test_format_json_for_lease_show_and_accounting(api: ThreadedServer, pool: list[str]) -> None:
+def test_format_json_for_lease_show_accounting_and_audit(
+    api: ThreadedServer, pool: list[str]
+) -> None:
     lease_id = pool[0]
-    for view in (["leases", "show", lease_id], ["accounting"]):
+    for view in (["leases", "show", lease_id], ["accounting"], ["audit"]):
         own = poolctl(api, *view, "--json")
         root = poolctl(api, "--format", "json", *view)
         assert own.exit_code == root.exit_code, own.output + root.output
