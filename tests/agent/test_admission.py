@@ -90,8 +90,7 @@ def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
 
 
 def waiting(stack: Stack) -> int:
-    with stack.service._admission:
-        return len(stack.service._waiting)
+    return stack.service.admission.waiting()
 
 
 def fill(stack: Stack) -> list[Lease]:

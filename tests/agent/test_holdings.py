@@ -22,7 +22,8 @@ from sqlalchemy import select, update
 from agent import protocol as p
 from agent.backends.devdax import DevdaxBackend
 from agent.journal import Journal
-from agent.service import AgentService, LocalDevice
+from agent.memory import LocalDevice
+from agent.service import AgentService
 from poold.api.client import PooldClient
 from poold.ledger import audit
 from poold.ledger.db import Ledger

@@ -27,7 +27,8 @@ from agent.config import AgentConfig
 from agent.inventory import own_sub_devices
 from agent.journal import Journal
 from agent.link import PooldLink
-from agent.service import AgentService, LocalDevice
+from agent.memory import LocalDevice
+from agent.service import AgentService
 from poold.api.client import PooldClient
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Quarantine

@@ -18,8 +18,9 @@ from sqlalchemy import insert, select
 from agent import protocol as p
 from agent.backends.devdax import DevdaxBackend
 from agent.link import PooldLink
+from agent.memory import LocalDevice
 from agent.server import Peer
-from agent.service import AgentService, LocalDevice
+from agent.service import AgentService
 from poold.api.client import PooldClient
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Quarantine
@@ -118,20 +119,3 @@ def test_devdax_failure_aborts_the_grant_and_leaves_no_sub_device(
     assert list(dev.iterdir()) == []
     (lease,) = admin.list_leases()
     assert lease.state == "aborted"
-
-
-def test_local_device_reads_the_dax_region_off_the_inventory_name() -> None:
-    from agent.service import local_device
-
-    def dev(kind: str, local_name: str, node: int | None = None) -> InventoryDevice:
-        return InventoryDevice(
-            uid="u",
-            kind=kind,
-            capacity_bytes=1 << 30,  # type: ignore[arg-type]
-            local_name=local_name,
-            numa_node=node,
-        )
-
-    assert local_device(dev("devdax", "dax_region3")) == LocalDevice("devdax", 3, None)
-    assert local_device(dev("devdax", "dax2.0")) == LocalDevice("devdax", 2, None)
-    assert local_device(dev("numa", "node2", 2)) == LocalDevice("numa", None, 2)

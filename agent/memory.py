@@ -1,0 +1,355 @@
+"""How does a granted lease become memory on this host, and how does that memory go again?
+
+Memory is made by the backend of the lease's device kind (agent/backends), either
+before the grant, where it does not depend on the placement (emulated memfds, some from
+the warm pool), or after it: a dax sub-device at the ledger's offset, a memfd on the
+device's NUMA node. It is dropped when the lease ends, and a released devdax range is
+zeroed (scrubbed) off the request path before poold counts it free. Where each pool
+device lives on this host (its dax region or node) is a :class:`LocalDevice`.
+
+Every dax sub-device made here, for a lease or for a scrub, is recorded with the
+leftover sweep (agent/leftovers.py) before it holds a byte, and tied to its lease or
+scrub while one exists, so that it is never reported as a leftover meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from agent import protocol as p
+from agent.backends import Backend, Materialised, Placement
+from agent.held import HeldLease, HeldLeases
+from agent.journal import SubDevice
+from agent.leftovers import LeftoverSweep, Tied
+from agent.link import PooldLink
+from agent.warm import WarmPool
+from poold.errors import BackendFailed, PoolError
+from poold.extents import align_up
+from poold.wire.agent import InventoryDevice, LeaseOp, ScrubOrder
+from poold.wire.common import LeaseOut
+
+log = logging.getLogger("pool_agent")
+
+
+@dataclass(frozen=True)
+class LocalDevice:
+    """Where a pool device lives on this host: its dax region or NUMA node."""
+
+    kind: str
+    dax_region_id: int | None = None
+    numa_node: int | None = None
+
+
+_DAX_REGION_NAME = re.compile(r"^dax_region(\d+)$|^dax(\d+)\.\d+$")
+
+
+def local_device(device: InventoryDevice) -> LocalDevice:
+    """The local facts behind a wire inventory entry (discovery names dax regions
+    `dax_region<N>`; a static pmem namespace goes by its device, `dax<N>.0`)."""
+    match = _DAX_REGION_NAME.match(device.local_name)
+    region = next((int(g) for g in match.groups() if g is not None), None) if match else None
+    return LocalDevice(device.kind, dax_region_id=region, numa_node=device.numa_node)
+
+
+@dataclass
+class _RunningScrub:
+    """A scrub this agent runs now: reported in heartbeats, its sub-device tied meanwhile."""
+
+    started_at: datetime
+    bytes_done: int = 0
+    sub: SubDevice | None = None  # the temporary sub-device, once it has a name
+
+
+class LeaseMemory:
+    """Makes, drops and scrubs the memory of this agent's leases (thread-safe)."""
+
+    def __init__(
+        self,
+        link: PooldLink,
+        backends: dict[str, Backend],
+        held: HeldLeases,
+        warm: WarmPool | None = None,
+    ) -> None:
+        self.link = link
+        self.backends = backends
+        self.held = held
+        self.warm = warm
+        # Sub-devices are the devdax backend's (the kind poold names it by) alone.
+        self.leftovers = LeftoverSweep(backends.get("devdax"))
+        self._lock = threading.Lock()
+        self._local: dict[str, LocalDevice] = {}
+        self._scrubbing: set[str] = set()  # lease ids whose range is being (or was) zeroed
+        self._scrubs_running: dict[str, _RunningScrub] = {}  # by lease id
+        self._scrub_reissues: dict[str, datetime] = {}  # lease id -> reissued_at acted on
+
+    # --- where devices live ---------------------------------------------------------
+    def set_local_devices(self, devices: dict[str, LocalDevice]) -> None:
+        """How this host reaches each pool device (dax region, NUMA node), by device uid."""
+        with self._lock:
+            self._local = dict(devices)
+
+    def locate(self, device_uid: str) -> LocalDevice | None:
+        """Where a device lives here: set explicitly, or read off the current inventory."""
+        with self._lock:
+            local = self._local.get(device_uid)
+        if local is not None:
+            return local
+        for device in self.link.inventory:
+            if device.uid == device_uid:
+                return local_device(device)
+        return None
+
+    def backend_of(self, held: HeldLease) -> Backend | None:
+        """The backend of a held lease's memory (of its device kind, when re-adopted)."""
+        kind = held.memory.backend if held.memory is not None else held.lease.device_kind
+        return self.backends.get(kind)
+
+    # --- made before the grant ------------------------------------------------------
+    def _premade_length(self, args: p.LeaseArgs) -> tuple[Backend, int] | None:
+        """For memfd-only hosts, the length the grant will have, so memory can be made first.
+
+        Emulated memory does not depend on where on the device the lease sits, so
+        the agent materialises it before asking poold and grants+activates in one
+        round trip. Any other device kind needs the placement first.
+        """
+        inv = self.link.inventory
+        if not inv or any(d.kind != "emulated" for d in inv):
+            return None
+        if args.media is not None and args.media != "emulated":
+            return None
+        backend = self.backends.get("emulated")
+        if backend is None:
+            return None
+        alignment = max(d.alignment_bytes for d in inv)
+        return backend, align_up(args.size_bytes, alignment)
+
+    def premade(self, args: p.LeaseArgs, pid: int) -> Materialised | None:
+        """Memory for the lease ``args`` asks, made before its grant where that can be;
+        None when the lease needs its placement first (:meth:`materialise_placed`)."""
+        premade = self._premade_length(args)
+        if premade is None:
+            return None
+        backend, length = premade
+        # Warm memfds are sealed against shrinking: a shrinkable lease is made here.
+        memory = self.warm.take(length) if self.warm is not None and not args.shrinkable else None
+        if memory is None:
+            memory = backend.materialise(length, f"poold-lease-{pid}", shrinkable=args.shrinkable)
+        return memory
+
+    def never_handed_out(self, memory: Materialised) -> None:
+        """Premade memory whose grant failed: still fresh, so it may wait for the next tenant."""
+        if self.warm is not None:
+            self.warm.give_back(memory)
+        else:
+            self.backends[memory.backend].release(memory)
+
+    def fitting(self, memory: Materialised, lease: LeaseOut) -> Materialised | None:
+        """The premade memory if it has the granted length; else it goes, and None."""
+        if lease.length_bytes == memory.length_bytes:
+            return memory
+        # poold aligned differently than the inventory said: redo, never mis-size.
+        self.backends[memory.backend].release(memory)
+        return None
+
+    # --- made after placement -------------------------------------------------------
+    def _make(self, backend: Backend, lease: LeaseOut, *, shrinkable: bool = False) -> Materialised:
+        """Memory for a placed lease, where this host has its device."""
+        local = self.locate(lease.device_uid)
+        placement = Placement(
+            device_uid=lease.device_uid,
+            offset_bytes=lease.offset_bytes,
+            length_bytes=lease.length_bytes,
+            dax_region_id=local.dax_region_id if local is not None else None,
+            numa_node=local.numa_node if local is not None else lease.numa_node,
+        )
+
+        def carved(device: str) -> None:
+            # Journalled before it is sized: a crash between the carve and the lease's
+            # journal entry leaves a sub-device the next start destroys (adopt), never
+            # one reported to poold as someone else's range.
+            assert placement.dax_region_id is not None  # only a dax region is carved
+            sub = SubDevice(
+                placement.dax_region_id, device, lease.id, lease.length_bytes, time.time()
+            )
+            self.leftovers.record(self.held.journal, sub)
+
+        return backend.materialise_placed(
+            placement, f"poold-lease-{lease.id}", shrinkable=shrinkable, on_carve=carved
+        )
+
+    def materialise_placed(self, lease: LeaseOut, *, shrinkable: bool = False) -> Materialised:
+        """Two-step path: memory made after placement, then activated in the ledger."""
+        backend = self.backends.get(lease.device_kind)
+        try:
+            if backend is None:
+                raise BackendFailed(f"no backend for device kind {lease.device_kind}")
+            memory = self._make(backend, lease, shrinkable=shrinkable)
+        except BaseException as exc:
+            self.link.abort_now(lease.id, f"materialise failed: {exc}")
+            if isinstance(exc, PoolError):
+                raise
+            raise BackendFailed(f"could not materialise lease: {exc}") from exc
+        if lease.state == "granted":
+            try:
+                activated = self.link.activate(lease.id)
+            except BaseException:
+                backend.release(memory)
+                self.link.abort_now(lease.id, "activation failed")
+                raise
+            lease.state = activated.state
+            lease.expires_at = activated.expires_at
+        return memory
+
+    # --- dropped --------------------------------------------------------------------
+    def drop(self, held: HeldLease) -> None:
+        """Give an ended lease's memory back (a devdax sub-device is destroyed)."""
+        if held.memory is None:
+            # Re-adopted: a devdax sub-device is destroyed by name; a memfd's pages
+            # go when the holder unmaps them (the agent has no fd left to close).
+            backend = self.backend_of(held)
+            if backend is not None and held.sub_device is not None:
+                try:
+                    backend.revoke(held.region_id or 0, held.sub_device)
+                except Exception:
+                    log.exception("destroying %s of lease %s", held.sub_device, held.lease.id)
+            return
+        backend = self.backends.get(held.memory.backend)
+        try:
+            if backend is not None:
+                backend.release(held.memory)
+            else:
+                os.close(held.memory.fd)
+        except OSError:
+            log.exception("releasing memory of lease %s", held.lease.id)
+
+    def close_copy(self, held: HeldLease) -> None:
+        """Close the agent's own fd of a lease, whose holder keeps its mapping."""
+        if held.memory is not None:
+            with contextlib.suppress(OSError):
+                os.close(held.memory.fd)
+
+    # --- scrubs ---------------------------------------------------------------------
+    def scrub_later(
+        self, kind: str, region_id: int, offset_bytes: int, length_bytes: int, lease_id: str
+    ) -> None:
+        """Zero a released devdax range off the request path, then tell poold how it went.
+
+        ``kind``: the device kind of the range, whose backend zeroes it."""
+        backend = self.backends.get(kind)
+        running = _RunningScrub(started_at=datetime.now(UTC))
+        with self._lock:
+            if lease_id in self._scrubbing:
+                return
+            self._scrubbing.add(lease_id)
+            self._scrubs_running[lease_id] = running  # reported in heartbeats
+
+        def carved(device: str) -> None:
+            # Tied first, then journalled: a crash from here on leaves a sub-device the
+            # next start destroys (clean_start), never one reported as someone else's.
+            sub = SubDevice(region_id, device, lease_id, length_bytes, time.time())
+            with self._lock:
+                running.sub = sub
+            self.leftovers.record(self.held.journal, sub)
+
+        def deleted(device: str) -> None:
+            with self._lock:  # untied first: a sweep meanwhile sees it gone, and forgets it
+                sub, running.sub = running.sub, None
+            if sub is not None:
+                try:
+                    self.leftovers.forget(self.held.journal, sub)
+                except Exception:  # the sweep drops the record once it sees the device gone
+                    log.exception("forgetting scrub sub-device %s", device)
+
+        def zeroed(bytes_done: int) -> None:
+            running.bytes_done = bytes_done
+
+        def run() -> None:
+            ok = False
+            try:
+                if backend is not None:
+                    ok = backend.scrub(
+                        region_id,
+                        offset_bytes,
+                        length_bytes,
+                        on_carve=carved,
+                        on_deleted=deleted,
+                        progress=zeroed,
+                    )
+            except Exception:
+                log.exception("scrub of lease %s failed", lease_id)
+            op = "scrubbed" if ok else "scrub_failed"
+            reason = "range zeroed" if ok else "scrub failed: range goes to quarantine"
+            self.link.enqueue(LeaseOp(lease_id=lease_id, op=op, reason=reason))
+            with self._lock:  # after the enqueue: the verdict is on its way to poold
+                self._scrubs_running.pop(lease_id, None)
+
+        threading.Thread(target=run, name=f"scrub-{lease_id}", daemon=True).start()
+
+    def scrub_ordered(self, order: ScrubOrder) -> None:
+        """poold's scrub order (a heartbeat reply's): zero the range, once."""
+        if order.reissued_at is not None:
+            self._scrub_reissued(order)
+        local = self.locate(order.device_uid)
+        if local is not None and local.dax_region_id is not None:
+            self.scrub_later(
+                local.kind,
+                local.dax_region_id,
+                order.offset_bytes,
+                order.length_bytes,
+                order.lease_id,
+            )
+
+    def _scrub_reissued(self, order: ScrubOrder) -> None:
+        """poold re-issued a scrub it saw no progress on (audit --reclaim): scrub again,
+        once per `reissued_at`, unless one is running (it serves the re-issue)."""
+        with self._lock:
+            if self._scrub_reissues.get(order.lease_id) == order.reissued_at:
+                return
+            assert order.reissued_at is not None
+            self._scrub_reissues[order.lease_id] = order.reissued_at
+            if order.lease_id not in self._scrubs_running:
+                self._scrubbing.discard(order.lease_id)
+                log.warning("scrub of lease %s re-issued by poold: scrubbing again", order.lease_id)
+
+    def scrubbing_ids(self) -> set[str]:
+        """The leases whose range this agent zeroes, or zeroed (poold's to end)."""
+        with self._lock:
+            return set(self._scrubbing)
+
+    def scrubs(self, held: list[HeldLease]) -> tuple[dict[str, tuple[datetime, int]], Tied]:
+        """The running scrubs, by lease id (start, bytes zeroed so far), and the
+        sub-devices tied by ``held`` and by them, read together."""
+        with self._lock:
+            running = {
+                lease_id: (scrub.started_at, scrub.bytes_done)
+                for lease_id, scrub in self._scrubs_running.items()
+            }
+            return running, self._tied_locked(held)
+
+    def tied(self) -> Tied:
+        """The sub-device of every held lease and running scrub: never a leftover, never
+        deleted as one."""
+        held = self.held.all()
+        with self._lock:
+            return self._tied_locked(held)
+
+    def _tied_locked(self, held: list[HeldLease]) -> Tied:
+        tied = {
+            (h.region_id, h.sub_device): (h.lease.id, h.lease.length_bytes)
+            for h in held
+            if h.sub_device is not None and h.region_id is not None
+        }
+        for lease_id, scrub in self._scrubs_running.items():
+            if scrub.sub is not None:
+                tied[(scrub.sub.region_id, scrub.sub.sub_device)] = (
+                    lease_id,
+                    scrub.sub.length_bytes,
+                )
+        return tied

@@ -1,0 +1,305 @@
+"""What does poold hear of this host's leases, and how does a lease end that poold revoked
+or whose holder died?
+
+:class:`Revocations` is what the heartbeat link (agent/link.py) asks, every heartbeat: the
+held lease ids and holdings (holder, sub-device, state, scrub progress, leftovers),
+the revoked leases still mapped, the tenants' accounting reports and what the oldest
+waiting lease request wants; and that it tells what poold replied: renewals refused or
+extended, revocations, shrink hints, scrub orders.
+
+A revoked lease is torn down at its deadline, not at once, so that its tenant (told in
+its renew replies) can move its blocks away first. devdax memory is taken back by the
+kernel; a memfd a live holder maps cannot be, so the lease stays *revoked_held* (its bytes
+used) until that process exits. The holder watch orphans the leases whose holder is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import UTC, datetime, timedelta
+
+from agent.admission import Admission
+from agent.held import HeldLease, HeldLeases
+from agent.holders import alive as holder_alive
+from agent.link import Holdings, PooldLink
+from agent.memory import LeaseMemory
+from poold.errors import PoolError
+from poold.wire.agent import (
+    AgentLease,
+    HeartbeatReply,
+    LeaseHolder,
+    LeaseOp,
+    LeaseReport,
+    Revocation,
+    ScrubProgress,
+    ShrinkHint,
+)
+
+log = logging.getLogger("pool_agent")
+
+# Tear a revoked lease down this long before poold's deadline, so the confirmation
+# arrives in time and the reaper never has to reclaim it by force.
+REVOKE_MARGIN_S = 1.0
+
+
+class Revocations:
+    """The agent's side of every heartbeat, and the end of revoked and orphaned leases."""
+
+    def __init__(
+        self, link: PooldLink, held: HeldLeases, memory: LeaseMemory, admission: Admission
+    ) -> None:
+        self.link = link
+        self.held = held
+        self.memory = memory
+        self.admission = admission
+        self._lock = threading.Lock()
+        # Latest accounting report per lease, not yet handed to the link's heartbeat.
+        self._reports: dict[str, LeaseReport] = {}
+        # poold's shrink hints (pressure) per held lease, handed out once in `renew`.
+        self._shrink: dict[str, ShrinkHint] = {}
+        self._stop = threading.Event()
+
+    # --- what the link asks ---------------------------------------------------------
+    def held_ids(self) -> list[str]:
+        """Every lease this agent holds memory (or a holder) for."""
+        return self.held.ids()
+
+    def revoked_held_ids(self) -> list[str]:
+        """Revoked leases still mapped by their live holders."""
+        return self.held.revoked_held_ids()
+
+    def admission_wanted_bytes(self) -> int:
+        """What the oldest waiting lease request needs."""
+        return self.admission.wanted_bytes()
+
+    def take_reports(self) -> list[LeaseReport]:
+        """The reports changed since the last call, of leases still held."""
+        with self._lock:
+            pending, self._reports = self._reports, {}
+        return [r for lease_id, r in pending.items() if lease_id in self.held]
+
+    def holdings(self) -> Holdings:
+        """Per lease its holder, sub-device and state (scrubs running included, with the
+        bytes zeroed so far), and the sub-devices this agent made that no held lease or
+        running scrub accounts for.
+
+        Built without validation (model_construct): it runs every heartbeat over every lease.
+        """
+        held = self.held.all()
+        running, tied = self.memory.scrubs(held)
+        report: list[AgentLease] = []
+        for h in held:
+            scrub = running.pop(h.lease.id, None)
+            report.append(
+                AgentLease.model_construct(
+                    lease_id=h.lease.id,
+                    state="revoked_held" if h.revoked_held else "held",
+                    holders=[
+                        LeaseHolder.model_construct(
+                            pid=h.holder_pid,
+                            start_time=h.holder.start_time if h.holder is not None else None,
+                        )
+                    ],
+                    sub_device=h.sub_device,
+                    scrub=ScrubProgress.model_construct(started_at=scrub[0], bytes_done=scrub[1])
+                    if scrub is not None
+                    else None,
+                )
+            )
+        for lease_id, (started_at, bytes_done) in sorted(running.items()):
+            # bytes_done: what the backend's scrub has zeroed so far.
+            report.append(
+                AgentLease.model_construct(
+                    lease_id=lease_id,
+                    state="scrubbing",
+                    holders=[],
+                    sub_device=None,
+                    scrub=ScrubProgress.model_construct(
+                        started_at=started_at, bytes_done=bytes_done
+                    ),
+                )
+            )
+        return report, self.memory.leftovers.sweep(self.held.journal, tied)
+
+    # --- what the socket operations leave for it ------------------------------------
+    def note_report(self, report: LeaseReport) -> None:
+        """A tenant's accounting: only the latest counts; the next heartbeat carries it."""
+        with self._lock:
+            self._reports[report.lease_id] = report
+
+    def take_shrink_hint(self, lease_id: str) -> ShrinkHint | None:
+        """poold's pressure hint for a held lease, handed out once."""
+        with self._lock:
+            return self._shrink.pop(lease_id, None)
+
+    # --- poold's answers ------------------------------------------------------------
+    def on_reply(self, reply: HeartbeatReply) -> None:
+        """What poold replied to a heartbeat (or a registration)."""
+        # Revocations first: the same reply refuses the renewal of a lease it revokes,
+        # and the holder must be told the deadline (renew), not that the lease is lost.
+        if reply.revocations:
+            self._note_revocations(reply.revocations)
+        for result in reply.renewed:
+            if result.code is not None:
+                log.warning("renewal of %s refused: %s", result.lease_id, result.message)
+                held = self.held.get(result.lease_id)
+                if (
+                    held is not None
+                    and held.revoke_deadline_at is None
+                    and result.code in ("lease_not_active", "unknown_lease")
+                ):
+                    held.lost = True
+            elif result.expires_at is not None:
+                held = self.held.get(result.lease_id)
+                if held is not None:
+                    held.expires_at = result.expires_at
+        self.admission.capacity_changed()
+        self._store_shrink_hints(reply.shrink)
+        for order in reply.scrub:
+            self.memory.scrub_ordered(order)
+
+    def _store_shrink_hints(self, hints: list[ShrinkHint]) -> None:
+        """Keep the latest hint of each held lease; a lease poold no longer asks has none.
+
+        A hint not yet handed to its tenant keeps its earlier deadline.
+        """
+        held = set(self.held.ids())
+        with self._lock:
+            fresh: dict[str, ShrinkHint] = {}
+            for hint in hints:
+                if hint.lease_id not in held:
+                    continue
+                pending = self._shrink.get(hint.lease_id)
+                if pending is not None and pending.deadline_at < hint.deadline_at:
+                    hint = hint.model_copy(update={"deadline_at": pending.deadline_at})
+                fresh[hint.lease_id] = hint
+            self._shrink = fresh
+
+    def _note_revocations(self, revocations: list[Revocation]) -> None:
+        """Revoked leases are torn down at their deadline, not at once.
+
+        Until then the tenant's renewals are answered with the deadline, so the
+        engine can move its blocks away before the memory goes. Leases this agent
+        does not hold are confirmed at once (there is nothing to tear down).
+        """
+        now = datetime.now(UTC)
+        unknown: list[str] = []
+        for r in revocations:
+            held = self.held.get(r.lease_id)
+            if held is None:
+                unknown.append(r.lease_id)
+            elif held.revoke_deadline_at is None:
+                # Keep a safety margin before poold's own deadline.
+                deadline = (r.deadline_at or now) - timedelta(seconds=REVOKE_MARGIN_S)
+                held.revoke_deadline_at = max(deadline, now)
+        if unknown:
+            # A leftover sub-device of an ended lease (poolctl audit --reclaim) goes too.
+            self.memory.leftovers.delete(self.held.journal, unknown, self.memory.tied())
+            self.revoke(unknown)
+        self.revoke_due()
+
+    # --- ending leases --------------------------------------------------------------
+    def revoke_due(self) -> int:
+        """Tear down the revoked leases whose deadline has come; how many."""
+        now = datetime.now(UTC)
+        due = [
+            h.lease.id
+            for h in self.held.all()
+            if h.revoke_deadline_at is not None
+            and h.revoke_deadline_at <= now
+            and not h.revoked_held
+        ]
+        if due:
+            self.revoke(due)
+        return len(due)
+
+    def revoke(self, lease_ids: list[str]) -> None:
+        """Tear down revoked leases, then confirm to poold (revoking -> reclaimed/scrubbing).
+
+        devdax memory is taken back by the kernel (the sub-device goes; the holder's
+        next access is SIGBUS). A memfd cannot be taken from a live mapping: the
+        agent drops its copy and the holder's later renewals get `lease_not_active`.
+        """
+        confirm: list[str] = []
+        for lease_id in lease_ids:
+            held = self.held.get(lease_id)
+            if held is not None and self._pages_stay_with_holder(held):
+                if not held.revoked_held:
+                    log.warning(
+                        "lease %s revoked, but holder pid %d still maps its memfd: "
+                        "it counts as used until the holder exits",
+                        lease_id,
+                        held.holder_pid,
+                    )
+                    held.revoked_held = True
+                    self.memory.close_copy(held)  # the agent's own copy goes now
+                    held.memory = None
+                continue
+            gone = self.held.forget(lease_id, "revoked")
+            if gone is not None:
+                log.warning("lease %s revoked by poold; tearing it down", lease_id)
+                self.memory.drop(gone)
+            confirm.append(lease_id)
+        if not confirm:
+            return
+        try:
+            self.link.client.confirm_revoked(confirm)
+        except PoolError as err:
+            log.warning("could not confirm revocations to poold: %s", err.message)
+
+    def _pages_stay_with_holder(self, held: HeldLease) -> bool:
+        """A memfd (emulated, numa) lease whose holder lives: revoking cannot unmap it."""
+        backend = self.memory.backend_of(held)
+        if (backend is not None and backend.revoke_unmaps) or held.holder is None:
+            return False
+        return holder_alive(held.holder)
+
+    def check_holders(self, candidates: list[HeldLease] | None = None) -> int:
+        """Orphan the leases whose holder process is gone (pid + start time); return how many.
+
+        The agent drops its side of the memory (a devdax sub-device is destroyed)
+        and tells poold, which reclaims the range after its grace period.
+        """
+        if candidates is None:
+            candidates = self.held.all()
+        orphaned = 0
+        for held in candidates:
+            if held.holder is None or holder_alive(held.holder):
+                continue
+            if held.revoked_held:
+                # The revoked holder is gone at last: its pages are free; confirm.
+                if self.held.forget(held.lease.id, "revoked") is not None:
+                    self.revoke([held.lease.id])
+                continue
+            if self.held.forget(held.lease.id, "orphaned") is None:
+                continue
+            log.warning(
+                "holder pid %d of lease %s is gone: orphaned", held.holder_pid, held.lease.id
+            )
+            self.memory.drop(held)
+            self.link.enqueue(
+                LeaseOp(
+                    lease_id=held.lease.id,
+                    op="orphan",
+                    reason=f"holder pid {held.holder_pid} exited",
+                )
+            )
+            orphaned += 1
+        return orphaned
+
+    def start_holder_watch(self, interval_s: float) -> None:
+        """Check holders and revocation deadlines every ``interval_s``, until :meth:`stop`."""
+
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.check_holders()
+                    self.revoke_due()
+                except Exception:
+                    log.exception("holder check failed")
+
+        threading.Thread(target=loop, name="agent-holders", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
