@@ -3,7 +3,9 @@
 Lists every device poold knows (kind, media, recycled, capacity, free, NUMA node, health,
 state) from ``GET /v1/status``; ``annotate`` records what sysfs cannot tell (media class,
 recycled DIMMs, provenance, cost), which wins over what agents report; ``drain`` stops
-placing leases on a device and revokes its leases at a deadline, ``undrain`` undoes it.
+placing leases on a device and revokes its leases at a deadline, ``undrain`` undoes it;
+``map`` draws where on each device the leases, reserved ranges and free holes lie
+(cli/devmap.py).
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ from typing import Any
 
 import click
 from pydantic import ValidationError
+from rich.console import Console
+from rich.text import Text
 
+from cli import devmap
 from cli.common import (
+    MAX_LEASES_PER_CALL,
     MEDIA_CLASS,
     Ctx,
     describe_validation,
@@ -23,8 +29,10 @@ from cli.common import (
     fail,
     json_option,
     key_values,
+    output_format,
     pass_ctx,
     run,
+    stdout_is_terminal,
     table,
     wants_json,
 )
@@ -262,3 +270,54 @@ def devices_undrain(c: Ctx, device: str, as_json: bool) -> None:
     """Put a draining device back online."""
     target = resolve(run(lambda: c.client.status()).devices, device)
     emit_drained(run(lambda: c.client.undrain_device(target.uid)), as_json)
+
+
+@devices.command("map")
+@click.argument("device", required=False)
+@click.option(
+    "--width",
+    type=click.IntRange(min=1, max=10_000),
+    default=None,
+    help="cells per device (default: the terminal's width, 80 when piped)",
+)
+@json_option
+@pass_ctx
+def devices_map(c: Ctx, device: str | None, width: int | None, as_json: bool) -> None:
+    """Where leases (per tenant), reserved ranges and free holes lie on each device.
+
+    One strip per device (or just DEVICE): each cell is the kind holding most of its
+    bytes, then free bytes, the largest free extent and its share of the free bytes.
+    --json lists every extent (offset, length, kind, tenant, lease), always as a list.
+    """
+    st = run(lambda: c.client.status())
+    items = [resolve(st.devices, device)] if device is not None else st.devices
+    live = run(lambda: c.client.list_leases(live=True, limit=MAX_LEASES_PER_CALL))
+    fmt = output_format(as_json)
+    console = Console()
+    if width is None:
+        width = max(console.width - 2, 10) if fmt == "table" and stdout_is_terminal() else 80
+    maps = [devmap.build(d, live, width) for d in items]
+    if fmt == "json":
+        emit_json([devmap.as_json(m) for m in maps])
+        return
+    colour = fmt == "table"
+    legend = devmap.Legend([s.tenant for m in maps for s in m.spans if s.tenant is not None])
+
+    def say(text: str | Text) -> None:
+        if colour:
+            # Text, not str: uids ("cxl:ram:...") must not become markup or emoji.
+            console.print(Text(text) if isinstance(text, str) else text, soft_wrap=True)
+        else:
+            click.echo(str(text))
+
+    if len(live) >= MAX_LEASES_PER_CALL:
+        say(f"warning: only the newest {MAX_LEASES_PER_CALL} live leases are drawn")
+    if not maps:
+        say("no devices")
+        return
+    for m in maps:
+        say(devmap.heading(m))
+        say(devmap.strip_text(m, legend, colour=colour))
+        say(devmap.figures(m))
+        say("")
+    say(devmap.legend_text(legend, colour=colour, totals=devmap.tenant_totals(maps)))

@@ -121,6 +121,7 @@ REFUSED = [
     ),
     pytest.param(["tenants", "add", "t1", "--quota", "lots"], "usage", "not a size", id="size"),
     pytest.param(["leases", "revoke", "x"], "usage", "--reason", id="missing"),
+    pytest.param(["devices", "map", "--width", "0"], "usage", "--width", id="width"),
     pytest.param(["frobnicate"], "usage", "No such command", id="command"),
     pytest.param(["leases", "list", "--jsno"], "usage", "--json", id="option"),
     pytest.param(["--format", "yaml", "status"], "usage", "'yaml' is not one of", id="format"),
@@ -201,6 +202,8 @@ def test_version() -> None:
 def test_help_still_exits_0() -> None:
     r = CliRunner().invoke(main, ["--help"])
     assert r.exit_code == 0 and "--format" in r.output and "--version" in r.output
+    r = CliRunner().invoke(main, ["devices", "map", "--help"])
+    assert r.exit_code == 0 and "--width" in r.output
 
 
 def test_server_errors_keep_their_code(api: ThreadedServer) -> None:

@@ -87,6 +87,7 @@ VIEWS = [
     ["status"],
     ["devices"],
     ["devices", "show", "dax_region0"],
+    ["devices", "map"],
     ["tenants", "list"],
     ["tenants", "show", "t1"],
     ["hosts", "list"],
@@ -140,6 +141,7 @@ def test_every_command_has_json() -> None:
         if not any(p.name == "as_json" for p in cmd.params):
             missing.append(" ".join(path))
     assert missing == []
+    assert ("devices", "map") in set(_commands(main))
 
 
 def test_plain_lines_align_and_never_cut() -> None:
