@@ -22,6 +22,7 @@ from cli.hosts import hosts
 from cli.leases import leases
 from cli.status import status
 from cli.tenants import tenants
+from cli.top import top
 from poold import __version__
 from poold.settings import DEFAULT_PORT
 
@@ -64,5 +65,5 @@ def main(
     ctx.call_on_close(ctx.obj.close)
 
 
-for _command in (status, tenants, hosts, leases, devices, db, audit, accounting):
+for _command in (status, tenants, hosts, leases, devices, db, audit, accounting, top):
     main.add_command(_command)

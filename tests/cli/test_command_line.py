@@ -122,6 +122,7 @@ REFUSED = [
     pytest.param(["tenants", "add", "t1", "--quota", "lots"], "usage", "not a size", id="size"),
     pytest.param(["leases", "revoke", "x"], "usage", "--reason", id="missing"),
     pytest.param(["devices", "map", "--width", "0"], "usage", "--width", id="width"),
+    pytest.param(["top", "--interval", "0"], "usage", "--interval", id="interval"),
     pytest.param(["frobnicate"], "usage", "No such command", id="command"),
     pytest.param(["leases", "list", "--jsno"], "usage", "--json", id="option"),
     pytest.param(["--format", "yaml", "status"], "usage", "'yaml' is not one of", id="format"),

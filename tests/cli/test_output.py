@@ -141,7 +141,7 @@ def test_every_command_has_json() -> None:
         if not any(p.name == "as_json" for p in cmd.params):
             missing.append(" ".join(path))
     assert missing == []
-    assert ("devices", "map") in set(_commands(main))
+    assert ("devices", "map") in set(_commands(main)) and ("top",) in set(_commands(main))
 
 
 def test_plain_lines_align_and_never_cut() -> None:
