@@ -196,21 +196,18 @@ def renderable(f: Frame) -> Group:
     """The frame for rich Live: header lines, then the device and tenant tables."""
     return Group(
         *[Text(line) for line in summary(f)],
-        make_table("devices", DEVICE_COLUMNS, _device_rows(f), right={"leases"} | _SIZES),
-        make_table("live leases per tenant", TENANT_COLUMNS, _tenant_rows(f), right=_TENANT_R),
+        make_table("devices", DEVICE_COLUMNS, _device_rows(f)),
+        make_table("live leases per tenant", TENANT_COLUMNS, _tenant_rows(f)),
     )
-
-
-_SIZES = {"capacity", "leased", "free"}
-_TENANT_R = {"leases", "leased"}
 
 
 def print_plain(f: Frame) -> None:
     for line in summary(f):
         click.echo(line)
     click.echo("")
-    table("devices", DEVICE_COLUMNS, _device_rows(f), right={"leases"} | _SIZES)
-    table("live leases per tenant", TENANT_COLUMNS, _tenant_rows(f), right=_TENANT_R)
+    # Byte counts and lease counts are right-aligned by common's default.
+    table("devices", DEVICE_COLUMNS, _device_rows(f))
+    table("live leases per tenant", TENANT_COLUMNS, _tenant_rows(f))
 
 
 @click.command("top")
