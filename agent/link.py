@@ -10,7 +10,9 @@ When poold is down the outbox and renewals are kept and replayed.
 Each heartbeat also says what the agent holds, for poold's revocations and its
 audit: per lease the holder (pid + start time), the dax sub-device and the local
 state (held, revoked_held, or a scrub running, with its start), and the
-sub-devices it made that no held lease accounts for (agent/leftovers.py).
+sub-devices it made that no held lease accounts for (agent/leftovers.py). The link
+asks one object for all of it, and tells it what poold replied: a
+:class:`HeartbeatState` (agent/revocation.py's :class:`~agent.revocation.Revocations`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable
 from datetime import datetime
+from typing import Protocol
 
 from poold.api.client import PooldClient
 from poold.errors import PooldUnreachable, PoolError
@@ -46,6 +48,34 @@ OUTBOX_LINGER_S = 0.005
 Holdings = tuple[list[AgentLease], list[LeftoverSubDevice]]
 
 
+class HeartbeatState(Protocol):
+    """What the link asks the agent for each heartbeat, and tells it of poold's replies."""
+
+    def held_ids(self) -> list[str]:
+        """Every lease the agent holds memory (or a holder) for."""
+        ...
+
+    def holdings(self) -> Holdings:
+        """The richer report of what the agent holds; when it fails, the bare ids go."""
+        ...
+
+    def revoked_held_ids(self) -> list[str]:
+        """Revoked leases their live holders still map."""
+        ...
+
+    def take_reports(self) -> list[LeaseReport]:
+        """The tenants' accounting reports changed since the last call."""
+        ...
+
+    def admission_wanted_bytes(self) -> int:
+        """What the oldest lease request waiting for capacity needs (0: none waits)."""
+        ...
+
+    def on_reply(self, reply: HeartbeatReply) -> None:
+        """poold's reply to a heartbeat or a registration."""
+        ...
+
+
 def inventory_digest(inventory: list[InventoryDevice]) -> str:
     blob = "\n".join(d.model_dump_json() for d in sorted(inventory, key=lambda d: d.uid))
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -67,17 +97,10 @@ class PooldLink:
         self._sent_digest: str | None = None
         self.reachable = False
         self.last_heartbeat_at: datetime | None = None
-        self.on_reply: Callable[[HeartbeatReply], None] | None = None
-        # The lease reports that changed since the last call (set by the agent service);
-        # each heartbeat carries them. Reports a failed heartbeat could not deliver wait
-        # in _unsent_reports, unless a newer report of the same lease replaces them.
-        self.reports_provider: Callable[[], list[LeaseReport]] | None = None
-        self.revoked_held_provider: Callable[[], list[str]] | None = None
-        self.admission_provider: Callable[[], int] | None = None
-        self.held_provider: Callable[[], list[str]] | None = None
-        # The richer report (set by the agent service); when it is set, each heartbeat
-        # carries it instead of `held_provider`'s bare ids.
-        self.holdings_provider: Callable[[], Holdings] | None = None
+        # Set by the agent service; without it (a bare link) heartbeats say nothing is held.
+        self.heartbeat_state: HeartbeatState | None = None
+        # Reports a failed heartbeat could not deliver wait here, unless a newer report of
+        # the same lease replaces them.
         self._unsent_reports: dict[str, LeaseReport] = {}
 
     # --- synchronous calls ----------------------------------------------
@@ -167,7 +190,8 @@ class PooldLink:
             return len(self._outbox)
 
     def _take_reports(self) -> list[LeaseReport]:
-        fresh = self.reports_provider() if self.reports_provider is not None else []
+        state = self.heartbeat_state
+        fresh = state.take_reports() if state is not None else []
         with self._lock:
             reports, self._unsent_reports = self._unsent_reports, {}
         reports.update((r.lease_id, r) for r in fresh)
@@ -175,10 +199,10 @@ class PooldLink:
 
     def _holdings(self) -> Holdings | None:
         """The service's report for this beat; None (bare ids instead) if it cannot be made."""
-        if self.holdings_provider is None:
+        if self.heartbeat_state is None:
             return None
         try:
-            return self.holdings_provider()
+            return self.heartbeat_state.holdings()
         except Exception:
             log.exception("building the holdings report failed; sending lease ids only")
             return None
@@ -189,23 +213,16 @@ class PooldLink:
         reports = self._take_reports()
         digest = inventory_digest(self.inventory)
         holdings = self._holdings()
+        state = self.heartbeat_state
         beat = Heartbeat(
             agent_version=self.agent_version,
             inventory_digest=digest,
             inventory=self.inventory if digest != self._sent_digest else None,
             renewals=[Renewal(lease_id=k, ttl_s=v) for k, v in renewals.items()],
             reports=reports,
-            revoked_held=(
-                self.revoked_held_provider() if self.revoked_held_provider is not None else []
-            ),
-            admission_wanted_bytes=(
-                self.admission_provider() if self.admission_provider is not None else 0
-            ),
-            held=(
-                self.held_provider()
-                if holdings is None and self.held_provider is not None
-                else None
-            ),
+            revoked_held=state.revoked_held_ids() if state is not None else [],
+            admission_wanted_bytes=state.admission_wanted_bytes() if state is not None else 0,
+            held=state.held_ids() if holdings is None and state is not None else None,
             held_leases=holdings[0] if holdings is not None else None,
             leftovers=holdings[1] if holdings is not None else [],
         )
@@ -231,8 +248,8 @@ class PooldLink:
     def _mark(self, reply: HeartbeatReply) -> None:
         self.reachable = True
         self.last_heartbeat_at = reply.server_time
-        if self.on_reply is not None:
-            self.on_reply(reply)
+        if self.heartbeat_state is not None:
+            self.heartbeat_state.on_reply(reply)
 
     # --- threads ----------------------------------------------------------
     def start(self, interval_s: float) -> None:

@@ -1,7 +1,8 @@
 """What does poold hear of this host's leases, and how does a lease end that poold revoked
 or whose holder died?
 
-:class:`Revocations` is what the heartbeat link (agent/link.py) asks, every heartbeat: the
+:class:`Revocations` is the one object the heartbeat link (agent/link.py, the
+:class:`~agent.link.HeartbeatState` protocol) asks what to report, every heartbeat: the
 held lease ids and holdings (holder, sub-device, state, scrub progress, leftovers),
 the revoked leases still mapped, the tenants' accounting reports and what the oldest
 waiting lease request wants; and that it tells what poold replied: renewals refused or

@@ -53,12 +53,7 @@ class AgentService:
         self.memory = LeaseMemory(link, backends, self.held, warm)
         self.leftovers = self.memory.leftovers
         self.revocations = Revocations(link, self.held, self.memory, self.admission)
-        link.on_reply = self.revocations.on_reply
-        link.reports_provider = self.revocations.take_reports
-        link.revoked_held_provider = self.revocations.revoked_held_ids
-        link.admission_provider = self.revocations.admission_wanted_bytes
-        link.held_provider = self.revocations.held_ids
-        link.holdings_provider = self.revocations.holdings
+        link.heartbeat_state = self.revocations  # what each heartbeat reports
 
     # --- the agent's life (agent/run.py) -----------------------------------------------
     @property
