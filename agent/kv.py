@@ -10,14 +10,9 @@ In a :class:`KVStore`: a block store laid out on any writable mapping of a lease
             kv.mark_exclusive(prefix_hash)                     # GPU copy dropped
             view = kv.get(prefix_hash)                         # zero-copy memoryview
 
-Layout (little endian)::
-
-    0                     header: magic, version, lease id, epoch, mapping length,
-                          slot geometry, CRC32 (HEADER_BYTES reserved)
-    HEADER_BYTES          one RECORD_BYTES record per slot: state byte, key length,
-                          data length, put sequence number, key (str or bytes)
-    region_offset[c]      slab class c: slot_count[c] slots of slot_bytes[c], aligned
-                          to min(slot_bytes, 2 MiB)
+The layout on the lease (header, one record per slot, the slab classes' slots) is
+:mod:`agent.kv_layout`'s; the batched reports of the store's accounting to the agent are
+:mod:`agent.kv_report`'s.
 
 Slab classes: one (``block_bytes``) by default, or a few (``slab_classes``) sharing the
 lease in fixed proportions. A block goes to the smallest class it fits; when that class
@@ -47,9 +42,9 @@ back): ``used = exclusive + replica`` always, so a snapshot read from another th
 while the engine runs is always a valid report, and each counter is O(1) to read.
 
 The store is not thread-safe: one engine thread (or the engine's own lock) drives it.
-The :class:`Reporter` thread only reads its counters. Views returned by :meth:`get`,
-:meth:`peek` and :meth:`reserve` are live: valid until that key is overwritten,
-deleted or evicted. numpy is never imported; ``numpy.frombuffer(kv.get(key), dtype)``
+The :class:`~agent.kv_report.Reporter` thread only reads its counters. Views returned
+by :meth:`get`, :meth:`peek` and :meth:`reserve` are live: valid until that key is
+overwritten, deleted or evicted. numpy is never imported; ``numpy.frombuffer(kv.get(key), dtype)``
 gives a zero-copy array, and :meth:`put` takes any C-contiguous buffer.
 """
 
@@ -57,17 +52,29 @@ from __future__ import annotations
 
 import logging
 import mmap
-import struct
-import threading
-import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Final, Literal, Protocol
+from typing import TYPE_CHECKING, Final, Literal
 
+from agent.kv_layout import (
+    MAGIC,
+    MAX_KEY_BYTES,
+    MAX_LEASE_ID_BYTES,
+    REC_BYTES_KEY,
+    REC_FIELDS,
+    REC_FREE,
+    REC_KEY_OFFSET,
+    REC_STR_KEY,
+    RECORD_BYTES,
+    Geometry,
+    SlabClass,
+    header_mismatch,
+    round_up,
+)
+from agent.kv_report import Reporter
 from poold.errors import PoolError
 
 if TYPE_CHECKING:
@@ -80,32 +87,7 @@ log = logging.getLogger(__name__)
 Key = bytes | str
 OpenState = Literal["new", "recovered", "reset"]
 
-MAGIC: Final = b"POOLDKV1"
-FORMAT_VERSION: Final = 1
-HEADER_BYTES: Final = 512
-RECORD_BYTES: Final = 256
-MAX_CLASSES: Final = 8
-MAX_LEASE_ID_BYTES: Final = 64
-MIN_SLOT_BYTES: Final = 512
-_HUGE_PAGE_BYTES: Final = 2 << 20
-
-# magic, version, class count, header bytes, lease id, epoch, mapping length,
-# record bytes, max key bytes, reserved, records offset, record count
-_HEAD: Final = struct.Struct("<8sHHI64sQQIIIQQ")
-_CLASS: Final = struct.Struct("<QQQ")  # slot bytes, slot count, region offset
-_CRC: Final = struct.Struct("<I")
-_HEAD_CRC_OFFSET: Final = _HEAD.size + MAX_CLASSES * _CLASS.size
-# record: state (1 byte, written last), then these fields, then the key
-_REC_FIELDS: Final = struct.Struct("<BHIQQ")  # key length, 2 reserved, data length, put seq
-_REC_KEY_OFFSET: Final = 1 + _REC_FIELDS.size
-MAX_KEY_BYTES: Final = RECORD_BYTES - _REC_KEY_OFFSET
-_REC_FREE: Final = 0
-_REC_BYTES_KEY: Final = 1
-_REC_STR_KEY: Final = 2
-
 _PLACES: Final = frozenset({"gpu", "dram"})
-
-assert _HEAD_CRC_OFFSET + _CRC.size <= HEADER_BYTES
 
 
 class BlockTooLarge(ValueError):
@@ -113,117 +95,12 @@ class BlockTooLarge(ValueError):
 
 
 class KeyTooLong(ValueError):
-    """The key does not fit in a slot record (:data:`MAX_KEY_BYTES` encoded)."""
-
-
-def _round_up(value: int, align: int) -> int:
-    return -(-value // align) * align
+    """The key does not fit in a slot record (:data:`agent.kv_layout.MAX_KEY_BYTES` encoded)."""
 
 
 def _check_where(where: str) -> None:
     if where not in _PLACES and not (where.startswith("host:") and len(where) > 5):
         raise ValueError(f'where must be "gpu", "dram" or "host:<name>", got {where!r}')
-
-
-@dataclass(frozen=True, slots=True)
-class SlabClass:
-    """One class of equal slots: where it sits in the mapping and how many it has."""
-
-    slot_bytes: int
-    slot_count: int
-    region_offset: int
-
-
-@dataclass(frozen=True, slots=True)
-class Geometry:
-    """How a mapping of ``length_bytes`` is carved: header, slot records, slab regions."""
-
-    length_bytes: int
-    records_offset: int
-    record_count: int
-    classes: tuple[SlabClass, ...]
-
-    @classmethod
-    def plan(cls, length_bytes: int, slab_classes: Sequence[tuple[int, float]]) -> Geometry:
-        """Carve ``length_bytes`` into ``(slot_bytes, share)`` classes after the metadata."""
-        if not 1 <= len(slab_classes) <= MAX_CLASSES:
-            raise ValueError(f"between 1 and {MAX_CLASSES} slab classes, got {len(slab_classes)}")
-        sizes = [size for size, _ in slab_classes]
-        if sorted(set(sizes)) != sizes:
-            raise ValueError(f"slab class slot sizes must be strictly increasing, got {sizes}")
-        total_share = sum(share for _, share in slab_classes)
-        for size, share in slab_classes:
-            if size < MIN_SLOT_BYTES or size % 8:
-                raise ValueError(f"slot_bytes must be >= {MIN_SLOT_BYTES} and a multiple of 8")
-            if share <= 0:
-                raise ValueError(f"slab class shares must be positive, got {share}")
-        # Records for an upper bound of slots (as if metadata took no room), so that the
-        # real counts, computed once the metadata is placed, always have a record each.
-        upper = sum(int(length_bytes * share / total_share) // size for size, share in slab_classes)
-        records_offset = HEADER_BYTES
-        cursor = records_offset + upper * RECORD_BYTES
-        data_bytes = max(0, length_bytes - cursor)
-        classes = []
-        for size, share in slab_classes:
-            start = _round_up(cursor, max(mmap.PAGESIZE, min(size, _HUGE_PAGE_BYTES)))
-            budget = int(data_bytes * share / total_share)
-            count = max(0, min(budget // size, (length_bytes - start) // size))
-            classes.append(SlabClass(size, count, start))
-            cursor = start + count * size
-        if not any(c.slot_count for c in classes):
-            raise ValueError(
-                f"a mapping of {length_bytes} bytes holds no slot of {sizes} after its "
-                f"{HEADER_BYTES + upper * RECORD_BYTES}-byte header"
-            )
-        return cls(length_bytes, records_offset, upper, tuple(classes))
-
-    def header(self, lease_id: bytes, epoch: int) -> bytes:
-        """The header bytes for this geometry, CRC included."""
-        head = bytearray(_HEAD_CRC_OFFSET)
-        _HEAD.pack_into(
-            head,
-            0,
-            MAGIC,
-            FORMAT_VERSION,
-            len(self.classes),
-            HEADER_BYTES,
-            lease_id,
-            epoch,
-            self.length_bytes,
-            RECORD_BYTES,
-            MAX_KEY_BYTES,
-            0,
-            self.records_offset,
-            self.record_count,
-        )
-        for i, c in enumerate(self.classes):
-            _CLASS.pack_into(
-                head, _HEAD.size + i * _CLASS.size, c.slot_bytes, c.slot_count, c.region_offset
-            )
-        return bytes(head) + _CRC.pack(zlib.crc32(head))
-
-
-def header_mismatch(
-    memory: memoryview, lease_id: bytes, epoch: int, geometry: Geometry
-) -> str | None:
-    """Why the header at offset 0 is not this (lease, epoch, geometry)'s; None when it is."""
-    raw = bytes(memory[: _HEAD_CRC_OFFSET + _CRC.size])
-    if raw[: len(MAGIC)] != MAGIC:
-        return "no kv store header (fresh or foreign memory)"
-    (crc,) = _CRC.unpack_from(raw, _HEAD_CRC_OFFSET)
-    if crc != zlib.crc32(raw[:_HEAD_CRC_OFFSET]):
-        return "header checksum mismatch (torn or corrupted header)"
-    version, _, _, stored_id, stored_epoch = _HEAD.unpack_from(raw)[1:6]
-    if version != FORMAT_VERSION:
-        return f"header format version {version}, this store writes {FORMAT_VERSION}"
-    if stored_id != lease_id.ljust(MAX_LEASE_ID_BYTES, b"\0"):
-        old = stored_id.rstrip(b"\0").decode("utf-8", "replace")
-        return f"header belongs to lease {old!r}"
-    if stored_epoch != epoch:
-        return f"header has epoch {stored_epoch}, lease has epoch {epoch} (memory reused)"
-    if raw[:_HEAD_CRC_OFFSET] != geometry.header(lease_id, epoch)[:_HEAD_CRC_OFFSET]:
-        return "header slot geometry differs from the one requested"
-    return None
 
 
 class _Block:
@@ -245,7 +122,7 @@ class _Block:
     def __init__(self, key: Key, key_bytes: bytes, cls: _Class, offset: int, record: int) -> None:
         self.key = key
         self.key_bytes = key_bytes
-        self.state = _REC_STR_KEY if isinstance(key, str) else _REC_BYTES_KEY
+        self.state = REC_STR_KEY if isinstance(key, str) else REC_BYTES_KEY
         self.cls = cls
         self.slot_bytes = cls.slot_bytes
         self.offset = offset
@@ -445,17 +322,17 @@ class KVStore:
         for cls, offset, record in self._slots():
             raw = bytes(view[record : record + RECORD_BYTES])
             state = raw[0]
-            key_len, _, _, length, seq = _REC_FIELDS.unpack_from(raw, 1)
+            key_len, _, _, length, seq = REC_FIELDS.unpack_from(raw, 1)
             valid = (
-                state in (_REC_BYTES_KEY, _REC_STR_KEY)
+                state in (REC_BYTES_KEY, REC_STR_KEY)
                 and key_len <= MAX_KEY_BYTES
                 and length <= cls.slot_bytes
             )
             key: Key | None = None
             if valid:
-                key_bytes = raw[_REC_KEY_OFFSET : _REC_KEY_OFFSET + key_len]
+                key_bytes = raw[REC_KEY_OFFSET : REC_KEY_OFFSET + key_len]
                 try:
-                    key = key_bytes.decode() if state == _REC_STR_KEY else key_bytes
+                    key = key_bytes.decode() if state == REC_STR_KEY else key_bytes
                 except UnicodeDecodeError:
                     key = None
             if key is None:
@@ -499,7 +376,7 @@ class KVStore:
         block = self._index.get(key)
         if block is not None and block.cls is cls:
             # New data in the same slot: the hot overwrite path, kept free of allocations.
-            self._view[block.record] = _REC_FREE
+            self._view[block.record] = REC_FREE
             block.length = nbytes
             if block.where is None and replica_of is None:
                 self._tick += 1
@@ -522,8 +399,8 @@ class KVStore:
         offset, record = cls.free.pop()
         block = _Block(key, key_bytes, cls, offset, record)
         self._index[key] = block
-        self._view[record] = _REC_FREE
-        at = record + _REC_KEY_OFFSET
+        self._view[record] = REC_FREE
+        at = record + REC_KEY_OFFSET
         self._view[at : at + len(key_bytes)] = key_bytes
         block.length = nbytes
         block.where = replica_of
@@ -534,7 +411,7 @@ class KVStore:
         """Complete ``block``'s slot record (its key is written at allocation), state last."""
         self._seq += 1
         record = block.record
-        _REC_FIELDS.pack_into(
+        REC_FIELDS.pack_into(
             self._view, record + 1, len(block.key_bytes), 0, 0, block.length, self._seq
         )
         self._view[record] = block.state
@@ -675,7 +552,7 @@ class KVStore:
         self.version += 1
 
     def _free_slot(self, block: _Block) -> None:
-        self._view[block.record] = _REC_FREE
+        self._view[block.record] = REC_FREE
         block.cls.free.append((block.offset, block.record))
 
     def _victim(self, cls: _Class) -> _Block:
@@ -763,13 +640,13 @@ class KVStore:
         old_len = len(self._view)
         step = max(lease.alignment_bytes, lease.page_size_bytes, mmap.PAGESIZE)
         first = next(c for c in self.geometry.classes if c.slot_count)
-        floor = _round_up(first.region_offset + first.slot_bytes, step)
+        floor = round_up(first.region_offset + first.slot_bytes, step)
         new_len = max((old_len - target_bytes) // step * step, floor)
         if not drop_exclusive:
             for cls in self._classes:
                 if cls.exclusive:
                     need = cls.spec.region_offset + len(cls.exclusive) * cls.slot_bytes
-                    new_len = max(new_len, _round_up(need, step))
+                    new_len = max(new_len, round_up(need, step))
         if new_len >= old_len:
             return 0
         kept = self._cut_to(new_len)
@@ -937,12 +814,12 @@ class KVStore:
         view = self._view
         view[offset : offset + block.length] = view[block.offset : block.offset + block.length]
         old_record = block.record
-        view[record] = _REC_FREE
-        at = record + _REC_KEY_OFFSET
+        view[record] = REC_FREE
+        at = record + REC_KEY_OFFSET
         view[at : at + len(block.key_bytes)] = block.key_bytes
         block.offset, block.record = offset, record
         self._commit(block)
-        view[old_record] = _REC_FREE
+        view[old_record] = REC_FREE
 
     def _remap(self, lease: Lease) -> None:
         """Map the lease's (new) length; the old mapping goes when nothing views it."""
@@ -1118,124 +995,3 @@ class KVStore:
             f"<KVStore lease {self.lease_id} epoch {self.epoch} {len(self._index)} blocks "
             f"{self._exclusive_bytes} exclusive / {self._replica_bytes} replica bytes>"
         )
-
-
-class ReportFn(Protocol):
-    """The shape of :meth:`agent.client.Lease.report`."""
-
-    def __call__(
-        self,
-        *,
-        used_bytes: int,
-        exclusive_bytes: int,
-        replica_bytes: int,
-        exclusive_blocks: int = 0,
-        replica_blocks: int = 0,
-    ) -> bool: ...
-
-
-class Reporter:
-    """Sends a store's accounting through ``report`` (e.g. ``lease.report``), batched.
-
-    At most once per ``min_interval_s`` (on ``clock``), and only when the accounting
-    changed since the last report sent. Never raises: a failed send (agent restarting,
-    socket gone) is logged once per outage and retried at the next interval; a report
-    the agent refuses (lease no longer ours) is logged and not repeated for that state.
-    :meth:`poll` does one check; :meth:`start` runs it on a daemon thread;
-    :meth:`flush` sends now, interval or not.
-    """
-
-    def __init__(
-        self,
-        store: KVStore,
-        report: ReportFn,
-        *,
-        min_interval_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.store = store
-        self.report = report
-        self.min_interval_s = min_interval_s
-        self.clock = clock
-        self.sent = 0
-        self.failures = 0
-        self._sent_version = -1
-        self._last_attempt_at: float | None = None
-        self._failing = False
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def poll(self) -> bool:
-        """Send if the accounting changed and the interval passed; True when a report went out."""
-        with self._lock:
-            if self.store.version == self._sent_version:
-                return False
-            now = self.clock()
-            last = self._last_attempt_at
-            if last is not None and now - last < self.min_interval_s:
-                return False
-            return self._send(now)
-
-    def flush(self) -> bool:
-        """Send now if the accounting changed, ignoring the interval; True when one went out."""
-        with self._lock:
-            if self.store.version == self._sent_version:
-                return False
-            return self._send(self.clock())
-
-    def _send(self, now: float) -> bool:
-        store = self.store
-        # Read the version first: a change racing with the reads below bumps it again,
-        # so the next poll sends the newer state. Every snapshot is valid on its own
-        # (used is exclusive + replica by construction).
-        version = store.version
-        exclusive_bytes, replica_bytes = store.exclusive_bytes, store.replica_bytes
-        self._last_attempt_at = now
-        try:
-            accepted = self.report(
-                used_bytes=exclusive_bytes + replica_bytes,
-                exclusive_bytes=exclusive_bytes,
-                replica_bytes=replica_bytes,
-                exclusive_blocks=store.exclusive_blocks,
-                replica_blocks=store.replica_blocks,
-            )
-        except Exception as err:
-            self.failures += 1
-            if not self._failing:
-                log.warning("kv report for lease %s failed, will retry: %s", store.lease_id, err)
-            else:
-                log.debug("kv report for lease %s failed again: %s", store.lease_id, err)
-            self._failing = True
-            return False
-        if self._failing:
-            log.info("kv report for lease %s sent again", store.lease_id)
-            self._failing = False
-        if not accepted:
-            log.warning("the agent did not accept the kv report for lease %s", store.lease_id)
-        self._sent_version = version
-        self.sent += 1
-        return True
-
-    def start(self) -> None:
-        """Poll on a daemon thread every ``min_interval_s`` until :meth:`stop`."""
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._run, name=f"kv-report-{self.store.lease_id}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.min_interval_s):
-            self.poll()
-
-    def stop(self, flush: bool = True) -> None:
-        """Stop the thread (if started) and send the last change unless ``flush=False``."""
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-        if flush:
-            self.flush()

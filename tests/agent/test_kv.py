@@ -18,17 +18,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from agent.backends.emulated import materialise
-from agent.kv import (
-    HEADER_BYTES,
-    MAGIC,
-    MAX_KEY_BYTES,
-    RECORD_BYTES,
-    BlockTooLarge,
-    Key,
-    KeyTooLong,
-    KVStore,
-    Reporter,
-)
+from agent.kv import BlockTooLarge, Key, KeyTooLong, KVStore
+from agent.kv_layout import HEADER_BYTES, MAGIC, MAX_KEY_BYTES, RECORD_BYTES
+from agent.kv_report import Reporter
 
 if TYPE_CHECKING:
     from agent.client import Lease

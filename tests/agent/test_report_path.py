@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent import protocol as p
-from agent.kv import KVStore, Reporter
+from agent.kv import KVStore
+from agent.kv_report import Reporter
 from agent.server import Peer
 from agent.service import AgentService
 from poold.api.client import PooldClient
