@@ -38,7 +38,7 @@ from poold.errors import (
 )
 from poold.lease_states import LeaseEvent
 from poold.ledger import accounting as ledger_accounting
-from poold.ledger import admin_ops, capacity, devices, hosts, leases, tenants
+from poold.ledger import admin_ops, capacity, devices, hosts, lease_views, leases, tenants
 from poold.ledger import audit as ledger_audit
 from poold.ledger.db import Ledger
 from poold.ledger.reaper import ReaperPolicy
@@ -371,13 +371,13 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
     async def list_leases(p: Caller, q: Annotated[LeaseQuery, Query()]) -> list[LeaseOut]:
         # An agent sees its own host's leases only.
         host = q.host if p.admin else p.host
-        return leases.list_leases(
+        return lease_views.list_leases(
             ledger, tenant=q.tenant, host=host, states=q.state, live_only=q.live, limit=q.limit
         )
 
     @bind
     async def show_lease(lease_id: str, p: Caller) -> LeaseOut:
-        out = leases.show(ledger, lease_id)
+        out = lease_views.show(ledger, lease_id)
         if not p.admin and out.host != p.host:
             # The same code renew/release/activate give for another host's lease.
             raise NotOwner(f"lease {lease_id} is not held on host {p.host!r}", lease_id=lease_id)

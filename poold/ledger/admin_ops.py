@@ -11,6 +11,9 @@
   live on until they end, unless the drain has a deadline: then the reaper
   revokes them when it passes (or `drain_host` at once, with `now`). As for a
   device, the deadline is kept in the `host.drain` event; `undrain` cancels it.
+* A device's drain and undrain bump its generation with a compare-and-swap, as a
+  grant does: a grant that read the device before the drain committed then
+  fails its own swap and reads `draining` (STYLE.md pattern 1).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from poold.errors import (
     UnknownLease,
 )
 from poold.lease_states import LIVE_STATE_VALUES, LeaseEvent, LeaseState, next_state
-from poold.ledger import devices, events, hosts, leases
+from poold.ledger import devices, hosts, lease_views, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Host, Lease
 from poold.ledger.reaper import reclaim_event, revoke_in, revoke_matching
@@ -59,7 +62,7 @@ def revoke_lease(
             now=utcnow(),
             deadline_s=deadline_s,
         ):
-            return leases.show(ledger, lease_id)
+            return lease_views.show(ledger, lease_id)
         # Lost a race (the holder released, the reaper expired it): look again.
     raise GenerationConflict(f"lease {lease_id} kept changing state; retry", lease_id=lease_id)
 
@@ -92,7 +95,7 @@ def confirm_revoked(
                     )
                 event = reclaim_event(row.kind)
                 after = next_state(LeaseState.REVOKING, event)
-                moved = leases.move_if(
+                moved = transitions.move_if(
                     conn,
                     lease_id,
                     LeaseState.REVOKING,
@@ -121,35 +124,44 @@ def drain_device(
     """Stop placing on a device; revoke its live leases at the deadline, or at once."""
     now = utcnow()
     deadline = now if now_ else now + timedelta(seconds=deadline_s)
-    with ledger.write() as s:
-        dev = devices.get_by_uid(s, uid)
-        if dev.state in ("retired",):
-            raise BadRequest(f"device {uid!r} is {dev.state}; nothing to drain", uid=uid)
-        before = dev.state
-        dev.state = "draining"
-        dev.updated_at = now
-        # A grant that read the device as online before this commit bumps the
-        # generation it read; this bump makes that grant retry and see `draining`.
-        dev.generation = dev.generation + 1
-        device_id = dev.id
-        events.record(
-            s,
-            actor=actor,
-            kind="device.drain",
-            device_id=device_id,
-            from_state=before,
-            to_state="draining",
-            reason="drain now" if now_ else f"drain within {deadline_s:g}s",
-            detail={"deadline_at": deadline.isoformat()},
-        )
-        live = int(
-            s.scalar(
-                select(func.count(Lease.id)).where(
-                    Lease.device_id == device_id, Lease.state.in_(LIVE_STATE_VALUES)
-                )
+
+    def attempt() -> tuple[int, int]:
+        with ledger.write() as s:
+            dev = devices.get_by_uid(s, uid)
+            if dev.state in ("retired",):
+                raise BadRequest(f"device {uid!r} is {dev.state}; nothing to drain", uid=uid)
+            before = dev.state
+            # A grant that read the device as online before this commit swaps the
+            # generation it read; this swap makes that grant fail, read again and
+            # see `draining`. The state change rides on the swap, so it is applied
+            # only if nothing moved the device since it was read.
+            if not transitions.compare_and_bump(
+                s.connection(), Device, dev.id, dev.generation, state="draining", updated_at=now
+            ):
+                raise transitions.LostRace
+            transitions.record(
+                s,
+                transitions.event_row(
+                    actor=actor,
+                    kind="device.drain",
+                    device_id=dev.id,
+                    from_state=before,
+                    to_state="draining",
+                    reason="drain now" if now_ else f"drain within {deadline_s:g}s",
+                    detail={"deadline_at": deadline.isoformat()},
+                ),
             )
-            or 0
-        )
+            live = int(
+                s.scalar(
+                    select(func.count(Lease.id)).where(
+                        Lease.device_id == dev.id, Lease.state.in_(LIVE_STATE_VALUES)
+                    )
+                )
+                or 0
+            )
+            return dev.id, live
+
+    device_id, live = transitions.retrying(attempt, what=f"the drain of device {uid!r}")
     revoked: list[str] = []
     if deadline <= now:
         revoked = revoke_matching(
@@ -167,22 +179,29 @@ def drain_device(
 
 def undrain_device(ledger: Ledger, uid: str, actor: str) -> DrainResult:
     """Put a draining device back online (leases already revoked stay revoked)."""
-    with ledger.write() as s:
-        dev = devices.get_by_uid(s, uid)
-        if dev.state != "draining":
-            raise BadRequest(f"device {uid!r} is {dev.state}, not draining", uid=uid)
-        dev.state = "online"
-        dev.updated_at = utcnow()
-        dev.generation = dev.generation + 1
-        events.record(
-            s,
-            actor=actor,
-            kind="device.undrain",
-            device_id=dev.id,
-            from_state="draining",
-            to_state="online",
-        )
-        return DrainResult(target=uid, state="online")
+
+    def attempt() -> None:
+        with ledger.write() as s:
+            dev = devices.get_by_uid(s, uid)
+            if dev.state != "draining":
+                raise BadRequest(f"device {uid!r} is {dev.state}, not draining", uid=uid)
+            if not transitions.compare_and_bump(
+                s.connection(), Device, dev.id, dev.generation, state="online", updated_at=utcnow()
+            ):
+                raise transitions.LostRace
+            transitions.record(
+                s,
+                transitions.event_row(
+                    actor=actor,
+                    kind="device.undrain",
+                    device_id=dev.id,
+                    from_state="draining",
+                    to_state="online",
+                ),
+            )
+
+    transitions.retrying(attempt, what=f"the undrain of device {uid!r}")
+    return DrainResult(target=uid, state="online")
 
 
 def drain_host(
@@ -221,16 +240,18 @@ def drain_host(
             reason = "drain: leases run to their end"
         elif draining:
             reason = "drain now" if now_ else f"drain within {deadline_s:g}s"
-        events.record(
+        transitions.record(
             s,
-            actor=actor,
-            kind="host.drain" if draining else "host.undrain",
-            host_id=host_id,
-            from_state=before,
-            to_state=after,
-            reason=reason,
-            # The reaper reads the latest `host.drain` deadline (reaper.host_drain_deadlines).
-            detail={"deadline_at": deadline.isoformat()} if deadline is not None else {},
+            transitions.event_row(
+                actor=actor,
+                kind="host.drain" if draining else "host.undrain",
+                host_id=host_id,
+                from_state=before,
+                to_state=after,
+                reason=reason,
+                # The reaper reads the latest `host.drain` deadline (reaper.host_drain_deadlines).
+                detail={"deadline_at": deadline.isoformat()} if deadline is not None else {},
+            ),
         )
         live = int(
             s.scalar(

@@ -59,8 +59,7 @@ from sqlalchemy import ScalarSelect, case, func, insert, or_, select
 from sqlalchemy.orm import Session
 
 from poold.lease_states import LIVE_STATES, LeaseEvent, LeaseState
-from poold.ledger import events
-from poold.ledger import leases as lease_ops
+from poold.ledger import transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import AuditRun, Device, Event, Host, Lease, Quarantine, Tenant
 from poold.ledger.reaper import ReaperPolicy, orphaned_since, reclaim_event
@@ -381,13 +380,13 @@ def _scrubbing_since(conn: Any, lease_ids: list[str]) -> dict[str, datetime]:
     column over the whole journal would cost every audit a second on 100k leases.
     """
     since: dict[str, datetime] = {}
-    for start in range(0, len(lease_ids), 500):  # bounded IN lists
+    for chunk in transitions.chunks(lease_ids, 500):  # short IN lists
         since.update(
             (lease_id, at)
             for lease_id, at in conn.execute(
                 select(Event.lease_id, func.max(Event.at))
                 .where(
-                    Event.lease_id.in_(lease_ids[start : start + 500]),
+                    Event.lease_id.in_(chunk),
                     or_(Event.to_state.is_not(None), Event.kind == SCRUB_REISSUE),
                 )
                 .group_by(Event.lease_id)
@@ -433,7 +432,7 @@ def reclaim(
             elif expected is LeaseState.REVOKING:
                 where = (Lease.expires_at <= now,)
         with ledger.write() as s:
-            ok = lease_ops.move_if(
+            ok = transitions.move_if(
                 s.connection(),
                 it.lease_id,
                 expected,
@@ -739,7 +738,7 @@ def reclaim_stale(ledger: Ledger, stale: list[AuditItem], now: datetime) -> int:
         if it.lease_id is None or it.state != "active":
             continue
         with ledger.write() as s:
-            moved = lease_ops.move_if(
+            moved = transitions.move_if(
                 s.connection(),
                 it.lease_id,
                 LeaseState.ACTIVE,
@@ -763,14 +762,16 @@ def order_leftover_deletes(
         if it.kind != "leftover_sub_device" or it.lease_id is None or host_id is None:
             continue
         with ledger.write() as s:
-            events.record(
+            transitions.record(
                 s,
-                actor=ACTOR,
-                kind=LEFTOVER_DELETE,
-                lease_id=it.lease_id,
-                host_id=host_id,
-                reason=f"audit: leftover sub-device {it.sub_device} of an ended lease",
-                detail={"sub_device": it.sub_device},
+                transitions.event_row(
+                    actor=ACTOR,
+                    kind=LEFTOVER_DELETE,
+                    lease_id=it.lease_id,
+                    host_id=host_id,
+                    reason=f"audit: leftover sub-device {it.sub_device} of an ended lease",
+                    detail={"sub_device": it.sub_device},
+                ),
             )
         it.action = "delete_ordered"
         done += 1
@@ -792,15 +793,17 @@ def reissue_scrubs(ledger: Ledger, scrubs: list[AuditItem], stuck_after_s: float
             if row is None or row.state != LeaseState.SCRUBBING.value:
                 it.action = "lost_race"  # scrubbed (or failed) since the audit read it
                 continue
-            events.record(
+            transitions.record(
                 s,
-                actor=ACTOR,
-                kind=SCRUB_REISSUE,
-                lease_id=it.lease_id,
-                host_id=row.host_id,
-                device_id=row.device_id,
-                tenant_id=row.tenant_id,
-                reason=f"audit: no scrub running on the agent for over {stuck_after_s:g}s",
+                transitions.event_row(
+                    actor=ACTOR,
+                    kind=SCRUB_REISSUE,
+                    lease_id=it.lease_id,
+                    host_id=row.host_id,
+                    device_id=row.device_id,
+                    tenant_id=row.tenant_id,
+                    reason=f"audit: no scrub running on the agent for over {stuck_after_s:g}s",
+                ),
             )
         it.action = "scrub_reissued"
         done += 1
@@ -833,7 +836,7 @@ def leftover_revocations(
     """
     ids = sorted({x.lease_id for x in leftovers})
     ordered: set[str] = set()
-    for start in range(0, len(ids), lease_ops.IN_CHUNK):  # SQLite caps bound parameters
+    for chunk in transitions.chunks(ids):
         ordered.update(
             str(lease_id)
             for lease_id in session.scalars(
@@ -841,7 +844,7 @@ def leftover_revocations(
                 .where(
                     Event.kind == LEFTOVER_DELETE,
                     Event.host_id == host_id,
-                    Event.lease_id.in_(ids[start : start + lease_ops.IN_CHUNK]),
+                    Event.lease_id.in_(chunk),
                 )
                 .distinct()
             )

@@ -17,11 +17,12 @@ from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from poold import extents
 from poold.errors import BadRequest, UnknownDevice
 from poold.extents import Extent
-from poold.ledger import events
+from poold.ledger import transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device
 from poold.ledger.types import utcnow
@@ -76,15 +77,16 @@ def usable_capacity_bytes(dev: Device) -> int:
     return dev.capacity_bytes - sum(e.length for e in held)
 
 
-def set_reserved(dev: Device, item: InventoryDevice) -> None:
+def set_reserved(session: Session, dev: Device, item: InventoryDevice) -> None:
     """Store the ranges the agent found held by dax devices poold did not place.
 
-    A change bumps the device generation, atomically in SQL: a grant that read the old
-    ranges then loses its conditional update and places again (STYLE.md pattern 1).
+    A change bumps the device generation (`transitions.bump`): a grant that read the
+    old ranges then loses its compare-and-swap and places again (STYLE.md pattern 1).
     """
     new = [[offset, length] for offset, length in sorted(item.reserved_extents)]
     if dev.id is not None and (dev.reserved_extents or []) != new:
-        dev.generation = Device.generation + 1
+        generation = transitions.bump(session.connection(), Device, dev.id)
+        set_committed_value(dev, "generation", generation)  # what the row now holds
     dev.reserved_extents = new
 
 
@@ -119,12 +121,14 @@ def annotate(session: Session, uid: str, change: DeviceAnnotate, actor: str) -> 
     dev.admin_annotations = after  # a new dict: SQLAlchemy sees the JSON change
     apply_effective(dev)
     dev.updated_at = utcnow()
-    events.record(
+    transitions.record(
         session,
-        actor=actor,
-        kind="device.annotate",
-        device_id=dev.id,
-        detail={"uid": uid, "set": setting, "cleared": sorted(change.clear)},
+        transitions.event_row(
+            actor=actor,
+            kind="device.annotate",
+            device_id=dev.id,
+            detail={"uid": uid, "set": setting, "cleared": sorted(change.clear)},
+        ),
     )
     return dev
 

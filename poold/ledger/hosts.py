@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import secrets
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, bindparam, select, update
@@ -27,7 +28,7 @@ from poold.errors import (
     UnknownLease,
 )
 from poold.lease_states import LIVE_STATE_VALUES, LeaseState
-from poold.ledger import accounting, audit, devices, events, leases
+from poold.ledger import accounting, audit, devices, leases, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine
 from poold.ledger.types import check_ints_fit, utcnow
@@ -37,7 +38,6 @@ from poold.wire.agent import (
     HeartbeatReply,
     InventoryDevice,
     LeaseReport,
-    RenewResult,
     ReportRefusal,
     Revocation,
     ScrubOrder,
@@ -73,7 +73,10 @@ def add(session: Session, name: str, actor: str) -> tuple[Host, str]:
     )
     session.add(host)
     session.flush()
-    events.record(session, actor=actor, kind="host.add", host_id=host.id, detail={"name": name})
+    transitions.record(
+        session,
+        transitions.event_row(actor=actor, kind="host.add", host_id=host.id, detail={"name": name}),
+    )
     return host, credential
 
 
@@ -132,7 +135,7 @@ def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevi
         dev.health = item.health
         dev.health_reasons = list(item.health_reasons)
         dev.memdev_serials = list(item.memdev_serials)
-        devices.set_reserved(dev, item)  # never placed on (dax devices poold did not make)
+        devices.set_reserved(session, dev, item)  # never placed on (dax devices poold did not make)
         if dev.state == "missing":
             dev.state = "online"
         dev.updated_at = now
@@ -171,13 +174,33 @@ def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevi
             dev = session.get(Device, path.device_id)
             if dev is not None and dev.state == "online":
                 dev.state = "missing"
-                events.record(
+                transitions.record(
                     session,
-                    actor=f"host:{host.name}",
-                    kind="device.missing",
-                    device_id=dev.id,
-                    host_id=host.id,
+                    transitions.event_row(
+                        actor=f"host:{host.name}",
+                        kind="device.missing",
+                        device_id=dev.id,
+                        host_id=host.id,
+                    ),
                 )
+
+
+def _leases(session: Session, lease_ids: Sequence[str]) -> dict[str, Lease]:
+    """Several leases in one locked query per chunk, as the database has them now.
+
+    populate_existing: the heartbeat's renewals are Core statements, so a lease
+    object this session loaded before them would otherwise keep its old state.
+    """
+    out: dict[str, Lease] = {}
+    for chunk in transitions.chunks(lease_ids):
+        stmt = (
+            select(Lease)
+            .where(Lease.id.in_(chunk))
+            .with_for_update()
+            .execution_options(populate_existing=True)
+        )
+        out.update((lease.id, lease) for lease in session.scalars(stmt))
+    return out
 
 
 def store_reports(
@@ -191,7 +214,7 @@ def store_reports(
     """
     latest = {r.lease_id: r for r in reports}  # the last report of a lease in a batch wins
     ids = sorted(latest)
-    found = leases.load_many(session, ids)
+    found = _leases(session, ids)
     refused: list[ReportRefusal] = []
     for lease_id in ids:
         report = latest[lease_id]
@@ -253,7 +276,9 @@ def shrink_hints(
     uses: list[pressure.LeaseUse] = []
     mine: list[Lease] = []  # this host's: its heartbeat asks (and records) their share
     for lease in session.scalars(
-        select(Lease).where(Lease.device_id.in_(ids), Lease.state.in_(live))
+        select(Lease)
+        .where(Lease.device_id.in_(ids), Lease.state.in_(live))
+        .execution_options(populate_existing=True)  # as _leases: after Core renewals
     ):
         used[lease.device_id].append(extents.Extent(lease.offset_bytes, lease.length_bytes))
         if lease.host_id == host.id:
@@ -339,15 +364,13 @@ REVOKED_HELD_EXTENSION_S = 60.0
 
 def held_but_ended(session: Session, host: Host, held: list[str]) -> list[str]:
     """Lease ids the agent holds memory for that the ledger no longer has live here."""
-    if not held:
-        return []
     live: set[str] = set()
-    for start in range(0, len(held), leases.IN_CHUNK):  # SQLite caps bound parameters
+    for chunk in transitions.chunks(held):
         live.update(
             lease_id
             for (lease_id,) in session.execute(
                 select(Lease.id).where(
-                    Lease.id.in_(held[start : start + leases.IN_CHUNK]),
+                    Lease.id.in_(chunk),
                     Lease.host_id == host.id,
                     Lease.state.in_(LIVE_STATE_VALUES),
                 )
@@ -359,11 +382,11 @@ def held_but_ended(session: Session, host: Host, held: list[str]) -> list[str]:
 def hold_revoked(session: Session, host: Host, lease_ids: list[str], now: datetime) -> None:
     """Keep revoked-but-still-mapped memfd leases from being reclaimed under their holder."""
     until = now + timedelta(seconds=REVOKED_HELD_EXTENSION_S)
-    for start in range(0, len(lease_ids), leases.IN_CHUNK):  # SQLite caps bound parameters
+    for chunk in transitions.chunks(lease_ids):
         session.execute(
             update(Lease)
             .where(
-                Lease.id.in_(lease_ids[start : start + leases.IN_CHUNK]),
+                Lease.id.in_(chunk),
                 Lease.host_id == host.id,
                 Lease.state == LeaseState.REVOKING.value,
                 Lease.expires_at < until,
@@ -393,19 +416,8 @@ def heartbeat(
         host.inventory_digest = beat.inventory_digest
     elif beat.inventory_digest != host.inventory_digest:
         want_inventory = True
-    renewed: list[RenewResult] = []
-    loaded = leases.load_many(session, [r.lease_id for r in beat.renewals])
-    for renewal in beat.renewals:
-        try:
-            # renew_in checks before it writes, so a refusal leaves nothing half-done.
-            lease = leases.renew_in(
-                session, host, renewal.lease_id, renewal.ttl_s, now, loaded=loaded
-            )
-            renewed.append(RenewResult(lease_id=lease.id, expires_at=lease.expires_at))
-        except PoolError as err:
-            renewed.append(
-                RenewResult(lease_id=renewal.lease_id, code=err.code, message=err.message)
-            )
+    # Each renewal checks before it writes, so a refusal leaves nothing half-done.
+    renewed = leases.renew_all(session.connection(), host.id, host.name, beat.renewals, now)
     # After the renewals: a lease that lazily expired just now still held its memory.
     report_errors = store_reports(session, host, beat.reports, now) if beat.reports else []
     if beat.revoked_held:
@@ -418,13 +430,15 @@ def heartbeat(
         host.agent_leases = audit.stored_report(beat)
         host.agent_leases_at = now
         ended = held_but_ended(session, host, held)
-    revoking = session.scalars(
-        select(Lease).where(Lease.host_id == host.id, Lease.state == LeaseState.REVOKING.value)
+    revoking = session.execute(
+        select(Lease.id, Lease.expires_at).where(
+            Lease.host_id == host.id, Lease.state == LeaseState.REVOKING.value
+        )
     )
     # A revoking lease's expires_at is the revocation deadline (reaper.revoke_in).
     revocations = [
-        Revocation(lease_id=lease.id, reason="revoked", deadline_at=lease.expires_at)
-        for lease in revoking
+        Revocation(lease_id=lease_id, reason="revoked", deadline_at=expires_at)
+        for lease_id, expires_at in revoking
     ]
     # Memory the agent still holds for leases the ledger ended (an admin release,
     # a reclaim while the agent was away): take it back now.
@@ -509,15 +523,17 @@ def receive_heartbeat(
     with ledger.write() as session:
         host = get_by_name(session, host_name)
         if register:
-            events.record(
+            transitions.record(
                 session,
-                actor=actor,
-                kind="host.register",
-                host_id=host.id,
-                detail={
-                    "agent_version": beat.agent_version,
-                    "devices": len(beat.inventory or []),
-                },
+                transitions.event_row(
+                    actor=actor,
+                    kind="host.register",
+                    host_id=host.id,
+                    detail={
+                        "agent_version": beat.agent_version,
+                        "devices": len(beat.inventory or []),
+                    },
+                ),
             )
         return heartbeat(
             session,

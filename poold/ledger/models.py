@@ -40,7 +40,6 @@ NAMING = {
 }
 
 
-
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}

@@ -14,7 +14,7 @@ A pass ends what the clocks of DESIGN.md "Lease lifecycle" say has ended:
 * hosts whose agent has not beaten for `host_down_after_s` are marked down.
 
 Every transition is its own transaction with one event (actor `poold:reaper`)
-and is a conditional update (`leases.move_if`), so several poold processes may
+and is a conditional update (`transitions.move_if`), so several poold processes may
 reap one PostgreSQL ledger at once: the loser of a race writes nothing.
 
 **The outage rule: a lease does not expire because its agent could not reach
@@ -54,7 +54,7 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from poold.lease_states import LeaseEvent, LeaseState
-from poold.ledger import leases
+from poold.ledger import transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Event, Host, Lease
 from poold.ledger.types import utcnow
@@ -222,15 +222,15 @@ class Reaper:
                     .values(status="down")
                 ).rowcount  # type: ignore[attr-defined]
                 if changed == 1:
-                    s.add(
-                        Event(
+                    transitions.record(
+                        s,
+                        transitions.event_row(
                             at=now,
                             actor=ACTOR,
                             kind="host.down",
                             host_id=host_id,
                             reason=f"no heartbeat for {self.policy.host_down_after_s:g}s",
-                            detail={},
-                        )
+                        ),
                     )
                     result.hosts_down.append(name)
                     log.warning("host %s marked down: no heartbeat since %s", name, cutoff)
@@ -427,7 +427,7 @@ class Reaper:
         where: Iterable[Any] = (),
     ) -> bool:
         with self.ledger.write() as s:
-            moved = leases.move_if(
+            moved = transitions.move_if(
                 s.connection(),
                 lease_id,
                 expected,
@@ -460,7 +460,7 @@ def revoke_in(
     """
     deadline = now + timedelta(seconds=deadline_s)
     with ledger.write() as s:
-        return leases.move_if(
+        return transitions.move_if(
             s.connection(),
             lease_id,
             state,
@@ -563,13 +563,13 @@ def orphaned_since(conn: Any, *, limit: int | None = None) -> list[tuple[str, st
         return []  # the common case: no scan of the (large) events table at all
     since: dict[str, datetime] = {}
     ids = [row.id for row in rows]
-    for i in range(0, len(ids), 500):  # bounded IN lists; events are indexed by lease_id
+    for chunk in transitions.chunks(ids, 500):  # short IN lists; events are indexed by lease_id
         since.update(
             (lease_id, _aware(at))
             for lease_id, at in conn.execute(
                 select(Event.lease_id, func.max(Event.at))
                 .where(
-                    Event.lease_id.in_(ids[i : i + 500]),
+                    Event.lease_id.in_(chunk),
                     Event.to_state == LeaseState.ORPHANED.value,
                 )
                 .group_by(Event.lease_id)

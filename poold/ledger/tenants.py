@@ -7,10 +7,11 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from poold.errors import AlreadyExists, NotOwner, TenantInUse, UnknownTenant
 from poold.lease_states import LIVE_STATE_VALUES
-from poold.ledger import events
+from poold.ledger import transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Lease, Tenant
 from poold.ledger.types import check_ints_fit, utcnow
@@ -71,26 +72,55 @@ def create(session: Session, spec: TenantSpec, actor: str) -> Tenant:
         session.flush()
     except IntegrityError as exc:  # a concurrent create won the unique name
         raise AlreadyExists(f"tenant {spec.name!r} already exists", tenant=spec.name) from exc
-    events.record(
-        session, actor=actor, kind="tenant.create", tenant_id=tenant.id, detail=spec.model_dump()
+    transitions.record(
+        session,
+        transitions.event_row(
+            actor=actor, kind="tenant.create", tenant_id=tenant.id, detail=spec.model_dump()
+        ),
     )
     return tenant
 
 
+def _claim(session: Session, tenant: Tenant) -> None:
+    """Bump the generation this transaction read, or raise `transitions.LostRace`.
+
+    A quota change must not race a grant that read the old quota: swapping the
+    generation read makes that grant's own swap fail, and it reads the new quota.
+    Written as `generation + 1` instead, on PostgreSQL's READ COMMITTED it could
+    overwrite a concurrent grant's bump with the same number, and a grant that read
+    that number would then pass its swap after this change committed.
+    """
+    seen = tenant.generation
+    if not transitions.compare_and_bump(session.connection(), Tenant, tenant.id, seen):
+        raise transitions.LostRace
+    set_committed_value(tenant, "generation", seen + 1)  # what the row now holds
+
+
 def update(session: Session, name: str, change: TenantUpdate, actor: str) -> Tenant:
+    """Change a tenant; `transitions.LostRace` when a grant moved it since it was read."""
     tenant = get_by_name(session, name)
     fields = change.model_dump(exclude_none=True)
     check_ints_fit(Tenant.__table__, fields)
+    _claim(session, tenant)
     for key, value in fields.items():
         setattr(tenant, key, sorted(set(value)) if isinstance(value, list) else value)
-    # A quota change must not race a grant that read the old quota.
-    tenant.generation = tenant.generation + 1
-    events.record(session, actor=actor, kind="tenant.update", tenant_id=tenant.id, detail=fields)
+    transitions.record(
+        session,
+        transitions.event_row(
+            actor=actor, kind="tenant.update", tenant_id=tenant.id, detail=fields
+        ),
+    )
     return tenant
 
 
 def delete(session: Session, name: str, actor: str) -> None:
+    """Delete a tenant without live leases (keep a tombstone if it has history).
+
+    The claim comes first: a grant racing the delete then either committed before
+    it (and the delete, read again, sees its lease) or fails its swap after it.
+    """
     tenant = get_by_name(session, name)
+    _claim(session, tenant)
     _, live = usage(session, tenant.id)
     if live:
         raise TenantInUse(f"tenant {name!r} still holds {live} live lease(s)", live_leases=live)
@@ -106,8 +136,11 @@ def delete(session: Session, name: str, actor: str) -> None:
         tenant.name = tenant.name[: Tenant.name.type.length - len(suffix)] + suffix
     else:
         session.delete(tenant)
-    events.record(
-        session, actor=actor, kind="tenant.delete", tenant_id=tenant.id, detail={"name": name}
+    transitions.record(
+        session,
+        transitions.event_row(
+            actor=actor, kind="tenant.delete", tenant_id=tenant.id, detail={"name": name}
+        ),
     )
 
 
@@ -178,10 +211,18 @@ def get_tenant(ledger: Ledger, name: str) -> TenantOut:
 
 
 def update_tenant(ledger: Ledger, name: str, change: TenantUpdate, actor: str) -> TenantOut:
-    with ledger.write() as session:
-        return to_out(session, update(session, name, change, actor))
+    """`update` in a transaction of its own, again from a fresh read when it loses a race."""
+
+    def attempt() -> TenantOut:
+        with ledger.write() as session:
+            return to_out(session, update(session, name, change, actor))
+
+    return transitions.retrying(attempt, what=f"the update of tenant {name!r}")
 
 
 def delete_tenant(ledger: Ledger, name: str, actor: str) -> None:
-    with ledger.write() as session:
-        delete(session, name, actor)
+    def attempt() -> None:
+        with ledger.write() as session:
+            delete(session, name, actor)
+
+    transitions.retrying(attempt, what=f"the deletion of tenant {name!r}")

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from poold.api.client import PooldClient
-from poold.ledger import audit, events, leases
+from poold.ledger import audit, lease_views, leases, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import AuditRun, Device, Lease, Quarantine, Tenant
 from poold.ledger.reaper import ReaperPolicy
@@ -63,13 +63,15 @@ def test_lists_and_reclaims_what_leases_left_behind(ledger: Ledger) -> None:
         s.execute(update(Lease).where(Lease.id == stale.id).values(granted_at=past))
     # The state change above bypassed the journal: add the event it would have written.
     with ledger.write() as s:
-        events.record(
+        transitions.record(
             s,
-            actor="test",
-            kind="lease.expire",
-            lease_id=expired.id,
-            from_state="active",
-            to_state="expired",
+            transitions.event_row(
+                actor="test",
+                kind="lease.expire",
+                lease_id=expired.id,
+                from_state="active",
+                to_state="expired",
+            ),
         )
     report = audit.run_audit(ledger, POLICY)
     assert kinds(report.reclaimable) == ["expired", "stale_grant"]
@@ -187,5 +189,5 @@ def test_agent_reports_reveal_stale_and_leaked_leases(ledger: Ledger) -> None:
 
     fixed = audit.run_audit(ledger, POLICY, reclaim_safe=True, now=later)
     assert fixed.agents.stale[0].action == "orphaned"
-    assert leases.show(ledger, lost.id).state == "orphaned"
-    assert leases.show(ledger, kept.id).state == "active"
+    assert lease_views.show(ledger, lost.id).state == "orphaned"
+    assert lease_views.show(ledger, kept.id).state == "active"

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
 
-from poold.ledger import audit, hosts, leases
+from poold.ledger import audit, hosts, lease_views, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Host
 from poold.ledger.reaper import ReaperPolicy
@@ -120,7 +120,7 @@ def test_holder_mismatch_is_reported(ledger: Ledger) -> None:
     # Nothing to reclaim: the audit reports it and leaves both leases alone.
     report = audit.run_audit(ledger, POLICY, reclaim_safe=True, now=later)
     assert report.agents.holder_mismatches[0].action is None
-    assert leases.show(ledger, other.id).state == "active"
+    assert lease_views.show(ledger, other.id).state == "active"
 
 
 def test_leftover_sub_devices_are_leaked_and_deleted_on_reclaim(ledger: Ledger) -> None:
@@ -182,7 +182,7 @@ def scrubbing_lease(ledger: Ledger) -> tuple[LeaseOut, datetime]:
         since = s.scalar(
             select(Event.at).where(Event.lease_id == lease.id).order_by(Event.id.desc())
         )
-    assert since is not None and leases.show(ledger, lease.id).state == "scrubbing"
+    assert since is not None and lease_views.show(ledger, lease.id).state == "scrubbing"
     return lease, since
 
 
@@ -226,7 +226,7 @@ def test_unfinished_scrub_is_reissued_with_reclaim(ledger: Ledger) -> None:
     assert audit.run_audit(ledger, POLICY, now=after).agents.unfinished_scrubs == []
     # The agent's verdict ends it.
     leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=lease.id, op="scrubbed")], "agent:h1")
-    assert leases.show(ledger, lease.id).state == "reclaimed"
+    assert lease_views.show(ledger, lease.id).state == "reclaimed"
 
 
 def test_unfinished_scrub_of_a_down_agent_needs_a_human(ledger: Ledger) -> None:
@@ -248,4 +248,4 @@ def test_unfinished_scrub_cannot_be_told_from_an_old_agents_ids(ledger: Ledger) 
     beat(ledger, Heartbeat(held=[]), late)
     report = audit.run_audit(ledger, POLICY, now=late)
     assert report.agents.unfinished_scrubs == [] and report.exit_code == 0
-    assert leases.show(ledger, lease.id).state == "scrubbing"
+    assert lease_views.show(ledger, lease.id).state == "scrubbing"

@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import select
 
-from poold.ledger import admin_ops, hosts, leases
+from poold.ledger import admin_ops, hosts, lease_views, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Host
 from poold.ledger.reaper import ACTOR, Reaper, ReaperPolicy, host_drain_deadlines
@@ -63,9 +63,9 @@ def test_reaper_revokes_a_drained_hosts_leases_at_the_deadline(ledger: Ledger) -
     assert r.run_once(now=out.deadline_at - timedelta(seconds=1)).revoked == []
     revoked = r.run_once(now=out.deadline_at + timedelta(seconds=1)).revoked
     assert sorted(revoked) == sorted(x.id for x in mine)
-    assert leases.show(ledger, other.id).state == "active"  # another host's lease stays
+    assert lease_views.show(ledger, other.id).state == "active"  # another host's lease stays
     for lease in mine:
-        assert leases.show(ledger, lease.id).state == "revoking"
+        assert lease_views.show(ledger, lease.id).state == "revoking"
         event = last_event(ledger, lease.id)
         assert (event.kind, event.actor) == ("lease.revoke", ACTOR)
         assert event.reason is not None and "host h1 drained" in event.reason
@@ -85,7 +85,7 @@ def test_drain_now_revokes_at_once(ledger: Ledger) -> None:
     assert out.revoked == [lease.id] and out.state == "draining"
     event = last_event(ledger, lease.id)
     assert (event.kind, event.actor, event.reason) == ("lease.revoke", "admin", "host h1 drained")
-    assert leases.show(ledger, lease.id).state == "revoking"
+    assert lease_views.show(ledger, lease.id).state == "revoking"
 
 
 def test_undrain_cancels_the_deadline_and_a_plain_drain_has_none(ledger: Ledger) -> None:
@@ -104,7 +104,7 @@ def test_undrain_cancels_the_deadline_and_a_plain_drain_has_none(ledger: Ledger)
     [(_id, _name, deadline)] = host_drain_deadlines(ledger)
     assert deadline is None
     assert r.run_once(now=after).revoked == []
-    assert leases.show(ledger, lease.id).state == "active"
+    assert lease_views.show(ledger, lease.id).state == "active"
     with ledger.read() as s:
         assert s.scalar(select(Host.status)) == "draining"
         kinds = list(

@@ -24,7 +24,7 @@ from poold.errors import (
 )
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATES, LeaseEvent
-from poold.ledger import leases, tenants
+from poold.ledger import lease_views, leases, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Event, Lease, Tenant
 from poold.ledger.types import utcnow
@@ -303,7 +303,7 @@ def test_foreign_and_unknown_leases(ledger: Ledger) -> None:
     with pytest.raises(UnknownLease):
         leases.renew(ledger, "h1", "no-such-lease", 60)
     with pytest.raises(UnknownLease):
-        leases.show(ledger, "no-such-lease")
+        lease_views.show(ledger, "no-such-lease")
     assert snapshot(ledger) == before
 
 
@@ -320,12 +320,12 @@ def test_lazy_expiry_on_renew(ledger: Ledger) -> None:
     seed(ledger)
     lease = grant(ledger, MiB, activate=True)
     _backdate(ledger, lease.id)
-    assert leases.show(ledger, lease.id).state == "active"  # nothing swept it yet
+    assert lease_views.show(ledger, lease.id).state == "active"  # nothing swept it yet
     with pytest.raises(LeaseNotActive) as info:
         leases.renew(ledger, "h1", lease.id, 60)
     assert info.value.detail == {"state": "expired"}
     # The expiry itself is a state change: kept, and journalled.
-    assert leases.show(ledger, lease.id).state == "expired"
+    assert lease_views.show(ledger, lease.id).state == "expired"
     assert lease_events(ledger, lease.id)[-1] == ("lease.expire", "active", "expired")
     # An expired lease still holds its bytes until reclaimed.
     assert live_extents(ledger) == {1: [Extent(0, 2 * MiB)]}
@@ -337,7 +337,7 @@ def test_lazy_expiry_on_release(ledger: Ledger) -> None:
     _backdate(ledger, lease.id)
     with pytest.raises(LeaseNotActive):
         release(ledger, lease.id)
-    assert leases.show(ledger, lease.id).state == "expired"
+    assert lease_views.show(ledger, lease.id).state == "expired"
     results = leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=lease.id, op="release")], "a")
     assert results[0].code == "lease_not_active"
     assert [e[0] for e in lease_events(ledger, lease.id)].count("lease.expire") == 1
@@ -368,7 +368,7 @@ def test_apply_ops_each_op_on_its_own(ledger: Ledger) -> None:
     c = grant(ledger, MiB)
     foreign = leases.apply_ops(ledger, "h2", [LeaseOp(lease_id=c.id, op="release")], "agent:h2")
     assert foreign[0].code == "not_owner"
-    assert leases.show(ledger, c.id).state == "granted"
+    assert lease_views.show(ledger, c.id).state == "granted"
 
 
 def test_grant_applies_pending_release_first(ledger: Ledger) -> None:
@@ -377,7 +377,7 @@ def test_grant_applies_pending_release_first(ledger: Ledger) -> None:
     with pytest.raises(QuotaExceeded):
         grant(ledger, MiB)
     new = grant(ledger, MiB, pending=[LeaseOp(lease_id=old.id, op="release")])
-    assert leases.show(ledger, old.id).state == "released"
+    assert lease_views.show(ledger, old.id).state == "released"
     assert new.offset_bytes == old.offset_bytes
     assert new.epoch > old.epoch
 
@@ -387,11 +387,11 @@ def test_list_leases_filters(ledger: Ledger) -> None:
     a = grant(ledger, MiB)
     b = grant(ledger, MiB, activate=True)
     release(ledger, a.id)
-    assert {x.id for x in leases.list_leases(ledger)} == {a.id, b.id}
-    assert [x.id for x in leases.list_leases(ledger, live_only=True)] == [b.id]
-    assert [x.id for x in leases.list_leases(ledger, states=["released"])] == [a.id]
-    assert leases.list_leases(ledger, tenant="other") == []
-    assert leases.list_leases(ledger, host="h2") == []
+    assert {x.id for x in lease_views.list_leases(ledger)} == {a.id, b.id}
+    assert [x.id for x in lease_views.list_leases(ledger, live_only=True)] == [b.id]
+    assert [x.id for x in lease_views.list_leases(ledger, states=["released"])] == [a.id]
+    assert lease_views.list_leases(ledger, tenant="other") == []
+    assert lease_views.list_leases(ledger, host="h2") == []
 
 
 # --- concurrency ---------------------------------------------------------------

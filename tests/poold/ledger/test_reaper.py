@@ -16,7 +16,7 @@ from sqlalchemy import select, update
 
 from poold.errors import InvalidTransition, NoCapacity
 from poold.lease_states import LeaseEvent, LeaseState
-from poold.ledger import admin_ops, hosts, leases
+from poold.ledger import admin_ops, hosts, lease_views, leases, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Event, Host, Lease
 from poold.ledger.reaper import (
@@ -154,7 +154,7 @@ def test_orphan_is_reclaimed_after_grace(ledger: Ledger) -> None:
     lease = grant(ledger)
     orphaned_at = utcnow()
     with ledger.write() as s:
-        assert leases.move_if(
+        assert transitions.move_if(
             s.connection(),
             lease.id,
             LeaseState.ACTIVE,
@@ -386,4 +386,4 @@ def test_devdax_ranges_are_scrubbed_before_they_are_free(ledger: Ledger) -> None
     again = grant(ledger, 4 * MiB)
     assert again.offset_bytes != 0
     leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=out.id, op="scrubbed")], "agent:h1")
-    assert leases.show(ledger, out.id).state == "reclaimed"
+    assert lease_views.show(ledger, out.id).state == "reclaimed"

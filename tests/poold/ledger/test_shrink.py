@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import select, update
 
-from poold.ledger import leases
+from poold.ledger import lease_views, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Lease
 from poold.ledger.types import utcnow
@@ -33,7 +33,7 @@ def test_shrink_frees_the_tail_for_the_next_grant(ledger: Ledger) -> None:
     seed(ledger)  # one 64 MiB device, 2 MiB alignment
     big = grant(ledger, 64 * MiB, activate=True)
     assert shrink(ledger, big.id, 16 * MiB) == ("active", None)
-    row = leases.show(ledger, big.id)
+    row = lease_views.show(ledger, big.id)
     assert (row.offset_bytes, row.length_bytes, row.state) == (big.offset_bytes, 16 * MiB, "active")
     # The 48 MiB given back are placeable at once.
     other = grant(ledger, 48 * MiB, activate=True)

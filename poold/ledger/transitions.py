@@ -1,0 +1,251 @@
+"""How does one writer change a row that other writers may be changing at the same time?
+
+Every ledger write that others race goes through here:
+
+* `compare_and_bump`: the one generation bump (STYLE.md pattern 1),
+  `UPDATE … SET generation = :seen + 1 WHERE id = :id AND generation = :seen`.
+  False means another writer moved the row first: what the caller read may be
+  stale, so it raises `LostRace` and `retrying` runs it again in a fresh
+  transaction. `bump` is the same swap for a writer that has already changed what
+  the generation guards (freed bytes, reserved ranges): it locks the row first, so
+  its swap cannot lose.
+* `move_if`: the one conditional lease transition, with its `events` row
+  (invariant 3), `ended_at` when the lease stops being live, and a device bump
+  when its bytes are freed.
+* `record` and `event_row`: the one way an `events` row is written, in the
+  caller's transaction so that it commits or rolls back with the change.
+* `chunks`: IN lists cut to a size SQLite accepts.
+
+Core statements only: the grant and release hot paths call these.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import datetime
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection, CursorResult, bindparam, insert, select, update
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
+
+from poold.errors import GenerationConflict
+from poold.lease_states import LIVE_STATE_VALUES, LeaseEvent, LeaseState, next_state
+from poold.ledger.models import Device, Event, Lease, Tenant
+from poold.ledger.types import utcnow
+
+T = TypeVar("T")
+
+# SQLite caps the bound parameters of one statement (32766 since 3.32).
+IN_CHUNK = 10_000
+MAX_ATTEMPTS = 16
+RETRY_BACKOFF_S = 0.002
+
+Generational = type[Device] | type[Tenant]
+
+
+def chunks(items: Sequence[T], size: int = IN_CHUNK) -> Iterator[Sequence[T]]:
+    """`items` in slices of at most `size`, for `column.in_(...)` lists."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+# --- the journal ---------------------------------------------------------------------
+
+_INSERT_EVENT = insert(Event)
+
+
+def event_row(
+    *,
+    actor: str,
+    kind: str,
+    at: datetime | None = None,
+    lease_id: str | None = None,
+    tenant_id: int | None = None,
+    host_id: int | None = None,
+    device_id: int | None = None,
+    from_state: str | None = None,
+    to_state: str | None = None,
+    reason: str | None = None,
+    detail: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One `events` row for `record`; `at` defaults to now."""
+    return {
+        "at": at or utcnow(),
+        "actor": actor,
+        "kind": kind,
+        "lease_id": lease_id,
+        "tenant_id": tenant_id,
+        "host_id": host_id,
+        "device_id": device_id,
+        "from_state": from_state,
+        "to_state": to_state,
+        "reason": reason,
+        "detail": detail or {},
+    }
+
+
+def record(db: Connection | Session, *rows: dict[str, Any]) -> None:
+    """Append `event_row`s in the caller's transaction, in one statement."""
+    if rows:
+        db.execute(_INSERT_EVENT, list(rows))
+
+
+# --- generations -----------------------------------------------------------------------
+
+_SWAP = {
+    model: update(model)
+    .where(model.id == bindparam("row_id"), model.generation == bindparam("seen"))
+    .values(generation=bindparam("next_generation"))
+    for model in (Device, Tenant)
+}
+# FOR NO KEY UPDATE (PostgreSQL): the lock an UPDATE of the row takes anyway, so
+# locking first adds no conflict (a grant's foreign key on the device still passes).
+_LOCK = {
+    model: select(model.generation)
+    .where(model.id == bindparam("row_id"))
+    .with_for_update(key_share=True)
+    for model in (Device, Tenant)
+}
+
+
+class LostRace(Exception):
+    """Another writer moved a generation this transaction read; run it again."""
+
+
+def compare_and_bump(
+    conn: Connection, model: Generational, row_id: int, seen: int, **values: Any
+) -> bool:
+    """Move the row from generation `seen` to `seen + 1` (setting `values` with it).
+
+    False when its generation is no longer `seen`: another writer changed the row
+    since the caller read it, and nothing was written.
+    """
+    if values:
+        stmt = (
+            update(model)
+            .where(model.id == row_id, model.generation == seen)
+            .values(generation=seen + 1, **values)
+        )
+        result: CursorResult[Any] = conn.execute(stmt)
+    else:
+        params = {"row_id": row_id, "seen": seen, "next_generation": seen + 1}
+        result = conn.execute(_SWAP[model], params)
+    return result.rowcount == 1
+
+
+def bump(conn: Connection, model: Generational, row_id: int) -> int:
+    """Bump the row's generation whatever it is now; its new generation.
+
+    For a writer that already changed what the generation guards in this
+    transaction (bytes freed, ranges reserved): any grant that read the row
+    before this commits then loses its own swap and reads again. The row lock
+    taken first means no other writer can move the generation in between.
+    """
+    seen = conn.execute(_LOCK[model], {"row_id": row_id}).scalar_one()
+    if not compare_and_bump(conn, model, row_id, seen):
+        raise GenerationConflict(f"{model.__tablename__} {row_id} changed under its row lock")
+    return int(seen) + 1
+
+
+def retrying(run: Callable[[], T], *, what: str, attempts: int = MAX_ATTEMPTS) -> T:
+    """`run()` (one whole transaction) until it does not lose a race, a bounded number of times.
+
+    A stale generation met inside the ledger is retried here, never sent to the
+    client; only one that keeps losing becomes `generation_conflict` (409).
+    """
+    for attempt in range(attempts):
+        if attempt:
+            # Writers that lost the same race retry at once and collide again;
+            # a short, growing, random pause spreads them out.
+            time.sleep(random.uniform(0, RETRY_BACKOFF_S * attempt))  # noqa: S311
+        try:
+            return run()
+        except LostRace:
+            continue
+        except OperationalError as exc:  # PostgreSQL: serialisation failure / deadlock
+            if "deadlock" not in str(exc.orig) and "could not serialize" not in str(exc.orig):
+                raise
+            continue
+    raise GenerationConflict(f"{what} lost {attempts} races in a row; retry")
+
+
+# --- lease transitions -----------------------------------------------------------------
+
+_LEASE_IDS = select(Lease.tenant_id, Lease.host_id, Lease.device_id).where(
+    Lease.id == bindparam("lease_id")
+)
+
+
+def move_if(
+    conn: Connection,
+    lease_id: str,
+    expected: LeaseState,
+    event: LeaseEvent,
+    *,
+    actor: str,
+    reason: str | None,
+    now: datetime,
+    where: Iterable[Any] = (),
+    values: dict[str, Any] | None = None,
+    detail: dict[str, Any] | None = None,
+    lease: Any = None,
+    freed: set[int] | None = None,
+) -> bool:
+    """Move a lease from `expected` along `event`, with its event; False if it lost a race.
+
+    `UPDATE … WHERE id = :id AND state = :expected [AND where…]` touches no row
+    when another writer (a second poold's reaper, the holder releasing, an
+    admin) moved the lease first; then nothing is written, so concurrent writers
+    never journal a transition twice. `where` carries the reason's own condition
+    (e.g. `expires_at <= now`) so that a renewal landing between the caller's
+    read and this write wins. An event the state machine refuses raises before
+    anything is written.
+
+    `lease`: a row the caller already read with the lease's tenant_id, host_id
+    and device_id (saves a query). `freed`: collect the device ids whose bytes
+    were freed instead of bumping each now, for a caller moving many leases in
+    one transaction (it then calls `bump` once per device).
+    """
+    after = next_state(expected, event)
+    if lease is None:
+        lease = conn.execute(_LEASE_IDS, {"lease_id": lease_id}).one_or_none()
+        if lease is None:
+            return False
+    changes: dict[str, Any] = {"state": after.value, **(values or {})}
+    ended = after.value not in LIVE_STATE_VALUES
+    if ended:
+        changes["ended_at"] = now
+    result = conn.execute(
+        update(Lease)
+        .where(Lease.id == lease_id, Lease.state == expected.value, *where)
+        .values(**changes)
+    )
+    if result.rowcount != 1:
+        return False
+    if ended:
+        # Freed bytes change what the allocator may hand out.
+        if freed is None:
+            bump(conn, Device, lease.device_id)
+        else:
+            freed.add(lease.device_id)
+    if after is not expected:  # a renewal-like self-loop changes no state: no event
+        record(
+            conn,
+            event_row(
+                at=now,
+                actor=actor,
+                kind=f"lease.{event.value}",
+                lease_id=lease_id,
+                tenant_id=lease.tenant_id,
+                host_id=lease.host_id,
+                device_id=lease.device_id,
+                from_state=expected.value,
+                to_state=after.value,
+                reason=reason or None,
+                detail=detail,
+            ),
+        )
+    return True
