@@ -27,6 +27,8 @@ ENDED_MEMORY = 4096  # how many ended lease ids the agent remembers, for clear e
 
 @dataclass
 class HeldLease:
+    """One lease this agent holds: the ledger's lease, its memory, its holder."""
+
     lease: LeaseOut
     # None for a lease re-adopted after an agent restart: the holder keeps its
     # own mapping; the agent lost its fd (devdax: the sub-device is by name).

@@ -85,7 +85,7 @@ def own_sub_devices(config: AgentConfig) -> set[str]:
     """
     own = carved_sub_devices(config.sysfs_root)
     path = journal_path(config)
-    if path.exists():  # never create it here: the service owns it
+    if path.exists():  # never create it here: the agent service opens it (agent/run.py)
         journal = Journal(path)
         try:
             own.update(e.sub_device for e in journal.entries() if e.sub_device)

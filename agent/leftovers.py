@@ -18,7 +18,7 @@ ledger ended that lease), :meth:`LeftoverSweep.delete` destroys the sub-device t
 way a revoke does. A sub-device a held lease ties to is never touched.
 
 A scrub's temporary sub-device is recorded too, with the lease whose range it
-zeroes, from before it is sized until it is deleted (agent/service.py ties it
+zeroes, from before it is sized until it is deleted (agent/memory.py ties it
 while the scrub runs, so it is never a leftover then). A record is written before
 its sub-device holds a byte, so an empty sub-device is taken for "torn down" only
 once its record is `settle_s` old.
@@ -146,7 +146,7 @@ class LeftoverSweep:
             out.append((rec, size))
         return out
 
-    # --- the service's side ---------------------------------------------------
+    # --- the agent's side (agent/memory.py, agent/restart.py) -----------------
     # Neither takes the sweep's lock: `record` runs inside a carve (the backend's lock
     # held), and a delete takes the backend's lock under the sweep's.
     def record(self, journal: Journal | None, sub: SubDevice) -> None:

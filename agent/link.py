@@ -198,7 +198,7 @@ class PooldLink:
         return list(reports.values())
 
     def _holdings(self) -> Holdings | None:
-        """The service's report for this beat; None (bare ids instead) if it cannot be made."""
+        """The holdings for this beat; None (bare ids instead) if they cannot be made."""
         if self.heartbeat_state is None:
             return None
         try:

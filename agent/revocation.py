@@ -303,4 +303,5 @@ class Revocations:
         threading.Thread(target=loop, name="agent-holders", daemon=True).start()
 
     def stop(self) -> None:
+        """End the holder watch."""
         self._stop.set()

@@ -78,6 +78,7 @@ class AgentService:
         return restart.reconcile(self.host, self.link, self.held, self.memory)
 
     def start_holder_watch(self, interval_s: float) -> None:
+        """Orphan dead holders' leases and tear down due revocations every ``interval_s``."""
         self.revocations.start_holder_watch(interval_s)
 
     def holdings(self) -> Holdings:
@@ -89,6 +90,7 @@ class AgentService:
         return self.revocations.take_reports()
 
     def close(self) -> None:
+        """Stop serving; the leases stay with their holders and in the journal."""
         self.revocations.stop()
         self.admission.close()  # waiting lease requests give up
         if self.warm is not None:

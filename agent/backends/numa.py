@@ -74,7 +74,7 @@ which zeroes the page, and a page-table page per sampled page): ~13 ms for 4 GiB
 host, 20-80 ms under load, where checking all pages of 4 GiB cost ~1 s.
 
 Revoking a memfd cannot take back pages a live process maps: the agent closes its fd and
-counts the bytes as held by a revoked holder until that process exits (service side).
+counts the bytes as held by a revoked holder until that process exits (agent/revocation.py).
 """
 
 from __future__ import annotations
