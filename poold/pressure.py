@@ -1,6 +1,6 @@
 """When is a device short of free memory, and whom does poold ask to give some back?
 
-Pure: the ledger (poold/ledger/hosts.py, in each heartbeat) gathers what it knows and
+Pure: the ledger (poold/ledger/heartbeat.py, in each heartbeat) gathers what it knows and
 gets back shrink requests; nothing here reads a database or a clock.
 
 A device is under pressure when its free bytes fall under a low watermark (a

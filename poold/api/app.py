@@ -40,6 +40,7 @@ from poold.lease_states import LeaseEvent
 from poold.ledger import accounting as ledger_accounting
 from poold.ledger import admin_ops, capacity, devices, hosts, lease_views, leases, tenants
 from poold.ledger import audit as ledger_audit
+from poold.ledger import heartbeat as ledger_heartbeat
 from poold.ledger.db import Ledger
 from poold.ledger.reaper import ReaperPolicy
 from poold.wire.admin import (
@@ -266,7 +267,7 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
 
     def receive(beat: Heartbeat, p: Principal, *, register: bool) -> HeartbeatReply:
         """Apply a heartbeat with the pressure settings serve() put on the app."""
-        return hosts.receive_heartbeat(
+        return ledger_heartbeat.receive_heartbeat(
             ledger,
             _host_of(p),
             beat,

@@ -54,26 +54,21 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
-from sqlalchemy import ScalarSelect, case, func, insert, or_, select
-from sqlalchemy.orm import Session
+from sqlalchemy import case, func, insert, or_, select
 
 from poold.lease_states import LIVE_STATES, LeaseEvent, LeaseState
 from poold.ledger import transitions
+from poold.ledger.agent_reports import LEFTOVER_DELETE, SCRUB_REISSUE, parse_stored
 from poold.ledger.db import Ledger
 from poold.ledger.models import AuditRun, Device, Event, Host, Lease, Quarantine, Tenant
 from poold.ledger.reaper import ReaperPolicy, orphaned_since, reclaim_event
 from poold.ledger.types import utcnow
 from poold.wire.admin import AgentFindings, AuditItem, AuditReport
-from poold.wire.agent import AgentLease, Heartbeat, LeftoverSubDevice, Revocation
+from poold.wire.agent import AgentLease, LeftoverSubDevice
 
 ACTOR = "poold:audit"
 # At most this many items of each list are kept in the audit_runs row (counts are exact).
 STORED_ITEMS = 1000
-# Events the audit writes for an agent to act on; hosts.heartbeat turns them into
-# the reply (a scrub order's `reissued_at`, a revocation of the leftover's lease id).
-SCRUB_REISSUE = "lease.scrub_reissue"
-LEFTOVER_DELETE = "host.leftover_delete"
 NEEDS_HUMAN = "needs_human"
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
@@ -470,9 +465,6 @@ STALE_MARGIN_S = 5.0
 # however long it takes: the agent reports it, with its progress.
 SCRUB_STUCK_AFTER_S = 120.0
 
-_LEASES = TypeAdapter(list[AgentLease])
-_LEFTOVERS = TypeAdapter(list[LeftoverSubDevice])
-
 
 @dataclass(frozen=True)
 class AgentReport:
@@ -500,37 +492,6 @@ class AgentReport:
     def held(self) -> set[str]:
         """The ids the agent holds memory for (a running scrub is not holding)."""
         return {i for i, x in self.leases.items() if x.state != "scrubbing"}
-
-
-def stored_report(beat: Heartbeat) -> list[Any] | dict[str, Any]:
-    """What `hosts.agent_leases` keeps of a heartbeat that reported its leases.
-
-    An older agent's list of ids is kept as it came (the column's first format);
-    a newer agent's per-lease report and leftovers as {"leases": [...], "leftovers":
-    [...]}, defaults left out to keep the row small. `parse_stored` reads both.
-    """
-    if beat.held_leases is None:
-        return list(beat.held or [])
-    return {
-        "leases": _LEASES.dump_python(beat.held_leases, mode="json", exclude_defaults=True),
-        "leftovers": _LEFTOVERS.dump_python(beat.leftovers, mode="json"),
-    }
-
-
-def parse_stored(
-    raw: Any,
-) -> tuple[dict[str, AgentLease], list[LeftoverSubDevice], bool] | None:
-    """(leases by id, leftovers, detailed) from a stored report of either format;
-    None when it cannot be read (never taken as "the agent holds nothing")."""
-    if isinstance(raw, dict):
-        try:
-            found = _LEASES.validate_python(raw.get("leases") or [])
-            leftovers = _LEFTOVERS.validate_python(raw.get("leftovers") or [])
-        except ValidationError:
-            return None  # written by some other version
-        return {x.lease_id: x for x in found}, leftovers, True
-    ids = [str(x) for x in raw or [] if isinstance(x, str)]
-    return {i: AgentLease(lease_id=i) for i in ids}, [], False
 
 
 def check_agents(
@@ -808,56 +769,6 @@ def reissue_scrubs(ledger: Ledger, scrubs: list[AuditItem], stuck_after_s: float
         it.action = "scrub_reissued"
         done += 1
     return done
-
-
-# --- read by hosts.heartbeat: what the audit asked of this host's agent -------------
-
-
-def scrub_reissued_at() -> ScalarSelect[Any]:
-    """Correlated to `Lease`: when `audit --reclaim` last re-issued that lease's scrub order.
-
-    A column of the heartbeat's scrub-order query (one statement, evaluated only for
-    the host's scrubbing leases; events are indexed by lease id).
-    """
-    return (
-        select(func.max(Event.at))
-        .where(Event.lease_id == Lease.id, Event.kind == SCRUB_REISSUE)
-        .correlate(Lease)
-        .scalar_subquery()
-    )
-
-
-def leftover_revocations(
-    session: Session, host_id: int, leftovers: list[LeftoverSubDevice], now: datetime
-) -> list[Revocation]:
-    """Revocations for the leftovers `audit --reclaim` ordered deleted on this host.
-
-    Queried only when the agent reports leftovers (none in the steady state).
-    """
-    ids = sorted({x.lease_id for x in leftovers})
-    ordered: set[str] = set()
-    for chunk in transitions.chunks(ids):
-        ordered.update(
-            str(lease_id)
-            for lease_id in session.scalars(
-                select(Event.lease_id)
-                .where(
-                    Event.kind == LEFTOVER_DELETE,
-                    Event.host_id == host_id,
-                    Event.lease_id.in_(chunk),
-                )
-                .distinct()
-            )
-        )
-    return [
-        Revocation(
-            lease_id=lease_id,
-            reason="leftover sub-device of an ended lease: delete it (audit --reclaim)",
-            deadline_at=now,
-        )
-        for lease_id in ids
-        if lease_id in ordered
-    ]
 
 
 def run_audit(

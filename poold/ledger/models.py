@@ -63,7 +63,8 @@ class Host(Base):
     agent_version: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = _ts()
     # What the agent last said it holds (audit: leaked / stale / scrubs / holders): older
-    # agents' list of lease ids, or {"leases": [...], "leftovers": [...]} (audit.stored_report).
+    # agents' list of lease ids, or {"leases": [...], "leftovers": [...]}
+    # (agent_reports.stored_report).
     agent_leases: Mapped[list[Any] | dict[str, Any] | None] = mapped_column(JSON)
     agent_leases_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
@@ -192,7 +193,7 @@ class Lease(Base):
     holder_pid: Mapped[int | None] = mapped_column(Integer)
     labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     # The holder's last accounting report (DESIGN.md "Exclusive-copy accounting");
-    # reported_at None: never reported. Written by hosts.store_reports.
+    # reported_at None: never reported. Written by heartbeat.store_reports.
     exclusive_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     replica_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     reported_at: Mapped[datetime | None] = mapped_column(UTCDateTime())

@@ -6,7 +6,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from poold.ledger import hosts, tenants
+from poold.ledger import heartbeat, hosts, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Base
 from poold.wire.admin import TenantSpec
@@ -56,7 +56,7 @@ def seed(
     """A host with `devices` and (optionally) a tenant; returns the host's credential."""
     with ledger.write() as session:
         row, credential = hosts.add(session, host, "test")
-        hosts.upsert_inventory(session, row, devices if devices is not None else [device()])
+        heartbeat.upsert_inventory(session, row, devices if devices is not None else [device()])
         if tenant is not None:
             tenants.create(
                 session,

@@ -167,7 +167,7 @@ def test_agent_reports_reveal_stale_and_leaked_leases(ledger: Ledger) -> None:
     """The ledger against what the agent says it holds: stale is orphaned, leaked revoked."""
     from datetime import timedelta
 
-    from poold.ledger import hosts, leases
+    from poold.ledger import heartbeat, hosts, leases
     from poold.wire.agent import Heartbeat, LeaseOp
 
     seed(ledger)
@@ -176,7 +176,7 @@ def test_agent_reports_reveal_stale_and_leaked_leases(ledger: Ledger) -> None:
     later = utcnow() + timedelta(seconds=10)  # the grants are well before the report
     with ledger.write() as s:
         host = hosts.get_by_name(s, "h1")
-        reply = hosts.heartbeat(s, host, Heartbeat(held=[kept.id, ended.id]))
+        reply = heartbeat.heartbeat(s, host, Heartbeat(held=[kept.id, ended.id]))
         host.agent_leases_at = later
     # The agent still holds memory for a lease the ledger ended: revoked at once.
     assert [r.lease_id for r in reply.revocations] == [ended.id]

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
 
-from poold.ledger import audit, hosts, lease_views, leases
+from poold.ledger import agent_reports, audit, heartbeat, hosts, lease_views, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Host
 from poold.ledger.reaper import ReaperPolicy
@@ -58,7 +58,7 @@ def beat_reply(ledger: Ledger, hb: Heartbeat, at: datetime | None = None) -> Hea
     """One heartbeat; `at` moves the host's clock (heard and reported then)."""
     with ledger.write() as s:
         host = hosts.get_by_name(s, "h1")
-        reply = hosts.heartbeat(s, host, hb)
+        reply = heartbeat.heartbeat(s, host, hb)
         if at is not None:
             host.agent_leases_at = at
             host.last_heartbeat_at = at
@@ -95,12 +95,12 @@ def test_new_report_is_stored_whole_and_old_ids_still_work(ledger: Ledger) -> No
         assert s.scalar(select(Host.agent_leases)) == [a.id, b.id]
     report = audit.run_audit(ledger, POLICY, now=later)
     assert report.agents.available and report.agents.stale == [] and report.exit_code == 0
-    parsed = audit.parse_stored([a.id])
+    parsed = agent_reports.parse_stored([a.id])
     assert parsed is not None
     found, leftovers, detailed = parsed
     assert list(found) == [a.id] and leftovers == [] and not detailed
     # A row this version cannot read is no report at all (not "holds nothing").
-    assert audit.parse_stored({"leases": [{"lease_id": 7}]}) is None
+    assert agent_reports.parse_stored({"leases": [{"lease_id": 7}]}) is None
     with ledger.write() as s:
         s.execute(update(Host).values(agent_leases={"leases": [{"lease_id": 7}]}))
     report = audit.run_audit(ledger, POLICY, now=later)
@@ -158,7 +158,7 @@ def test_leftover_sub_devices_are_leaked_and_deleted_on_reclaim(ledger: Ledger) 
     with ledger.read() as s:
         ordered = s.execute(
             select(Event.lease_id, Event.actor, Event.detail).where(
-                Event.kind == audit.LEFTOVER_DELETE
+                Event.kind == agent_reports.LEFTOVER_DELETE
             )
         ).all()
     assert sorted((x.lease_id, x.actor, x.detail["sub_device"]) for x in ordered) == sorted(
@@ -217,7 +217,7 @@ def test_unfinished_scrub_is_reissued_with_reclaim(ledger: Ledger) -> None:
     [order] = beat_reply(ledger, Heartbeat(held_leases=[]), late).scrub
     assert order.lease_id == lease.id and order.reissued_at is not None
     with ledger.read() as s:
-        reissue = s.scalars(select(Event).where(Event.kind == audit.SCRUB_REISSUE)).one()
+        reissue = s.scalars(select(Event).where(Event.kind == agent_reports.SCRUB_REISSUE)).one()
     assert (reissue.lease_id, reissue.actor) == (lease.id, audit.ACTOR)
     assert order.reissued_at == reissue.at
     # The re-issue restarts the clock: the next audit gives the agent time to act.
@@ -239,7 +239,7 @@ def test_unfinished_scrub_of_a_down_agent_needs_a_human(ledger: Ledger) -> None:
     assert "agent is down" in item.message
     assert report.exit_code == 2
     with ledger.read() as s:  # nothing was re-issued to an agent that cannot hear it
-        assert s.scalar(select(Event.id).where(Event.kind == audit.SCRUB_REISSUE)) is None
+        assert s.scalar(select(Event.id).where(Event.kind == agent_reports.SCRUB_REISSUE)) is None
 
 
 def test_unfinished_scrub_cannot_be_told_from_an_old_agents_ids(ledger: Ledger) -> None:

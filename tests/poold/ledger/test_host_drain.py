@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import select
 
-from poold.ledger import admin_ops, hosts, lease_views, leases
+from poold.ledger import admin_ops, heartbeat, hosts, lease_views, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Host
 from poold.ledger.reaper import ACTOR, Reaper, ReaperPolicy, host_drain_deadlines
@@ -72,7 +72,7 @@ def test_reaper_revokes_a_drained_hosts_leases_at_the_deadline(ledger: Ledger) -
         assert "deadline_at" in event.detail  # the agent's own revocation deadline
     # The agent learns it from its next heartbeat reply.
     with ledger.write() as s:
-        reply = hosts.heartbeat(s, hosts.get_by_name(s, "h1"), Heartbeat())
+        reply = heartbeat.heartbeat(s, hosts.get_by_name(s, "h1"), Heartbeat())
     assert sorted(x.lease_id for x in reply.revocations) == sorted(x.id for x in mine)
     # Nothing is revoked twice.
     assert r.run_once(now=out.deadline_at + timedelta(seconds=2)).revoked == []

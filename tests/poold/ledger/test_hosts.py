@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import select
 
 from poold.errors import BadRequest, UnknownDevice
-from poold.ledger import capacity, devices, hosts
+from poold.ledger import capacity, devices, heartbeat, hosts
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, DevicePath, Event
 from poold.wire.admin import DeviceAnnotate
@@ -44,7 +44,7 @@ def add_host(ledger: Ledger, name: str = "h1") -> None:
 
 def upsert(ledger: Ledger, inventory: list[InventoryDevice], host: str = "h1") -> None:
     with ledger.write() as s:
-        hosts.upsert_inventory(s, hosts.get_by_name(s, host), inventory)
+        heartbeat.upsert_inventory(s, hosts.get_by_name(s, host), inventory)
 
 
 def annotate(ledger: Ledger, uid: str = UID, **change: Any) -> None:
@@ -167,9 +167,9 @@ def test_admission_wanted_bytes_makes_room_replicas_first(ledger: Ledger) -> Non
     ]
     with ledger.write() as s:
         host = hosts.get_by_name(s, "h1")
-        quiet = hosts.heartbeat(s, host, Heartbeat(reports=reports), pressure_watermark=0)
+        quiet = heartbeat.heartbeat(s, host, Heartbeat(reports=reports), pressure_watermark=0)
         assert quiet.shrink == []
-        waiting = hosts.heartbeat(
+        waiting = heartbeat.heartbeat(
             s, host, Heartbeat(admission_wanted_bytes=16 * MiB), pressure_watermark=0
         )
     (hint,) = waiting.shrink

@@ -16,7 +16,7 @@ from sqlalchemy import select, update
 
 from poold.errors import InvalidTransition, NoCapacity
 from poold.lease_states import LeaseEvent, LeaseState
-from poold.ledger import admin_ops, hosts, lease_views, leases, transitions
+from poold.ledger import admin_ops, heartbeat, hosts, lease_views, leases, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Event, Host, Lease
 from poold.ledger.reaper import (
@@ -213,7 +213,9 @@ def test_poold_restart_does_not_expire_leases(ledger: Ledger) -> None:
     # The agent's first heartbeat after the outage carries the held renewal: it lands.
     with ledger.write() as s:
         host = hosts.get_by_name(s, "h1")
-        reply = hosts.heartbeat(s, host, Heartbeat(renewals=[Renewal(lease_id=lease.id, ttl_s=60)]))
+        reply = heartbeat.heartbeat(
+            s, host, Heartbeat(renewals=[Renewal(lease_id=lease.id, ttl_s=60)])
+        )
     assert reply.renewed[0].code is None
     assert state(ledger, lease.id) == "active"
     assert r.run_once().expired == []
@@ -285,7 +287,7 @@ def test_revoke_reaches_heartbeat_and_agent_confirmation_reclaims(ledger: Ledger
     out = admin_ops.revoke_lease(ledger, lease.id, "maintenance", "admin", deadline_s=20)
     assert out.state == "revoking"
     with ledger.write() as s:
-        reply = hosts.heartbeat(s, hosts.get_by_name(s, "h1"), Heartbeat())
+        reply = heartbeat.heartbeat(s, hosts.get_by_name(s, "h1"), Heartbeat())
     assert [r.lease_id for r in reply.revocations] == [lease.id]
     # A second revoke is refused with a stable code.
     with pytest.raises(InvalidTransition):
@@ -357,7 +359,7 @@ def test_drained_host_refuses_grants_keeps_leases(ledger: Ledger) -> None:
     assert info.value.detail["host_status"] == "draining"
     # A heartbeat does not undo the drain; renewals still work.
     with ledger.write() as s:
-        reply = hosts.heartbeat(
+        reply = heartbeat.heartbeat(
             s,
             hosts.get_by_name(s, "h1"),
             Heartbeat(renewals=[Renewal(lease_id=lease.id, ttl_s=60)]),
@@ -379,7 +381,7 @@ def test_devdax_ranges_are_scrubbed_before_they_are_free(ledger: Ledger) -> None
     out = grant(ledger, 4 * MiB)
     leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=out.id, op="release_dirty")], "agent:h1")
     with ledger.write() as s:
-        reply = hosts.heartbeat(s, hosts.get_by_name(s, "h1"), Heartbeat())
+        reply = heartbeat.heartbeat(s, hosts.get_by_name(s, "h1"), Heartbeat())
     (order,) = reply.scrub
     assert (order.lease_id, order.offset_bytes, order.length_bytes) == (out.id, 0, 4 * MiB)
     # Still taken: a second grant cannot land on the dirty range.

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from poold.api.client import PooldClient
 from poold.errors import NoCapacity
 from poold.extents import Extent
-from poold.ledger import audit, capacity, hosts, leases
+from poold.ledger import audit, capacity, heartbeat, hosts, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device
 from poold.ledger.reaper import ReaperPolicy
@@ -45,7 +45,7 @@ def grant(ledger: Ledger, size: int) -> LeaseOut:
 
 def upsert(ledger: Ledger, item: InventoryDevice) -> None:
     with ledger.write() as s:
-        hosts.upsert_inventory(s, hosts.get_by_name(s, "h1"), [item])
+        heartbeat.upsert_inventory(s, hosts.get_by_name(s, "h1"), [item])
 
 
 def stored(ledger: Ledger) -> tuple[list[Any], int]:
@@ -131,7 +131,7 @@ def test_pressure_watermark_is_of_the_unreserved_capacity(ledger: Ledger) -> Non
         lease_id=lease.id, used_bytes=18 * MiB, exclusive_bytes=0, replica_bytes=18 * MiB
     )
     with ledger.write() as s:
-        reply = hosts.heartbeat(
+        reply = heartbeat.heartbeat(
             s, hosts.get_by_name(s, "h1"), Heartbeat(reports=[report]), pressure_watermark=0.05
         )
     # 2 MiB free of 20 usable is above a 5% watermark (of 100 MiB it would be below).
