@@ -49,7 +49,14 @@ from rich.text import Text
 
 from cli.units import parse_size
 from poold.api.client import PooldClient
-from poold.errors import BadRequest, Forbidden, PoolError, Unauthorized
+from poold.errors import (
+    BadRequest,
+    CommandLineError,
+    Forbidden,
+    Interrupted,
+    PoolError,
+    Unauthorized,
+)
 from poold.settings import default_state_dir
 from poold.wire.admin import DrainResult
 from poold.wire.common import HostName, MediaClass, TenantName
@@ -60,24 +67,6 @@ OUTPUT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
 USAGE_EXIT = 2  # click's own exit status for a refused command line
 MAX_LEASES_PER_CALL = 100_000  # the most `GET /v1/leases` returns (LeaseQuery.limit's bound)
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, as shells report it
-
-
-class CommandLineError(PoolError):
-    """poolctl's own code: the command line was refused before anything ran.
-
-    Defined here rather than in poold/errors.py because poold never sends it; the
-    registry there still refuses it if poold ever claims the code.
-    """
-
-    code = "usage"
-    http_status = 400
-
-
-class Interrupted(PoolError):
-    """poolctl's own code: Ctrl-C stopped the command."""
-
-    code = "interrupted"
-    http_status = 499
 
 
 def fail(err: PoolError, exit_code: int = 1) -> NoReturn:

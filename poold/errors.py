@@ -162,6 +162,20 @@ class PooldUnreachable(PoolError):
     http_status = 503
 
 
+class CommandLineError(PoolError):
+    """A command line was refused before anything ran (poolctl's usage errors; exit 2)."""
+
+    code = "usage"
+    http_status = 400
+
+
+class Interrupted(PoolError):
+    """Ctrl-C stopped a command (poolctl; exit 130). Never sent by a daemon."""
+
+    code = "interrupted"
+    http_status = 499
+
+
 class LedgerUnavailable(PoolError):
     """The ledger database is down, failing over or refusing connections: retry later.
 
