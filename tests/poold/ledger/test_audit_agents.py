@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
 
-from poold.ledger import agent_reports, audit, heartbeat, hosts, lease_views, leases
+from poold.ledger import agent_reports, audit, audit_agents, heartbeat, hosts, lease_views, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Host
 from poold.ledger.reaper import ReaperPolicy
@@ -232,7 +232,9 @@ def test_unfinished_scrub_is_reissued_with_reclaim(ledger: Ledger) -> None:
 def test_unfinished_scrub_of_a_down_agent_needs_a_human(ledger: Ledger) -> None:
     lease, since = scrubbing_lease(ledger)
     beat(ledger, Heartbeat(held_leases=[]), since)
-    late = since + timedelta(seconds=audit.SCRUB_STUCK_AFTER_S + audit.AGENT_REPORT_FRESH_S + 1)
+    late = since + timedelta(
+        seconds=audit.SCRUB_STUCK_AFTER_S + audit_agents.AGENT_REPORT_FRESH_S + 1
+    )
     report = audit.run_audit(ledger, POLICY, reclaim_safe=True, now=late)
     [item] = report.agents.unfinished_scrubs
     assert item.lease_id == lease.id and item.action == audit.NEEDS_HUMAN
