@@ -4,13 +4,12 @@
   its next heartbeat reply (`revocations`), tears the memory down and confirms
   (`confirm_revoked` → reclaimed); if it does not confirm by the deadline, the
   reaper reclaims the lease anyway.
-* `drain_device`: the device goes `draining`, so placement skips it; its live
-  leases are revoked at the deadline (by the reaper) or at once (`now`).
-  The deadline is kept in the `device.drain` event, the journal of the drain.
-* `drain_host`: the host goes `draining`; grants on it are refused. Its leases
-  live on until they end, unless the drain has a deadline: then the reaper
-  revokes them when it passes (or `drain_host` at once, with `now`). As for a
-  device, the deadline is kept in the `host.drain` event; `undrain` cancels it.
+* Draining a target, a device or a host, is one mechanism (`_drain`, `_undrain`):
+  the target goes `draining`, so no new lease is placed on it; its live leases
+  are revoked at the drain's deadline (by the reaper) or at once (`now`). The
+  deadline is kept in the `device.drain` / `host.drain` event, the journal of
+  the drain; undraining cancels it. A device drain always has a deadline; a host
+  drain may have none, and then its leases run to their end.
 * A device's drain and undrain bump its generation with a compare-and-swap, as a
   grant does: a grant that read the device before the drain committed then
   fails its own swap and reads `draining` (STYLE.md pattern 1).
@@ -18,10 +17,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from datetime import timedelta
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Connection, func, select, update
+from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from poold.errors import (
     BadRequest,
@@ -112,6 +114,204 @@ def confirm_revoked(
     return results
 
 
+# --- draining ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A drain target as one transaction read it."""
+
+    id: int
+    state: str
+    generation: int | None  # None: the target has no generation (a host)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What differs between draining a device and draining a host; the rest is `_drain`."""
+
+    noun: str  # "device" / "host": the events are `<noun>.drain` / `<noun>.undrain`
+    name_key: str  # the detail key naming the target in a refusal
+    in_service: str  # the state an undrain goes back to
+    never_drained: tuple[str, ...]  # states a drain refuses
+    find: Callable[[Session, str], _Found]
+    # Set the target's state (and bump its generation, if it has one) where it still
+    # is as `found`: False when another writer changed it since.
+    set_state: Callable[[Connection, _Found, str, datetime], bool]
+    event_target: str  # the events column naming the target
+    lease_target: InstrumentedAttribute[int]  # the leases column naming it
+    # poolctl shows "N live lease(s)" after an undrain of a host, never of a device.
+    undrain_counts_leases: bool
+
+
+def _find_device(session: Session, uid: str) -> _Found:
+    dev = devices.get_by_uid(session, uid)
+    return _Found(dev.id, dev.state, dev.generation)
+
+
+def _set_device_state(conn: Connection, found: _Found, state: str, now: datetime) -> bool:
+    # The state change rides on the generation swap: it is applied only if no grant
+    # (or other drain) moved the device since it was read.
+    assert found.generation is not None
+    return transitions.compare_and_bump(
+        conn, Device, found.id, found.generation, state=state, updated_at=now
+    )
+
+
+def _find_host(session: Session, name: str) -> _Found:
+    host = hosts.get_by_name(session, name)
+    return _Found(host.id, host.status, None)
+
+
+def _set_host_status(conn: Connection, found: _Found, status: str, _now: datetime) -> bool:
+    # Hosts have no generation: a grant reads the status and refuses a draining host.
+    conn.execute(update(Host).where(Host.id == found.id).values(status=status))
+    return True
+
+
+_DEVICE = _Kind(
+    noun="device",
+    name_key="uid",
+    in_service="online",
+    never_drained=("retired",),
+    find=_find_device,
+    set_state=_set_device_state,
+    event_target="device_id",
+    lease_target=Lease.device_id,
+    undrain_counts_leases=False,
+)
+_HOST = _Kind(
+    noun="host",
+    name_key="host",
+    in_service="up",
+    never_drained=(),
+    find=_find_host,
+    set_state=_set_host_status,
+    event_target="host_id",
+    lease_target=Lease.host_id,
+    undrain_counts_leases=True,
+)
+
+
+def _live_leases(session: Session, kind: _Kind, target_id: int) -> int:
+    return int(
+        session.scalar(
+            select(func.count(Lease.id)).where(
+                kind.lease_target == target_id, Lease.state.in_(LIVE_STATE_VALUES)
+            )
+        )
+        or 0
+    )
+
+
+def _change(
+    ledger: Ledger,
+    kind: _Kind,
+    name: str,
+    actor: str,
+    *,
+    refused: Callable[[str], str | None],
+    after: str,
+    now: datetime,
+    event: dict[str, Any],
+) -> tuple[int, int]:
+    """Move a target to `after`, journalled, again from a fresh read if it loses a race.
+
+    `refused(state)`: why the target cannot move from `state` (bad_request), or None.
+    Returns the target's id and its live leases.
+    """
+
+    def attempt() -> tuple[int, int]:
+        with ledger.write() as s:
+            found = kind.find(s, name)
+            why = refused(found.state)
+            if why is not None:
+                raise BadRequest(
+                    f"{kind.noun} {name!r} is {found.state}{why}", **{kind.name_key: name}
+                )
+            if not kind.set_state(s.connection(), found, after, now):
+                raise transitions.LostRace
+            target: dict[str, Any] = {kind.event_target: found.id}
+            transitions.record(
+                s,
+                transitions.event_row(
+                    actor=actor, from_state=found.state, to_state=after, **target, **event
+                ),
+            )
+            return found.id, _live_leases(s, kind, found.id)
+
+    return transitions.retrying(attempt, what=f"{event['kind']} of {name!r}")
+
+
+def _drain(
+    ledger: Ledger,
+    kind: _Kind,
+    name: str,
+    actor: str,
+    *,
+    deadline_s: float | None,
+    now_: bool,
+    revoke_deadline_s: float,
+) -> DrainResult:
+    """Stop placing on a target; its live leases are revoked at the deadline, or at once.
+
+    No deadline (`deadline_s` None and not `now_`): they run to their end.
+    """
+    now = utcnow()
+    deadline = None
+    if now_ or deadline_s is not None:
+        deadline = now if now_ else now + timedelta(seconds=deadline_s or 0.0)
+    if deadline is None:
+        reason = "drain: leases run to their end"
+    else:
+        reason = "drain now" if now_ else f"drain within {deadline_s:g}s"
+    target_id, live = _change(
+        ledger,
+        kind,
+        name,
+        actor,
+        refused=lambda state: "; nothing to drain" if state in kind.never_drained else None,
+        after="draining",
+        now=now,
+        event={
+            "kind": f"{kind.noun}.drain",
+            "reason": reason,
+            # The reaper reads the latest drain's deadline (reaper.drain_deadlines).
+            "detail": {"deadline_at": deadline.isoformat()} if deadline is not None else {},
+        },
+    )
+    revoked: list[str] = []
+    if deadline is not None and deadline <= now:
+        revoked = revoke_matching(
+            ledger,
+            [kind.lease_target == target_id],
+            reason=f"{kind.noun} {name} drained",
+            actor=actor,
+            now=now,
+            deadline_s=revoke_deadline_s,
+        )
+    return DrainResult(
+        target=name, state="draining", deadline_at=deadline, live_leases=live, revoked=revoked
+    )
+
+
+def _undrain(ledger: Ledger, kind: _Kind, name: str, actor: str) -> DrainResult:
+    """Put a draining target back in service (leases already revoked stay revoked)."""
+    _target_id, live = _change(
+        ledger,
+        kind,
+        name,
+        actor,
+        refused=lambda state: ", not draining" if state != "draining" else None,
+        after=kind.in_service,
+        now=utcnow(),
+        event={"kind": f"{kind.noun}.undrain"},
+    )
+    return DrainResult(
+        target=name, state=kind.in_service, live_leases=live if kind.undrain_counts_leases else 0
+    )
+
+
 def drain_device(
     ledger: Ledger,
     uid: str,
@@ -122,86 +322,20 @@ def drain_device(
     revoke_deadline_s: float,
 ) -> DrainResult:
     """Stop placing on a device; revoke its live leases at the deadline, or at once."""
-    now = utcnow()
-    deadline = now if now_ else now + timedelta(seconds=deadline_s)
-
-    def attempt() -> tuple[int, int]:
-        with ledger.write() as s:
-            dev = devices.get_by_uid(s, uid)
-            if dev.state in ("retired",):
-                raise BadRequest(f"device {uid!r} is {dev.state}; nothing to drain", uid=uid)
-            before = dev.state
-            # A grant that read the device as online before this commit swaps the
-            # generation it read; this swap makes that grant fail, read again and
-            # see `draining`. The state change rides on the swap, so it is applied
-            # only if nothing moved the device since it was read.
-            if not transitions.compare_and_bump(
-                s.connection(), Device, dev.id, dev.generation, state="draining", updated_at=now
-            ):
-                raise transitions.LostRace
-            transitions.record(
-                s,
-                transitions.event_row(
-                    actor=actor,
-                    kind="device.drain",
-                    device_id=dev.id,
-                    from_state=before,
-                    to_state="draining",
-                    reason="drain now" if now_ else f"drain within {deadline_s:g}s",
-                    detail={"deadline_at": deadline.isoformat()},
-                ),
-            )
-            live = int(
-                s.scalar(
-                    select(func.count(Lease.id)).where(
-                        Lease.device_id == dev.id, Lease.state.in_(LIVE_STATE_VALUES)
-                    )
-                )
-                or 0
-            )
-            return dev.id, live
-
-    device_id, live = transitions.retrying(attempt, what=f"the drain of device {uid!r}")
-    revoked: list[str] = []
-    if deadline <= now:
-        revoked = revoke_matching(
-            ledger,
-            [Lease.device_id == device_id],
-            reason=f"device {uid} drained",
-            actor=actor,
-            now=now,
-            deadline_s=revoke_deadline_s,
-        )
-    return DrainResult(
-        target=uid, state="draining", deadline_at=deadline, live_leases=live, revoked=revoked
+    return _drain(
+        ledger,
+        _DEVICE,
+        uid,
+        actor,
+        deadline_s=deadline_s,
+        now_=now_,
+        revoke_deadline_s=revoke_deadline_s,
     )
 
 
 def undrain_device(ledger: Ledger, uid: str, actor: str) -> DrainResult:
     """Put a draining device back online (leases already revoked stay revoked)."""
-
-    def attempt() -> None:
-        with ledger.write() as s:
-            dev = devices.get_by_uid(s, uid)
-            if dev.state != "draining":
-                raise BadRequest(f"device {uid!r} is {dev.state}, not draining", uid=uid)
-            if not transitions.compare_and_bump(
-                s.connection(), Device, dev.id, dev.generation, state="online", updated_at=utcnow()
-            ):
-                raise transitions.LostRace
-            transitions.record(
-                s,
-                transitions.event_row(
-                    actor=actor,
-                    kind="device.undrain",
-                    device_id=dev.id,
-                    from_state="draining",
-                    to_state="online",
-                ),
-            )
-
-    transitions.retrying(attempt, what=f"the undrain of device {uid!r}")
-    return DrainResult(target=uid, state="online")
+    return _undrain(ledger, _DEVICE, uid, actor)
 
 
 def drain_host(
@@ -217,60 +351,17 @@ def drain_host(
     """Mark a host draining (no new grants), or back to service with `draining=False`.
 
     With `deadline_s` its live leases are revoked when it passes (by the reaper),
-    with `now_` at once; without either they run to their end.
+    with `now_` at once; without either they run to their end. Back in service, the
+    host is `up`; the reaper marks it down again if its agent is silent.
     """
-    now = utcnow()
-    deadline = None
-    if draining and (now_ or deadline_s is not None):
-        deadline = now if now_ else now + timedelta(seconds=deadline_s or 0.0)
-    with ledger.write() as s:
-        host = hosts.get_by_name(s, name)
-        before = host.status
-        if draining:
-            after = "draining"
-        elif before != "draining":
-            raise BadRequest(f"host {name!r} is {before}, not draining", host=name)
-        else:
-            # Back to `up`; the reaper marks it down again if its agent is silent.
-            after = "up"
-        host_id = host.id
-        s.execute(update(Host).where(Host.id == host_id).values(status=after))
-        reason: str | None = None
-        if draining and deadline is None:
-            reason = "drain: leases run to their end"
-        elif draining:
-            reason = "drain now" if now_ else f"drain within {deadline_s:g}s"
-        transitions.record(
-            s,
-            transitions.event_row(
-                actor=actor,
-                kind="host.drain" if draining else "host.undrain",
-                host_id=host_id,
-                from_state=before,
-                to_state=after,
-                reason=reason,
-                # The reaper reads the latest `host.drain` deadline (reaper.host_drain_deadlines).
-                detail={"deadline_at": deadline.isoformat()} if deadline is not None else {},
-            ),
-        )
-        live = int(
-            s.scalar(
-                select(func.count(Lease.id)).where(
-                    Lease.host_id == host_id, Lease.state.in_(LIVE_STATE_VALUES)
-                )
-            )
-            or 0
-        )
-    revoked: list[str] = []
-    if deadline is not None and deadline <= now:
-        revoked = revoke_matching(
-            ledger,
-            [Lease.host_id == host_id],
-            reason=f"host {name} drained",
-            actor=actor,
-            now=now,
-            deadline_s=revoke_deadline_s,
-        )
-    return DrainResult(
-        target=name, state=after, deadline_at=deadline, live_leases=live, revoked=revoked
+    if not draining:
+        return _undrain(ledger, _HOST, name, actor)
+    return _drain(
+        ledger,
+        _HOST,
+        name,
+        actor,
+        deadline_s=deadline_s,
+        now_=now_,
+        revoke_deadline_s=revoke_deadline_s,
     )
