@@ -4,17 +4,32 @@ Each method is one route of the table, under the route's name; paths, methods,
 bodies and response types come from the table, never from here. Errors come back
 as the `PoolError` subclass the server raised (matched by code); a poold that
 cannot be reached is `poold_unreachable`.
+
+Several poold URLs (DESIGN.md "Scale": processes sharing one database) make one
+client. A call goes to the URL that answered last (sticky); a transport error
+moves it to the next, and when none answers the next call starts one further on,
+so a dead poold is not asked first forever. An HTTP answer, whatever its status,
+is poold's answer and is not retried elsewhere, with one exception: 503
+``ledger_unavailable`` is tried once on the next URL (the other process may still
+hold good database connections), never more, since they share the database and
+hammering it helps nobody. A request that may have reached a poold (the reply was
+lost or timed out) is sent again elsewhere only when repeating it is harmless:
+reads, heartbeats, renewals, and grants and op batches that carry a request id.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel
 
-from poold.errors import PooldUnreachable, PoolError, from_wire
+from poold.errors import LedgerUnavailable, PooldUnreachable, PoolError, from_wire
 from poold.wire import routes
 from poold.wire.admin import (
     AccountingBy,
@@ -49,26 +64,74 @@ from poold.wire.routes import AccountingQuery, AuditQuery, LeaseQuery, Route
 
 R = TypeVar("R")
 
+log = logging.getLogger("poold.client")
+
 AUDIT_TIMEOUT_S = 600.0  # an audit of a large ledger takes seconds, not the default 10
+
+# Routes that change nothing when repeated, so a request that may have reached one
+# poold is sent again to another: a heartbeat (or registration) and a renewal set the
+# same state from a later now. Reads are replayable by their method; grants and op
+# batches only when they name themselves with a request id (see `_replayable`).
+_REPLAYABLE_ROUTES = frozenset({"register", "heartbeat", "renew"})
+
+# Transport errors raised before the request left this process: no poold saw it, so
+# any request may go to the next URL.
+_NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+def _replayable(route: Route[Any], body: BaseModel | None) -> bool:
+    """May this request be sent again to another poold after a reply that never came?"""
+    if route.method == "GET" or route.name in _REPLAYABLE_ROUTES:
+        return True
+    # A repeated request id gets the first answer (poold remembers recent ids per host).
+    return body is not None and getattr(body, "request_id", None) is not None
+
+
+def failover_order(count: int, current: int) -> list[int]:
+    """The URL indices one call tries: the sticky one first, then the rest in turn."""
+    return [(current + k) % count for k in range(count)]
 
 
 class PooldClient:
-    def __init__(self, base_url: str, token: str, *, timeout_s: float = 10.0) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            headers={"authorization": f"Bearer {token}"},
-            timeout=timeout_s,
-        )
+    """One caller's connection to poold: one URL, or several poold processes in turn."""
+
+    def __init__(
+        self, base_url: str | Sequence[str], token: str, *, timeout_s: float = 10.0
+    ) -> None:
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ValueError("PooldClient needs at least one poold URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s = timeout_s
+        self._https = [
+            httpx.Client(
+                base_url=url, headers={"authorization": f"Bearer {token}"}, timeout=timeout_s
+            )
+            for url in self.urls
+        ]
+        self._lock = threading.Lock()
+        self._current = 0  # the URL that answered last: every call tries it first
+
+    @property
+    def base_url(self) -> str:
+        """The poold URL calls go to first now (the one that answered last)."""
+        return self.urls[self._current]
 
     def close(self) -> None:
-        self._http.close()
+        for http in self._https:
+            http.close()
 
     def __enter__(self) -> PooldClient:
         return self
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+    def _stick(self, index: int) -> None:
+        with self._lock:
+            before, self._current = self._current, index
+        if before != index:
+            log.info("calls go to poold at %s now (was %s)", self.urls[index], self.urls[before])
 
     def _send(
         self,
@@ -77,34 +140,76 @@ class PooldClient:
         query: BaseModel | None = None,
         *,
         timeout_s: float | None = None,
+        deadline: float | None = None,
         **path: str,
     ) -> R:
-        """One call of `route`: its path filled in, `body` as JSON, `query` as parameters."""
-        extra: dict[str, Any] = {}
-        if timeout_s is not None:
-            extra["timeout"] = timeout_s
-        try:
-            resp = self._http.request(
-                route.method,
-                route.url(**path),
-                params=query.model_dump(mode="json", exclude_none=True) if query else None,
-                content=body.model_dump_json() if body is not None else None,
-                headers={"content-type": "application/json"} if body is not None else None,
-                **extra,
-            )
-        except httpx.TransportError as exc:
-            raise PooldUnreachable(f"cannot reach poold at {self.base_url}: {exc}") from exc
-        if resp.status_code >= 400:
+        """One call of `route`: its path filled in, `body` as JSON, `query` as parameters.
+
+        ``deadline`` (time.monotonic()) bounds the whole call, failovers included.
+        """
+        replayable = _replayable(route, body)
+        url = route.url(**path)
+        params = query.model_dump(mode="json", exclude_none=True) if query else None
+        content = body.model_dump_json() if body is not None else None
+        headers = {"content-type": "application/json"} if body is not None else None
+        order = failover_order(len(self.urls), self._current)
+        unreachable: list[str] = []
+        busy_ledger: PoolError | None = None  # a 503 ledger_unavailable already seen
+        for index in order:
+            timeout = timeout_s if timeout_s is not None else self.timeout_s
+            if deadline is not None:
+                timeout = min(timeout, deadline - time.monotonic())
+                if timeout <= 0:
+                    break
             try:
-                data = resp.json()
-            except ValueError:
-                data = None
-            if isinstance(data, dict) and "code" in data:
-                raise from_wire(str(data["code"]), str(data.get("message", "")), data.get("detail"))
-            raise PoolError(f"poold answered HTTP {resp.status_code}: {resp.text[:200]}")
-        if route.response is str:
-            return resp.text  # type: ignore[return-value]  # R is str for a text route
-        return route.parse_json(resp.content)
+                resp = self._https[index].request(
+                    route.method,
+                    url,
+                    params=params,
+                    content=content,
+                    headers=headers,
+                    timeout=timeout,
+                )
+            except httpx.TransportError as exc:
+                unreachable.append(f"{self.urls[index]}: {exc or type(exc).__name__}")
+                if busy_ledger is not None:
+                    break  # the one try past a ledger_unavailable is spent
+                if not replayable and not isinstance(exc, _NEVER_SENT):
+                    # It may have been applied there: repeating it elsewhere could do it twice.
+                    break
+                continue
+            error = self._error(resp)
+            if isinstance(error, LedgerUnavailable) and busy_ledger is None and index != order[-1]:
+                busy_ledger = error  # one other poold, once: they share the database
+                continue
+            self._stick(index)
+            if error is not None:
+                raise error
+            if route.response is str:
+                return resp.text  # type: ignore[return-value]  # R is str for a text route
+            return route.parse_json(resp.content)
+        if busy_ledger is not None:
+            raise busy_ledger
+        if len(self.urls) > 1 and unreachable:
+            # Nobody answered: the next call starts one further on, so a dead poold is
+            # not the first one asked forever.
+            with self._lock:
+                self._current = (order[0] + 1) % len(self.urls)
+        where = "; ".join(unreachable) or "no time left to try"
+        raise PooldUnreachable(f"cannot reach poold at {where}")
+
+    @staticmethod
+    def _error(resp: httpx.Response) -> PoolError | None:
+        """The PoolError an HTTP answer carries (None for a success)."""
+        if resp.status_code < 400:
+            return None
+        try:
+            data = resp.json()
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and "code" in data:
+            return from_wire(str(data["code"]), str(data.get("message", "")), data.get("detail"))
+        return PoolError(f"poold answered HTTP {resp.status_code}: {resp.text[:200]}")
 
     # health and metrics
     def health(self) -> dict[str, str]:
@@ -143,16 +248,20 @@ class PooldClient:
     def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
         return self._send(routes.heartbeat, beat)
 
-    def apply_ops(self, ops: list[LeaseOp]) -> list[LeaseOpResult]:
-        return self._send(routes.apply_ops, AgentOps(ops=ops))
+    def apply_ops(
+        self, ops: list[LeaseOp], *, request_id: str | None = None
+    ) -> list[LeaseOpResult]:
+        """One op batch; with a ``request_id`` a retry of it gets the first answer."""
+        return self._send(routes.apply_ops, AgentOps(ops=ops, request_id=request_id))
 
     def confirm_revoked(self, lease_ids: list[str]) -> list[LeaseOpResult]:
         """The agent's side: these revoked leases are torn down (revoking → reclaimed)."""
         return self._send(routes.confirm_revoked, RevokedConfirm(lease_ids=lease_ids))
 
     # leases
-    def grant(self, req: GrantRequest) -> LeaseOut:
-        return self._send(routes.grant, req)
+    def grant(self, req: GrantRequest, *, deadline: float | None = None) -> LeaseOut:
+        """A central grant; ``deadline`` (time.monotonic()) bounds it, failovers included."""
+        return self._send(routes.grant, req, deadline=deadline)
 
     def activate(self, lease_id: str) -> LeaseOut:
         return self._send(routes.activate, lease_id=lease_id)
