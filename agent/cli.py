@@ -23,7 +23,20 @@ def main() -> None:
     help="TOML config file",
 )
 @click.option("--host", envvar="POOL_AGENT_HOST", default=None, help="host name known to poold")
-@click.option("--poold-url", envvar="POOL_AGENT_POOLD_URL", default=None)
+@click.option(
+    "--poold-url",
+    "poold_url",
+    envvar="POOL_AGENT_POOLD_URL",
+    multiple=True,
+    help="a poold URL; repeat it or give a comma list for several (failover, in order)",
+)
+@click.option(
+    "--poold-timeout",
+    "poold_timeout_s",
+    type=float,
+    default=None,
+    help="seconds one request to one poold may take",
+)
 @click.option(
     "--credential-file",
     type=click.Path(path_type=Path),
@@ -54,7 +67,9 @@ def main() -> None:
     help="bytes of the emulated device (default: a quarter of RAM)",
 )
 @click.option("--log-level", default="info", envvar="POOL_AGENT_LOG_LEVEL", show_default=True)
-def serve(config_path: Path | None, log_level: str, **overrides: object) -> None:
+def serve(
+    config_path: Path | None, log_level: str, poold_url: tuple[str, ...], **overrides: object
+) -> None:
     """Serve tenants on the agent socket and keep poold informed."""
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -62,7 +77,10 @@ def serve(config_path: Path | None, log_level: str, **overrides: object) -> None
     from agent import config as config_mod
     from agent.run import run
 
-    raise SystemExit(run(config_mod.load(config_path, **overrides)))
+    # Each --poold-url may itself be a comma list (the config splits them); none given
+    # leaves the config file's.
+    urls = list(poold_url) or None
+    raise SystemExit(run(config_mod.load(config_path, poold_url=urls, **overrides)))
 
 
 try:  # the discovery package adds `pool-agent inventory`

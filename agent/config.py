@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agent.paths import default_socket_path
 from poold.settings import DEFAULT_PORT
@@ -21,11 +23,38 @@ def default_state_dir() -> Path:
     return Path(base) / "pool-agent"
 
 
+def parse_poold_urls(values: str | Iterable[str]) -> list[str]:
+    """Every poold URL in ``values``: each may be a comma (or whitespace) separated list.
+
+    Order is kept (the first is asked first), repeats are dropped, and each must be an
+    http(s) URL, so a typo fails at start rather than at the first failover.
+    """
+    items = [values] if isinstance(values, str) else list(values)
+    urls: list[str] = []
+    for item in items:
+        for url in re.split(r"[,\s]+", item.strip()):
+            url = url.rstrip("/")
+            if not url:
+                continue
+            if not re.match(r"^https?://[^/\s]+", url):
+                raise ValueError(f"not a poold URL (http://host:port): {url!r}")
+            if url not in urls:
+                urls.append(url)
+    if not urls:
+        raise ValueError("no poold URL given")
+    return urls
+
+
 class AgentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     host: str = Field(default_factory=socket.gethostname)
-    poold_url: str = f"http://127.0.0.1:{DEFAULT_PORT}"
+    # One or several poold processes sharing a ledger, asked in this order (failover):
+    # a list, or a string of comma-separated URLs, in TOML, flags and environment alike.
+    poold_url: list[str] = Field(default_factory=lambda: [f"http://127.0.0.1:{DEFAULT_PORT}"])
+    # One request to one poold; a grant is retried within `grant_patience_s` in all.
+    poold_timeout_s: float = Field(default=10.0, gt=0)
+    grant_patience_s: float = Field(default=20.0, gt=0)
     credential: str | None = None
     credential_file: Path | None = None
     socket_path: Path = Field(default_factory=default_socket_path)
@@ -51,6 +80,15 @@ class AgentConfig(BaseModel):
     # ... and, without udev (containers) or when told not to use it, every this often.
     rescan_interval_s: float = Field(default=30.0, gt=0)
     udev: bool = True
+
+    @field_validator("poold_url", mode="before")
+    @classmethod
+    def _split_urls(cls, value: Any) -> Any:
+        if isinstance(value, str) or (
+            isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+        ):
+            return parse_poold_urls(value)
+        return value
 
     def resolved_credential(self) -> str:
         if self.credential:

@@ -52,8 +52,8 @@ def run(config: AgentConfig) -> int:
         "devdax": DevdaxBackend(config.sysfs_root),
         "numa": NumaBackend(sysfs_root=config.sysfs_root, hugepages=config.hugepages),
     }
-    client = PooldClient(config.poold_url, credential)
-    link = PooldLink(client, __version__)
+    client = PooldClient(config.poold_url, credential, timeout_s=config.poold_timeout_s)
+    link = PooldLink(client, __version__, grant_patience_s=config.grant_patience_s)
     inventory = host_inventory(config, set(backends))
     warm = WarmPool(backends["emulated"], config.warm_pool_bytes)
     warm.start()
@@ -65,7 +65,7 @@ def run(config: AgentConfig) -> int:
     link.inventory = inventory
     try:
         link.register(inventory)
-        log.info("registered with poold at %s: %d device(s)", config.poold_url, len(inventory))
+        log.info("registered with poold at %s: %d device(s)", client.base_url, len(inventory))
         stray = service.reconcile()
         if stray:
             log.info("reconciled with poold: %d lease(s) had no memory behind them", stray)
