@@ -5,7 +5,11 @@ inventory when it changed). Releases go into an ordered outbox that rides on
 the next grant or is flushed within a few milliseconds by a background thread,
 so a tenant's release costs no poold round trip, yet a release just before a
 grant is applied before that grant (its bytes and quota are free in time).
-When poold is down the outbox and renewals are kept and replayed.
+When poold is down, or answers with an error, the outbox, renewals and reports are
+kept and replayed in order; grants and op batches carry request ids so that a retry
+after a lost reply is not applied twice (DESIGN.md, "every request to poold is
+idempotent"). After a failed exchange the agent reconciles with poold
+(agent/resync.py).
 
 Each heartbeat also says what the agent holds, for poold's revocations and its
 audit: per lease the holder (pid + start time), the dax sub-device and the local
@@ -18,16 +22,19 @@ asks one object for all of it, and tells it what poold replied: a
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import threading
 import time
+import uuid
 from datetime import datetime
 from typing import Protocol
 
 from poold.api.client import PooldClient
-from poold.errors import PooldUnreachable, PoolError
+from poold.errors import LedgerUnavailable, PooldUnreachable, PoolError
 from poold.wire.agent import (
     AgentLease,
+    AgentOps,
     GrantRequest,
     Heartbeat,
     HeartbeatReply,
@@ -42,6 +49,13 @@ from poold.wire.common import LeaseOut
 log = logging.getLogger("pool_agent.link")
 
 OUTBOX_LINGER_S = 0.005
+# Ops per batch (the wire allows 100 000): an outbox grown over a long outage goes in
+# pieces, each its own request with its own id.
+MAX_BATCH_OPS = 10_000
+# A grant poold did not answer is sent again after these pauses (same request id),
+# all within the tenant's patience: the tenant client waits 30 s by default.
+GRANT_BACKOFF_S = (0.2, 0.5, 1.0)
+GRANT_PATIENCE_S = 20.0
 
 # Per lease what the agent holds (holders, sub-device, local state, scrub progress),
 # and the sub-devices it made that no held lease accounts for.
@@ -81,27 +95,132 @@ def inventory_digest(inventory: list[InventoryDevice]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+class Resync(Protocol):
+    """What the link tells the agent's reconciliation (agent/resync.py) of its exchanges."""
+
+    def failed(self) -> None:
+        """An exchange with poold failed: what poold holds for this host may be off."""
+        ...
+
+    def step(self) -> None:
+        """poold answered a heartbeat: take the next look, if one is due."""
+        ...
+
+
+def new_request_id() -> str:
+    """A fresh name for one grant or op batch (poold answers a repeat with the first answer)."""
+    return str(uuid.uuid4())
+
+
+def _no_verdict(err: PoolError) -> bool:
+    """poold gave no verdict on the request: it may or may not have been applied.
+
+    No answer, the ledger unavailable, or poold failing (5xx). 507 ``no_capacity`` is a
+    verdict (nothing was placed), not a failure.
+    """
+    return isinstance(err, PooldUnreachable | LedgerUnavailable) or err.http_status in (
+        500,
+        502,
+        503,
+        504,
+    )
+
+
+def _pending_applied(err: PoolError) -> bool:
+    """Did poold apply a grant's pending ops before refusing the grant itself with ``err``?
+
+    The ops run in their own transaction before the grant's checks, so a refusal of the
+    grant (no capacity, quota, unknown tenant, not the owner) comes after them. Anything
+    else (no answer, a 5xx, the credential refused, a malformed request) may have come
+    first: the ops are replayed, which is safe (an op already applied is refused alone).
+    """
+    if _no_verdict(err):
+        return False
+    return err.http_status not in (400, 401, 403, 413, 422) or err.code == "not_owner"
+
+
 class PooldLink:
     """The agent's one channel to poold (thread-safe)."""
 
-    def __init__(self, client: PooldClient, agent_version: str) -> None:
+    def __init__(
+        self,
+        client: PooldClient,
+        agent_version: str,
+        *,
+        grant_patience_s: float = GRANT_PATIENCE_S,
+    ) -> None:
         self.client = client
         self.agent_version = agent_version
+        self.grant_patience_s = grant_patience_s
         self._lock = threading.Lock()
+        # Op batches poold did not take, oldest first, each under the request id it was
+        # first sent with (a retry of a batch whose reply was lost gets the first answer);
+        # then the ops not in a batch yet.
+        self._batches: list[AgentOps] = []
         self._outbox: list[LeaseOp] = []
+        # One op delivery (a flush or a grant carrying ops) at a time, so that ops reach
+        # poold in the order they were queued (a release_dirty before its scrubbed).
+        self._deliver = threading.Lock()
+        self._in_delivery: list[LeaseOp] = []
         self._renewals: dict[str, int] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.inventory: list[InventoryDevice] = []
         self._sent_digest: str | None = None
+        # poold answered the last exchange at the HTTP level (what `stats` reports).
         self.reachable = False
+        # Why exchanges fail now (None: the last one worked): one WARNING when it starts,
+        # one INFO when it ends, not a line per failed request.
+        self._failing: str | None = None
         self.last_heartbeat_at: datetime | None = None
         # Set by the agent service; without it (a bare link) heartbeats say nothing is held.
         self.heartbeat_state: HeartbeatState | None = None
+        # Set by the agent service: reconciliation after a failed exchange.
+        self.resync: Resync | None = None
         # Reports a failed heartbeat could not deliver wait here, unless a newer report of
         # the same lease replaces them.
         self._unsent_reports: dict[str, LeaseReport] = {}
+        # Grants running now (by a token), and leases a grant returned that the agent has
+        # not yet made memory for or given up on: reconciliation leaves both alone.
+        self._grant_tokens = itertools.count()
+        self._grants_in_flight: set[int] = set()
+        self._unsettled: set[str] = set()
+
+    # --- how the exchanges go -------------------------------------------------
+    def _answered(self) -> None:
+        """An exchange worked: say so once if they were failing."""
+        self.reachable = True
+        with self._lock:
+            was, self._failing = self._failing, None
+            queued = len(self._outbox) + sum(len(b.ops) for b in self._batches)
+            renewals = len(self._renewals)
+        if was is not None:
+            log.info(
+                "poold answers again; replaying %d queued op(s) and %d renewal(s)",
+                queued,
+                renewals,
+            )
+
+    def _failed(self, err: PoolError) -> None:
+        """An exchange failed (nothing it carried is lost): say so once, and resync later."""
+        self.reachable = not isinstance(err, PooldUnreachable)
+        why = f"{err.code}: {err.message}"
+        with self._lock:
+            was, self._failing = self._failing, why
+        if was is None:
+            log.warning(
+                "poold exchanges failing (%s); renewals, reports and lease ops stay queued "
+                "until it answers",
+                why,
+            )
+        if self.resync is not None:
+            self.resync.failed()
+
+    @property
+    def failing(self) -> bool:
+        """The last exchange with poold failed."""
+        return self._failing is not None
 
     # --- synchronous calls ----------------------------------------------
     def register(self, inventory: list[InventoryDevice]) -> HeartbeatReply:
@@ -117,30 +236,103 @@ class PooldLink:
         return reply
 
     def grant(self, req: GrantRequest) -> LeaseOut:
-        """Grant through poold, delivering the outbox with it."""
-        with self._lock:
-            pending, self._outbox = self._outbox, []
+        """Grant through poold, delivering the outbox with it, retried under one request id.
+
+        A grant that gets no answer (unreachable, timed out, reply lost) or
+        ``ledger_unavailable`` is sent again with the same request id, a few times with
+        backoff within ``grant_patience_s``; poold answers a repeat with the lease the
+        first attempt made. Past that the tenant gets the retryable error, and the next
+        resync ends any lease the lost attempts left.
+        """
+        if req.request_id is None:
+            req = req.model_copy(update={"request_id": new_request_id()})
+        # Ops ride on the grant only when no other delivery runs and no failed batch waits:
+        # they must reach poold after those. A grant never waits for a delivery.
+        delivering = self._deliver.acquire(blocking=False)
+        pending: list[LeaseOp] = []
         try:
-            lease = self.client.grant(req.model_copy(update={"pending": pending}))
-        except PooldUnreachable:
-            self.reachable = False
-            self._requeue(pending)
-            raise
-        except PoolError as err:
-            # 4xx: the pending ops were applied in their own transaction before the
-            # grant was refused, nothing to requeue; 500: maybe not, replay them.
-            self.reachable = True
-            if err.http_status == 500:
-                self._requeue(pending)
-            raise
-        self.reachable = True
-        return lease
+            if delivering:
+                with self._lock:
+                    if not self._batches:
+                        pending = self._outbox[:MAX_BATCH_OPS]
+                        del self._outbox[: len(pending)]
+                        self._in_delivery = pending
+            with self._lock:
+                token = next(self._grant_tokens)
+                self._grants_in_flight.add(token)
+            try:
+                lease = self._grant_retrying(req.model_copy(update={"pending": pending}))
+            except BaseException as err:
+                if pending and not (isinstance(err, PoolError) and _pending_applied(err)):
+                    with self._lock:
+                        self._batches.insert(0, AgentOps(ops=pending, request_id=new_request_id()))
+                    self._wake.set()
+                raise
+            else:
+                with self._lock:
+                    self._unsettled.add(lease.id)
+                return lease
+            finally:
+                with self._lock:
+                    self._grants_in_flight.discard(token)
+        finally:
+            if delivering:
+                with self._lock:
+                    self._in_delivery = []
+                self._deliver.release()
+
+    def _grant_retrying(self, req: GrantRequest) -> LeaseOut:
+        deadline = time.monotonic() + self.grant_patience_s
+        for backoff in (*GRANT_BACKOFF_S, None):
+            try:
+                lease = self.client.grant(req, deadline=deadline)
+            except (PooldUnreachable, LedgerUnavailable) as err:
+                self._failed(err)  # the outcome is unknown: resync once poold answers
+                if backoff is None or time.monotonic() + backoff >= deadline:
+                    raise
+                time.sleep(backoff)
+                continue
+            except PoolError as err:
+                if _no_verdict(err):
+                    self._failed(err)  # it may have failed after the commit
+                else:
+                    self.reachable = True  # a refusal is an answer
+                raise
+            self._answered()
+            return lease
+        raise AssertionError("unreachable: the last attempt raises or returns")
+
+    def settled(self, lease_id: str) -> None:
+        """The agent holds the granted lease now, or gave it up (aborted): resync may look."""
+        with self._lock:
+            self._unsettled.discard(lease_id)
+
+    def grants_in_flight(self) -> set[int]:
+        """Tokens of the grants running now (reconciliation waits for those it saw)."""
+        with self._lock:
+            return set(self._grants_in_flight)
+
+    def unsettled(self) -> set[str]:
+        """Leases granted and not yet held or given up (reconciliation leaves them alone)."""
+        with self._lock:
+            return set(self._unsettled)
+
+    def queued_lease_ids(self) -> set[str]:
+        """Leases with an op queued or on its way (reconciliation leaves them alone)."""
+        with self._lock:
+            ops = [*self._in_delivery, *self._outbox]
+            for batch in self._batches:
+                ops.extend(batch.ops)
+        return {op.lease_id for op in ops}
 
     def abort_now(self, lease_id: str, reason: str) -> None:
         try:
             self.client.abort(lease_id, reason)
-        except PooldUnreachable:
-            self.enqueue(LeaseOp(lease_id=lease_id, op="abort", reason=reason))
+        except PoolError as err:
+            # No answer, or poold failed: the abort must still land, through the outbox.
+            # A refusal (the lease is not granted any more) needs nothing.
+            if _no_verdict(err) or err.http_status in (401, 403):
+                self.enqueue(LeaseOp(lease_id=lease_id, op="abort", reason=reason))
 
     def activate(self, lease_id: str) -> LeaseOut:
         return self.client.activate(lease_id)
@@ -156,38 +348,63 @@ class PooldLink:
         with self._lock:
             self._renewals[lease_id] = ttl_s
 
-    def _requeue(self, ops: list[LeaseOp]) -> None:
-        if ops:
-            with self._lock:
-                self._outbox[:0] = ops
-
     def flush(self) -> None:
-        """Send the outbox now (the background thread does this within a few ms)."""
-        with self._lock:
-            pending, self._outbox = self._outbox, []
-        if not pending:
-            return
-        try:
-            self.client.apply_ops(pending)
-            self.reachable = True
-        except PooldUnreachable:
-            self.reachable = False
-            self._requeue(pending)
-        except PoolError as err:
-            self.reachable = True
-            if err.http_status in (401, 403, 500):
-                # poold failed mid-request (nothing or everything committed), or does not
-                # take this agent's credential (yet): keep them. Replaying is safe: ops
-                # already applied are refused and change nothing.
-                self._requeue(pending)
-                raise
-            # A batch poold will never accept (it says why): keeping it would block
-            # every later op behind it.
-            log.error("poold refused %d queued lease ops: %s %s", len(pending), err.code, err)
+        """Send the outbox now (the background thread does this within a few ms).
+
+        Batches go oldest first, each under its request id; one that fails, whatever
+        the status, stays first in line and is sent again, unchanged, next time. A
+        batch poold rejects as malformed (400, 413, 422) is dropped with an error,
+        since it would be rejected forever and block every op behind it. Ops refused one
+        by one in poold's answer are dropped with a warning; replaying one that poold
+        did apply is refused that way and changes nothing. A failure other than no
+        answer at all is raised, after the batch is back in line.
+        """
+        with self._deliver:
+            while True:
+                with self._lock:
+                    if self._batches:
+                        batch = self._batches.pop(0)
+                    elif self._outbox:
+                        ops = self._outbox[:MAX_BATCH_OPS]
+                        del self._outbox[: len(ops)]
+                        batch = AgentOps(ops=ops, request_id=new_request_id())
+                    else:
+                        return
+                    self._in_delivery = batch.ops
+                try:
+                    results = self.client.apply_ops(batch.ops, request_id=batch.request_id)
+                except PoolError as err:
+                    if err.http_status in (400, 413, 422):
+                        self.reachable = True
+                        log.error(
+                            "poold refused a batch of %d lease op(s) as malformed: %s %s",
+                            len(batch.ops),
+                            err.code,
+                            err.message,
+                        )
+                        continue
+                    with self._lock:
+                        self._batches.insert(0, batch)
+                    self._failed(err)
+                    if isinstance(err, PooldUnreachable):
+                        return
+                    raise
+                finally:
+                    with self._lock:
+                        self._in_delivery = []
+                self._answered()
+                for result in results:
+                    if result.code is not None:
+                        log.warning(
+                            "poold refused the queued op on lease %s (dropped): %s %s",
+                            result.lease_id,
+                            result.code,
+                            result.message or "",
+                        )
 
     def outbox_size(self) -> int:
         with self._lock:
-            return len(self._outbox)
+            return len(self._outbox) + sum(len(b.ops) for b in self._batches)
 
     def _take_reports(self) -> list[LeaseReport]:
         state = self.heartbeat_state
@@ -208,9 +425,36 @@ class PooldLink:
             return None
 
     def heartbeat(self) -> HeartbeatReply | None:
+        """One heartbeat; None when it failed (its renewals and reports stay queued)."""
         with self._lock:
             renewals, self._renewals = self._renewals, {}
         reports = self._take_reports()
+        try:
+            reply = self._send_heartbeat(renewals, reports)
+        except BaseException as exc:
+            # Whatever went wrong (no answer, a 500, a 503, a credential being rotated,
+            # a bug here), nothing the tenants were told is lost: a renewal the agent
+            # accepted reaches poold with a later heartbeat. A newer renewal or report
+            # of the same lease, queued meanwhile, wins.
+            with self._lock:
+                for k, v in renewals.items():
+                    self._renewals.setdefault(k, v)
+                for r in reports:
+                    self._unsent_reports.setdefault(r.lease_id, r)
+            if isinstance(exc, PoolError):
+                self._failed(exc)
+                return None
+            raise
+        if self.resync is not None:
+            try:
+                self.resync.step()
+            except Exception:
+                log.exception("reconciling with poold failed; trying again next heartbeat")
+        return reply
+
+    def _send_heartbeat(
+        self, renewals: dict[str, int], reports: list[LeaseReport]
+    ) -> HeartbeatReply:
         digest = inventory_digest(self.inventory)
         holdings = self._holdings()
         state = self.heartbeat_state
@@ -226,17 +470,7 @@ class PooldLink:
             held_leases=holdings[0] if holdings is not None else None,
             leftovers=holdings[1] if holdings is not None else [],
         )
-        try:
-            reply = self.client.heartbeat(beat)
-        except PooldUnreachable as exc:
-            log.warning("heartbeat failed, keeping %d renewal(s): %s", len(renewals), exc)
-            self.reachable = False
-            with self._lock:
-                for k, v in renewals.items():
-                    self._renewals.setdefault(k, v)
-                for r in reports:
-                    self._unsent_reports.setdefault(r.lease_id, r)
-            return None
+        reply = self.client.heartbeat(beat)
         for refusal in reply.report_errors:
             log.warning("report for lease %s refused: %s", refusal.lease_id, refusal.message)
         self._sent_digest = digest if beat.inventory is not None else self._sent_digest
@@ -246,7 +480,7 @@ class PooldLink:
         return reply
 
     def _mark(self, reply: HeartbeatReply) -> None:
-        self.reachable = True
+        self._answered()
         self.last_heartbeat_at = reply.server_time
         if self.heartbeat_state is not None:
             self.heartbeat_state.on_reply(reply)
@@ -257,6 +491,11 @@ class PooldLink:
             while not self._stop.wait(interval_s):
                 try:
                     self.flush()
+                except PoolError:
+                    pass  # kept and logged once by the link; the heartbeat still goes
+                except Exception:
+                    log.exception("outbox flush error")
+                try:
                     self.heartbeat()
                 except Exception:
                     log.exception("heartbeat loop error")
@@ -271,9 +510,11 @@ class PooldLink:
                 self._wake.clear()
                 try:
                     self.flush()
+                except PoolError:
+                    pass  # kept and logged once by the link
                 except Exception:
                     log.exception("outbox flush error")
-                if self.outbox_size() and not self.reachable:
+                if self.outbox_size() and self.failing:
                     self._stop.wait(min(interval_s, 1.0))  # poold down: retry, don't spin
 
         for target, name in ((beat_loop, "heartbeat"), (outbox_loop, "outbox")):

@@ -26,6 +26,7 @@ from agent.holders import Holder
 from agent.journal import Journal
 from agent.link import Holdings, PooldLink
 from agent.memory import LeaseMemory, LocalDevice
+from agent.resync import Resync
 from agent.revocation import Revocations
 from agent.server import Peer
 from agent.warm import WarmPool
@@ -54,6 +55,8 @@ class AgentService:
         self.leftovers = self.memory.leftovers
         self.revocations = Revocations(link, self.held, self.memory, self.admission)
         link.heartbeat_state = self.revocations  # what each heartbeat reports
+        self.resync = Resync(host, link, self.held, self.memory)
+        link.resync = self.resync  # reconciliation after a failed exchange
 
     # --- the agent's life (agent/run.py) -----------------------------------------------
     @property
@@ -156,29 +159,34 @@ class AgentService:
             except BaseException:
                 self.memory.never_handed_out(memory)
                 raise
-            memory = self.memory.fitting(memory, lease)
         else:
             lease = self.admission.grant(req, args.wait_s)
-        if memory is None:
-            memory = self.memory.materialise_placed(lease, shrinkable=args.shrinkable)
-        held = HeldLease(
-            lease=lease,
-            memory=memory,
-            holder_uid=peer.uid,
-            holder_pid=peer.pid,
-            conn_id=peer.connection_id,
-            ttl_s=lease.ttl_s,
-            expires_at=lease.expires_at,
-            page_size_bytes=memory.page_size_bytes,
-            holder=Holder.of(peer.pid, peer.uid),
-            sub_device=memory.sub_device,
-            region_id=memory.dax_region_id,
-            # What the tenant is told is checked on the fd, not assumed from the request.
-            shrinkable=args.shrinkable and memory.can_shrink(),
-        )
-        # Journalled before the fd leaves: a crash after this point is re-adopted.
-        self.held.record(held)
-        self.held.add(held)
+        try:
+            if memory is not None:
+                memory = self.memory.fitting(memory, lease)
+            if memory is None:
+                memory = self.memory.materialise_placed(lease, shrinkable=args.shrinkable)
+            held = HeldLease(
+                lease=lease,
+                memory=memory,
+                holder_uid=peer.uid,
+                holder_pid=peer.pid,
+                conn_id=peer.connection_id,
+                ttl_s=lease.ttl_s,
+                expires_at=lease.expires_at,
+                page_size_bytes=memory.page_size_bytes,
+                holder=Holder.of(peer.pid, peer.uid),
+                sub_device=memory.sub_device,
+                region_id=memory.dax_region_id,
+                # What the tenant is told is checked on the fd, not assumed from the request.
+                shrinkable=args.shrinkable and memory.can_shrink(),
+            )
+            # Journalled before the fd leaves: a crash after this point is re-adopted.
+            self.held.record(held)
+            self.held.add(held)
+        finally:
+            # Held now, or aborted on the way: reconciliation may judge the lease from here.
+            self.link.settled(lease.id)
         log.info(
             "lease %s: %d bytes on %s for uid %d pid %d",
             lease.id,
