@@ -111,7 +111,7 @@ def start_agent(
     work_dir: Path,
     *,
     host: str,
-    poold_url: str,
+    poold_url: str | list[str],
     credential_file: Path,
     socket_path: Path,
     emulated_capacity_bytes: int | None = None,
@@ -126,8 +126,12 @@ def start_agent(
         "serve",
         "--host",
         host,
-        "--poold-url",
-        poold_url,
+        # Several poold processes (one ledger): the agent fails over between them in order.
+        *(
+            arg
+            for url in ([poold_url] if isinstance(poold_url, str) else poold_url)
+            for arg in ("--poold-url", url)
+        ),
         "--credential-file",
         str(credential_file),
         "--socket",
