@@ -176,3 +176,13 @@ def any_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Clus
         yield from _start(tmp_path, server.url(name))
     finally:
         conftest.drop_pg_database(server, name)
+
+
+@pytest.fixture
+def pg_cluster(pg_server: pg.PgServer, tmp_path: Path) -> Iterator[Cluster]:
+    """The cluster on PostgreSQL only: where several poold processes share one ledger."""
+    name = conftest.new_pg_database(pg_server, None)
+    try:
+        yield from _start(tmp_path, pg_server.url(name))
+    finally:
+        conftest.drop_pg_database(pg_server, name)
