@@ -96,6 +96,7 @@ def show_in(conn: Connection, lease_id: str) -> LeaseOut:
 
 
 def show(ledger: Ledger, lease_id: str) -> LeaseOut:
+    """One lease by id, or `unknown_lease`."""
     with ledger.read() as session:
         return show_in(session.connection(), lease_id)
 
