@@ -10,19 +10,21 @@
   deadline is kept in the `device.drain` / `host.drain` event, the journal of
   the drain; undraining cancels it. A device drain always has a deadline; a host
   drain may have none, and then its leases run to their end.
-* A device's drain and undrain bump its generation with a compare-and-swap, as a
-  grant does: a grant that read the device before the drain committed then
-  fails its own swap and reads `draining` (STYLE.md pattern 1).
+* A drain and an undrain bump the target's generation (a device's or a host's)
+  with a compare-and-swap, as a grant does: a grant that read the target before
+  the drain committed then fails its own swap and reads `draining` (STYLE.md
+  pattern 1).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, func, select, update
+from sqlalchemy import Connection, func, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from poold.errors import (
@@ -77,41 +79,50 @@ def confirm_revoked(
     now = utcnow()
     for lease_id in lease_ids:
         try:
-            with ledger.write() as s:
-                conn = s.connection()
-                row = conn.execute(
-                    select(Lease.state, Lease.host_id, Device.kind, Host.name)
-                    .join(Device, Device.id == Lease.device_id)
-                    .join(Host, Host.id == Lease.host_id)
-                    .where(Lease.id == lease_id)
-                ).one_or_none()
-                if row is None:
-                    raise UnknownLease(f"no lease {lease_id!r}", lease_id=lease_id)
-                if row.name != host_name:
-                    raise NotOwner(
-                        f"lease {lease_id} is not held on host {host_name!r}", lease_id=lease_id
-                    )
-                if row.state != LeaseState.REVOKING.value:
-                    raise InvalidTransition(
-                        f"lease {lease_id} is {row.state}, not revoking", state=row.state
-                    )
-                event = reclaim_event(row.kind)
-                after = next_state(LeaseState.REVOKING, event)
-                moved = transitions.move_if(
-                    conn,
-                    lease_id,
-                    LeaseState.REVOKING,
-                    event,
-                    actor=actor,
-                    reason="revocation confirmed by the agent",
-                    now=now,
-                )
+            moved, after = transitions.retrying(
+                functools.partial(_confirm_one, ledger, host_name, lease_id, actor, now),
+                what=f"confirmation of {lease_id}",
+            )
             if not moved:
                 raise GenerationConflict(f"lease {lease_id} changed state meanwhile")
             results.append(LeaseOpResult(lease_id=lease_id, state=after.value))
         except PoolError as err:
             results.append(LeaseOpResult(lease_id=lease_id, code=err.code, message=err.message))
     return results
+
+
+def _confirm_one(
+    ledger: Ledger, host_name: str, lease_id: str, actor: str, now: datetime
+) -> tuple[bool, LeaseState]:
+    """One confirmation in its own transaction: whether it moved the lease, and to what."""
+    with ledger.write() as s:
+        conn = s.connection()
+        row = conn.execute(
+            select(Lease.state, Lease.host_id, Device.kind, Host.name)
+            .join(Device, Device.id == Lease.device_id)
+            .join(Host, Host.id == Lease.host_id)
+            .where(Lease.id == lease_id)
+        ).one_or_none()
+        if row is None:
+            raise UnknownLease(f"no lease {lease_id!r}", lease_id=lease_id)
+        if row.name != host_name:
+            raise NotOwner(f"lease {lease_id} is not held on host {host_name!r}", lease_id=lease_id)
+        if row.state != LeaseState.REVOKING.value:
+            raise InvalidTransition(
+                f"lease {lease_id} is {row.state}, not revoking", state=row.state
+            )
+        event = reclaim_event(row.kind)
+        after = next_state(LeaseState.REVOKING, event)
+        moved = transitions.move_if(
+            conn,
+            lease_id,
+            LeaseState.REVOKING,
+            event,
+            actor=actor,
+            reason="revocation confirmed by the agent",
+            now=now,
+        )
+    return moved, after
 
 
 # --- draining ---------------------------------------------------------------------------
@@ -123,7 +134,7 @@ class _Found:
 
     id: int
     state: str
-    generation: int | None  # None: the target has no generation (a host)
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -152,7 +163,6 @@ def _find_device(session: Session, uid: str) -> _Found:
 def _set_device_state(conn: Connection, found: _Found, state: str, now: datetime) -> bool:
     # The state change rides on the generation swap: it is applied only if no grant
     # (or other drain) moved the device since it was read.
-    assert found.generation is not None
     return transitions.compare_and_bump(
         conn, Device, found.id, found.generation, state=state, updated_at=now
     )
@@ -160,13 +170,13 @@ def _set_device_state(conn: Connection, found: _Found, state: str, now: datetime
 
 def _find_host(session: Session, name: str) -> _Found:
     host = hosts.get_by_name(session, name)
-    return _Found(host.id, host.status, None)
+    return _Found(host.id, host.status, host.generation)
 
 
 def _set_host_status(conn: Connection, found: _Found, status: str, _now: datetime) -> bool:
-    # Hosts have no generation: a grant reads the status and refuses a draining host.
-    conn.execute(update(Host).where(Host.id == found.id).values(status=status))
-    return True
+    # As for a device: every grant on the host swaps its generation, so a grant
+    # that read it `up` before this committed loses its swap and reads `draining`.
+    return transitions.compare_and_bump(conn, Host, found.id, found.generation, status=status)
 
 
 _DEVICE = _Kind(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ScalarSelect, func, select, update
+from sqlalchemy import ScalarSelect, func, select
 from sqlalchemy.orm import Session
 
 from poold import extents, pressure
@@ -137,10 +137,11 @@ def _leases(session: Session, lease_ids: Sequence[str]) -> dict[str, Lease]:
     object this session loaded before them would otherwise keep its old state.
     """
     out: dict[str, Lease] = {}
-    for chunk in transitions.chunks(lease_ids):
+    for chunk in transitions.chunks(transitions.lock_order(lease_ids)):
         stmt = (
             select(Lease)
             .where(Lease.id.in_(chunk))
+            .order_by(Lease.id)  # lock order (transitions.py)
             .with_for_update()
             .execution_options(populate_existing=True)
         )
@@ -295,10 +296,10 @@ def shrink_hints(
 
 def _clear_shrink_requests(session: Session, host: Host) -> None:
     """Pressure is off for this host: drop its leases' pending requests and deadlines."""
-    session.execute(
-        update(Lease)
-        .where(Lease.host_id == host.id, Lease.shrink_deadline_at.is_not(None))
-        .values(shrink_wanted_bytes=None, shrink_deadline_at=None)
+    transitions.update_leases(
+        session,
+        (Lease.host_id == host.id, Lease.shrink_deadline_at.is_not(None)),
+        {"shrink_wanted_bytes": None, "shrink_deadline_at": None},
     )
 
 
@@ -322,17 +323,16 @@ def held_but_ended(session: Session, host: Host, held: list[str]) -> list[str]:
 def hold_revoked(session: Session, host: Host, lease_ids: list[str], now: datetime) -> None:
     """Keep revoked-but-still-mapped memfd leases from being reclaimed under their holder."""
     until = now + timedelta(seconds=REVOKED_HELD_EXTENSION_S)
-    for chunk in transitions.chunks(lease_ids):
-        session.execute(
-            update(Lease)
-            .where(
+    for chunk in transitions.chunks(transitions.lock_order(lease_ids)):
+        transitions.update_leases(
+            session,
+            (
                 Lease.id.in_(chunk),
                 Lease.host_id == host.id,
                 Lease.state == LeaseState.REVOKING.value,
                 Lease.expires_at < until,
-            )
-            .values(expires_at=until)
-            .execution_options(synchronize_session=False)
+            ),
+            {"expires_at": until},
         )
 
 
@@ -489,26 +489,34 @@ def receive_heartbeat(
     pressure_watermark: float = pressure.DEFAULT_WATERMARK,
     shrink_deadline_s: float = pressure.DEFAULT_DEADLINE_S,
 ) -> HeartbeatReply:
-    """One heartbeat (or the agent's first, `register`, journalled) in one transaction."""
-    with ledger.write() as session:
-        host = hosts.get_by_name(session, host_name)
-        if register:
-            transitions.record(
+    """One heartbeat (or the agent's first, `register`, journalled) in one transaction.
+
+    Run again from the start if the database aborts it (a deadlock with a batch
+    or the reaper): nothing of the aborted attempt committed.
+    """
+
+    def attempt() -> HeartbeatReply:
+        with ledger.write() as session:
+            host = hosts.get_by_name(session, host_name)
+            if register:
+                transitions.record(
+                    session,
+                    transitions.event_row(
+                        actor=actor,
+                        kind="host.register",
+                        host_id=host.id,
+                        detail={
+                            "agent_version": beat.agent_version,
+                            "devices": len(beat.inventory or []),
+                        },
+                    ),
+                )
+            return heartbeat(
                 session,
-                transitions.event_row(
-                    actor=actor,
-                    kind="host.register",
-                    host_id=host.id,
-                    detail={
-                        "agent_version": beat.agent_version,
-                        "devices": len(beat.inventory or []),
-                    },
-                ),
+                host,
+                beat,
+                pressure_watermark=pressure_watermark,
+                shrink_deadline_s=shrink_deadline_s,
             )
-        return heartbeat(
-            session,
-            host,
-            beat,
-            pressure_watermark=pressure_watermark,
-            shrink_deadline_s=shrink_deadline_s,
-        )
+
+    return transitions.retrying(attempt, what=f"heartbeat of {host_name}")

@@ -6,9 +6,26 @@ it still has the value read. A zero-row update means another writer changed
 the device or the tenant in between, so what we read (free extents, quota
 use) may be stale: roll back and start over in a fresh transaction.
 
+A host is part of the swap too: its drain bumps `hosts.generation`, so a grant
+that read the host `up` just before the drain committed loses and reads it
+`draining`. The swaps go host, device, tenant: the heartbeat (which writes the
+host row and then, with an inventory, its devices) takes them in the same order.
+
 Every state change is `transitions.move_if`; what a lease looks like from
 outside is poold/ledger/lease_views.py. Core statements only: these run for
 every lease a tenant takes.
+
+Each entry point is one transaction run by `transitions.retrying`: a lost race,
+a deadlock or a serialisation failure runs it again from a fresh read. Leases
+are locked in id order (`transitions.lock_order`) wherever one transaction
+touches several.
+
+Idempotency (poold/ledger/agent_requests.py): a grant or an op batch that carries
+a request id stores its answer in its own transaction, and a retry of that id
+from the same host gets the stored answer. A grant's `pending` ops are applied
+first in their own transaction and are not remembered under the grant's id: every
+op is a conditional transition from one state, so a replay is refused and changes
+nothing, and a grant does not return their results.
 """
 
 from __future__ import annotations
@@ -36,7 +53,7 @@ from poold.errors import (
 )
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATES_SQL, LeaseEvent, LeaseState, next_state
-from poold.ledger import lease_views, tenants, transitions
+from poold.ledger import agent_requests, lease_views, tenants, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine, Tenant
 from poold.ledger.transitions import event_row
@@ -48,7 +65,7 @@ from poold.wire.common import LeaseOut
 # microseconds of Python each time, and a grant runs about ten of them.
 _LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
 _HOST_ID = select(Host.id).where(Host.name == bindparam("host_name"))
-_HOST_STATUS = select(Host.status).where(Host.id == bindparam("host_id"))
+_HOST_STATUS = select(Host.status, Host.generation).where(Host.id == bindparam("host_id"))
 _TENANT_USAGE = select(func.coalesce(func.sum(Lease.length_bytes), 0), func.count(Lease.id)).where(
     Lease.tenant_id == bindparam("tenant_id"), _LIVE_SQL
 )
@@ -96,8 +113,11 @@ _HELD_COLUMNS = (
     Lease.length_bytes,
 )
 _LEASE_FOR_OP = select(*_HELD_COLUMNS).where(Lease.id == bindparam("lease_id"))
+# ORDER BY id: PostgreSQL locks the rows in the order it returns them (lock order).
 _LEASES_FOR_UPDATE = (
-    select(*_HELD_COLUMNS).where(Lease.id.in_(bindparam("lease_ids", expanding=True)))
+    select(*_HELD_COLUMNS)
+    .where(Lease.id.in_(bindparam("lease_ids", expanding=True)))
+    .order_by(Lease.id)
 ).with_for_update()
 _RENEW = (
     update(Lease)
@@ -155,16 +175,30 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Leas
         },
     )
     if req.pending:
+        # Not under the grant's request id: see the module docstring.
         apply_ops(ledger, host_name, req.pending, actor)
+    request_id = req.request_id
 
     def attempt() -> LeaseOut:
         try:
             with ledger.write_conn() as conn:
-                return _grant_once(ledger, conn, host_name, req, actor)
+                if request_id is None:
+                    return _grant_once(ledger, conn, host_name, req, actor)
+                host_id = _host_id(ledger, conn, host_name)
+                stored = agent_requests.recall(conn, host_id, request_id, agent_requests.GRANT)
+                if stored is not None:
+                    return LeaseOut.model_validate(stored)
+                out = _grant_once(ledger, conn, host_name, req, actor)
+                agent_requests.remember(
+                    conn, host_id, request_id, agent_requests.GRANT, out.model_dump(mode="json")
+                )
+                return out
         except IntegrityError as exc:
             # PostgreSQL's exclusion constraint caught an overlap a racing
             # writer created; it is the same situation as a generation miss.
-            if "ex_leases_no_overlap" not in str(exc.orig):
+            # A concurrent run of the same request id committed first: the
+            # rerun answers what it stored.
+            if "ex_leases_no_overlap" not in str(exc.orig) and not agent_requests.is_duplicate(exc):
                 raise
             raise transitions.LostRace from exc
 
@@ -178,7 +212,7 @@ def _grant_once(
     # and the reply built from values already in hand (measured: the ORM
     # version spent ~4 ms per grant in Python on the CI machine).
     host_id = _host_id(ledger, conn, host_name)
-    _refuse_if_host_draining(conn, host_id, host_name)
+    host_generation = _refuse_if_host_draining(conn, host_id, host_name)
     tenant = tenants.resolve(conn, req.tenant, req.uid, req.gids, host_name)
     usage = conn.execute(_TENANT_USAGE, {"tenant_id": tenant.id}).one()
     # int(): PostgreSQL's SUM(bigint) is a numeric (Decimal), which would leak
@@ -252,7 +286,9 @@ def _grant_once(
     # commits. Inserting first lets two grants of the same range both reach
     # the exclusion constraint, where each waits for the other: a deadlock
     # PostgreSQL only breaks after deadlock_timeout (1 s), again every round.
+    # The host first, as the heartbeat locks it before the devices.
     for model, row_id, seen in (
+        (Host, host_id, host_generation),
         (Device, dev.device_id, dev.generation),
         (Tenant, tenant.id, tenant.generation),
     ):
@@ -304,14 +340,17 @@ def _grant_once(
     )
 
 
-def _refuse_if_host_draining(conn: Connection, host_id: int, host_name: str) -> None:
-    """A draining host (`poolctl hosts drain`) keeps its leases but gets no new ones."""
-    if conn.execute(_HOST_STATUS, {"host_id": host_id}).scalar() == "draining":
+def _refuse_if_host_draining(conn: Connection, host_id: int, host_name: str) -> int:
+    """A draining host (`poolctl hosts drain`) keeps its leases but gets no new ones; the
+    host's generation this grant read (it swaps it, so a drain in between is noticed)."""
+    status, generation = conn.execute(_HOST_STATUS, {"host_id": host_id}).one()
+    if status == "draining":
         raise NoCapacity(
             f"host {host_name!r} is draining: no new leases are placed on it",
             host=host_name,
             host_status="draining",
         )
+    return int(generation)
 
 
 def _candidates(
@@ -356,33 +395,78 @@ def _candidates(
 
 
 def apply_ops(
-    ledger: Ledger, host_name: str, ops: Sequence[LeaseOp], actor: str
+    ledger: Ledger,
+    host_name: str,
+    ops: Sequence[LeaseOp],
+    actor: str,
+    *,
+    request_id: str | None = None,
 ) -> list[LeaseOpResult]:
     """Apply an agent's queued transitions in one transaction; each may fail on its own.
 
     A refused op (the lease expired meanwhile, an admin already released it)
-    is reported back and changes nothing, so replaying an outbox is safe.
+    is reported back and changes nothing, so replaying an outbox is safe. With a
+    `request_id`, a retry of the batch gets the first answer instead.
     Core statements only: releases ride on every grant of the hot path.
+
+    The ops are applied in lease id order (stable: several ops of one lease keep
+    theirs), so that two batches, or a batch and the reaper, lock shared leases
+    in one order; each op reads and writes only its own lease, so the order of
+    ops on different leases does not change what they do. Results come back in
+    the order of `ops`.
     """
     if not ops:
         return []
-    results: list[LeaseOpResult] = []
-    with ledger.write_conn() as conn:
-        host_id = _host_id(ledger, conn, host_name)
-        now = utcnow()
-        freed: set[int] = set()
-        for op in ops:
-            try:
-                results.append(_apply_op(conn, host_id, host_name, op, now, actor, freed))
-            except PoolError as err:
-                results.append(
-                    LeaseOpResult(lease_id=op.lease_id, code=err.code, message=err.message)
-                )
-        # One bump per device however many of its leases ended; in id order, so
-        # that two batches freeing the same devices lock them in the same order.
-        for device_id in sorted(freed):
-            transitions.bump(conn, Device, device_id)
-    return results
+    order = sorted(range(len(ops)), key=lambda i: ops[i].lease_id)
+
+    def attempt() -> list[LeaseOpResult]:
+        try:
+            with ledger.write_conn() as conn:
+                host_id = _host_id(ledger, conn, host_name)
+                if request_id is not None:
+                    stored = agent_requests.recall(conn, host_id, request_id, agent_requests.OPS)
+                    if stored is not None:
+                        return [LeaseOpResult.model_validate(x) for x in stored]
+                results = _apply_batch(conn, host_id, host_name, ops, order, actor)
+                if request_id is not None:
+                    agent_requests.remember(
+                        conn,
+                        host_id,
+                        request_id,
+                        agent_requests.OPS,
+                        [r.model_dump(mode="json") for r in results],
+                    )
+                return results
+        except IntegrityError as exc:
+            if not agent_requests.is_duplicate(exc):
+                raise
+            raise transitions.LostRace from exc  # the rerun answers what the winner stored
+
+    return transitions.retrying(attempt, what="op batch")
+
+
+def _apply_batch(
+    conn: Connection,
+    host_id: int,
+    host_name: str,
+    ops: Sequence[LeaseOp],
+    order: Sequence[int],
+    actor: str,
+) -> list[LeaseOpResult]:
+    now = utcnow()
+    freed: set[int] = set()
+    results: list[LeaseOpResult | None] = [None] * len(ops)
+    for i in order:
+        op = ops[i]
+        try:
+            results[i] = _apply_op(conn, host_id, host_name, op, now, actor, freed)
+        except PoolError as err:
+            results[i] = LeaseOpResult(lease_id=op.lease_id, code=err.code, message=err.message)
+    # One bump per device however many of its leases ended; in id order, so
+    # that two batches freeing the same devices lock them in the same order.
+    for device_id in sorted(freed):
+        transitions.bump(conn, Device, device_id)
+    return [r for r in results if r is not None]
 
 
 def _apply_op(
@@ -512,7 +596,7 @@ def _shrink(conn: Connection, op: LeaseOp, lease: _Held, now: datetime, actor: s
 def _lock(conn: Connection, lease_ids: Sequence[str]) -> dict[str, _Held]:
     """Leases by id, row-locked until the transaction ends (a heartbeat renews many at once)."""
     out: dict[str, _Held] = {}
-    for chunk in transitions.chunks(sorted(set(lease_ids))):
+    for chunk in transitions.chunks(transitions.lock_order(lease_ids)):
         for row in conn.execute(_LEASES_FOR_UPDATE, {"lease_ids": list(chunk)}):
             out[row.id] = _Held(**row._mapping)
     return out
@@ -581,20 +665,24 @@ def _expire_if_due(conn: Connection, lease: _Held, now: datetime) -> None:
 
 def activate(ledger: Ledger, host_name: str, lease_id: str, actor: str) -> LeaseOut:
     """The agent made the memory of a granted lease: granted → active, its ttl from now."""
-    with ledger.write_conn() as conn:
-        host_id = _host_id(ledger, conn, host_name)
-        lease = _lock_one(conn, lease_id)
-        _owned_by_host(lease, host_id, host_name)
-        now = utcnow()
-        _move(
-            conn,
-            lease,
-            LeaseEvent.ACTIVATE,
-            actor,
-            now,
-            values={"activated_at": now, "expires_at": now + timedelta(seconds=lease.ttl_s)},
-        )
-        return lease_views.show_in(conn, lease_id)
+
+    def attempt() -> LeaseOut:
+        with ledger.write_conn() as conn:
+            host_id = _host_id(ledger, conn, host_name)
+            lease = _lock_one(conn, lease_id)
+            _owned_by_host(lease, host_id, host_name)
+            now = utcnow()
+            _move(
+                conn,
+                lease,
+                LeaseEvent.ACTIVATE,
+                actor,
+                now,
+                values={"activated_at": now, "expires_at": now + timedelta(seconds=lease.ttl_s)},
+            )
+            return lease_views.show_in(conn, lease_id)
+
+    return transitions.retrying(attempt, what=f"activation of {lease_id}")
 
 
 def _renew(
@@ -655,21 +743,25 @@ def renew_all(
 
 def renew(ledger: Ledger, host_name: str, lease_id: str, ttl_s: int | None) -> LeaseOut:
     """Extend a held lease by `ttl_s` (or its own ttl) from now."""
-    now = utcnow()
-    refused: LeaseNotActive | None = None
-    with ledger.write_conn() as conn:
-        host_id = _host_id(ledger, conn, host_name)
-        held = _lock(conn, [lease_id])
-        try:
-            _renew(conn, held, host_id, host_name, lease_id, ttl_s, now)
-        except LeaseNotActive as err:
-            # Commit what lazy expiry found (and journalled) before refusing:
-            # rolling it back would leave a lease past its ttl looking active.
-            refused = err
-        else:
-            _store_renewals(conn, held)
-            return lease_views.show_in(conn, lease_id)
-    raise refused
+
+    def attempt() -> LeaseOut:
+        now = utcnow()
+        refused: LeaseNotActive | None = None
+        with ledger.write_conn() as conn:
+            host_id = _host_id(ledger, conn, host_name)
+            held = _lock(conn, [lease_id])
+            try:
+                _renew(conn, held, host_id, host_name, lease_id, ttl_s, now)
+            except LeaseNotActive as err:
+                # Commit what lazy expiry found (and journalled) before refusing:
+                # rolling it back would leave a lease past its ttl looking active.
+                refused = err
+            else:
+                _store_renewals(conn, held)
+                return lease_views.show_in(conn, lease_id)
+        raise refused
+
+    return transitions.retrying(attempt, what=f"renewal of {lease_id}")
 
 
 def end(
@@ -681,18 +773,22 @@ def end(
     host_name: str | None = None,
 ) -> LeaseOut:
     """Release, abort or reclaim a lease; `host_name` set means an agent asks for its own."""
-    refused: LeaseNotActive | None = None
-    with ledger.write_conn() as conn:
-        lease = _lock_one(conn, lease_id)
-        if host_name is not None:
-            _owned_by_host(lease, _host_id(ledger, conn, host_name), host_name)
-        now = utcnow()
-        if event in (LeaseEvent.RELEASE, LeaseEvent.RELEASE_DIRTY):
-            _expire_if_due(conn, lease, now)
-        try:
-            _move(conn, lease, event, actor, now, reason)
-        except LeaseNotActive as err:
-            refused = err  # keep a lazy expiry, as renew() does
-        else:
-            return lease_views.show_in(conn, lease_id)
-    raise refused
+
+    def attempt() -> LeaseOut:
+        refused: LeaseNotActive | None = None
+        with ledger.write_conn() as conn:
+            lease = _lock_one(conn, lease_id)
+            if host_name is not None:
+                _owned_by_host(lease, _host_id(ledger, conn, host_name), host_name)
+            now = utcnow()
+            if event in (LeaseEvent.RELEASE, LeaseEvent.RELEASE_DIRTY):
+                _expire_if_due(conn, lease, now)
+            try:
+                _move(conn, lease, event, actor, now, reason)
+            except LeaseNotActive as err:
+                refused = err  # keep a lazy expiry, as renew() does
+            else:
+                return lease_views.show_in(conn, lease_id)
+        raise refused
+
+    return transitions.retrying(attempt, what=f"{event.value} of {lease_id}")

@@ -67,6 +67,9 @@ class Host(Base):
     # (agent_reports.stored_report).
     agent_leases: Mapped[list[Any] | dict[str, Any] | None] = mapped_column(JSON)
     agent_leases_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # Bumped by a drain and an undrain, swapped by every grant placed on the host: a
+    # grant that read the host `up` before a drain committed loses its swap (pattern 1).
+    generation: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class Device(Base):
@@ -249,3 +252,24 @@ class AuditRun(Base):
     reclaim: Mapped[bool] = mapped_column(Boolean, default=False)
     exit_code: Mapped[int | None] = mapped_column(Integer)
     findings: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class AgentRequest(Base):
+    """The answer poold gave to one request an agent named (a grant, an op batch).
+
+    Written in the transaction of the change it answers, so a retry of the same
+    request id from the same host gets this answer instead of a second change.
+    The reaper forgets rows older than its retention (ReaperPolicy).
+    """
+
+    __tablename__ = "agent_requests"
+    __table_args__ = (
+        UniqueConstraint("host_id", "request_id", name="uq_agent_requests_host_request"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id", ondelete="CASCADE"))
+    request_id: Mapped[str] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(16))  # "grant" / "ops"
+    response: Mapped[list[Any] | dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)

@@ -53,8 +53,9 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
+from poold.errors import LedgerUnavailable
 from poold.lease_states import LeaseEvent, LeaseState
-from poold.ledger import transitions
+from poold.ledger import agent_requests, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Event, Host, Lease
 from poold.ledger.types import utcnow
@@ -80,6 +81,10 @@ class ReaperPolicy:
     host_down_after_s: float = 60.0
     host_silent_after_s: float = 10.0
     host_silent_grace_s: float = 300.0
+    # How long an answered agent request id is remembered (a retry of it gets the
+    # first answer). Not a PooldSettings field yet: agents retry for seconds, an hour
+    # is ample.
+    request_retention_s: float = 3600.0
 
     @classmethod
     def from_settings(cls, settings: PooldSettings) -> ReaperPolicy:
@@ -187,6 +192,7 @@ class Reaper:
         self._revoke_drained(now, result)
         self._revoke_unshrunk(now, result)
         self._reclaim(due, now, result)
+        self._forget_requests(now)
         return result
 
     # --- steps ---------------------------------------------------------------
@@ -215,41 +221,41 @@ class Reaper:
                 )
             ).all()
         for host_id, name in stale:
-            with self.ledger.write() as s:
-                changed = s.execute(
-                    update(Host)
-                    .where(Host.id == host_id, Host.status == "up", Host.last_heartbeat_at < cutoff)
-                    .values(status="down")
-                ).rowcount  # type: ignore[attr-defined]
-                if changed == 1:
-                    transitions.record(
-                        s,
-                        transitions.event_row(
-                            at=now,
-                            actor=ACTOR,
-                            kind="host.down",
-                            host_id=host_id,
-                            reason=f"no heartbeat for {self.policy.host_down_after_s:g}s",
-                        ),
-                    )
-                    result.hosts_down.append(name)
-                    log.warning("host %s marked down: no heartbeat since %s", name, cutoff)
+
+            def attempt(host_id: int = host_id) -> bool:
+                with self.ledger.write() as s:
+                    changed = s.execute(
+                        update(Host)
+                        .where(
+                            Host.id == host_id,
+                            Host.status == "up",
+                            Host.last_heartbeat_at < cutoff,
+                        )
+                        .values(status="down")
+                    ).rowcount  # type: ignore[attr-defined]
+                    if changed == 1:
+                        transitions.record(
+                            s,
+                            transitions.event_row(
+                                at=now,
+                                actor=ACTOR,
+                                kind="host.down",
+                                host_id=host_id,
+                                reason=f"no heartbeat for {self.policy.host_down_after_s:g}s",
+                            ),
+                        )
+                    return bool(changed == 1)
+
+            if transitions.retrying(attempt, what=f"marking host {name} down"):
+                result.hosts_down.append(name)
+                log.warning("host %s marked down: no heartbeat since %s", name, cutoff)
 
     def _hold(self, contacts: dict[int, HostContact], now: datetime, result: ReapResult) -> None:
         until = now + timedelta(seconds=self.policy.host_silent_after_s)
         for contact in contacts.values():
             if contact.in_contact or contact.silence_s >= self.policy.host_silent_grace_s:
                 continue
-            with self.ledger.write() as s:
-                held = s.execute(
-                    update(Lease)
-                    .where(
-                        Lease.host_id == contact.host_id,
-                        Lease.state == LeaseState.ACTIVE.value,
-                        Lease.expires_at < until,
-                    )
-                    .values(expires_at=until)
-                ).rowcount  # type: ignore[attr-defined]
+            held = self.hold_host(contact.host_id, until)
             if held:
                 log.info(
                     "host %s out of contact for %.0fs: held %d lease(s)",
@@ -258,6 +264,30 @@ class Reaper:
                     held,
                 )
             result.held += int(held)
+
+    def hold_host(self, host_id: int, until: datetime) -> int:
+        """Push every active lease of the host expiring before `until` to `until`, in one
+        transaction, locking them in id order; how many it pushed."""
+
+        def attempt() -> int:
+            with self.ledger.write() as s:
+                return transitions.update_leases(
+                    s,
+                    (
+                        Lease.host_id == host_id,
+                        Lease.state == LeaseState.ACTIVE.value,
+                        Lease.expires_at < until,
+                    ),
+                    {"expires_at": until},
+                )
+
+        return transitions.retrying(attempt, what=f"holding the leases of host {host_id}")
+
+    def _forget_requests(self, now: datetime) -> None:
+        cutoff = now - timedelta(seconds=self.policy.request_retention_s)
+        forgotten = agent_requests.forget_older_than(self.ledger, cutoff, limit=BATCH)
+        if forgotten:
+            log.debug("forgot %d agent request id(s) older than %s", forgotten, cutoff)
 
     def _due(self, now: datetime) -> dict[str, list[Any]]:
         """Every lease some clock may have ended, by state, in one scan of `leases`.
@@ -426,17 +456,22 @@ class Reaper:
         now: datetime,
         where: Iterable[Any] = (),
     ) -> bool:
-        with self.ledger.write() as s:
-            moved = transitions.move_if(
-                s.connection(),
-                lease_id,
-                expected,
-                event,
-                actor=ACTOR,
-                reason=reason,
-                now=now,
-                where=tuple(where),
-            )
+        conditions = tuple(where)
+
+        def attempt() -> bool:
+            with self.ledger.write() as s:
+                return transitions.move_if(
+                    s.connection(),
+                    lease_id,
+                    expected,
+                    event,
+                    actor=ACTOR,
+                    reason=reason,
+                    now=now,
+                    where=conditions,
+                )
+
+        moved = transitions.retrying(attempt, what=f"{event.value} of {lease_id}")
         if moved:
             log.info("lease %s: %s (%s)", lease_id, event.value, reason)
         return moved
@@ -459,18 +494,22 @@ def revoke_in(
     or the reaper reclaims the lease when it passes.
     """
     deadline = now + timedelta(seconds=deadline_s)
-    with ledger.write() as s:
-        return transitions.move_if(
-            s.connection(),
-            lease_id,
-            state,
-            LeaseEvent.REVOKE,
-            actor=actor,
-            reason=reason,
-            now=now,
-            values={"expires_at": deadline},
-            detail={"deadline_at": deadline.isoformat()},
-        )
+
+    def attempt() -> bool:
+        with ledger.write() as s:
+            return transitions.move_if(
+                s.connection(),
+                lease_id,
+                state,
+                LeaseEvent.REVOKE,
+                actor=actor,
+                reason=reason,
+                now=now,
+                values={"expires_at": deadline},
+                detail={"deadline_at": deadline.isoformat()},
+            )
+
+    return transitions.retrying(attempt, what=f"revocation of {lease_id}")
 
 
 # A revocation reason, or how to word it from the lease's row (id, state, shrink_wanted_bytes).
@@ -489,8 +528,10 @@ def revoke_matching(
 ) -> list[str]:
     """Revoke every revocable lease matching ``where``, each in its own transaction; the ids
     revoked (a lease that changed state meanwhile is left as it is)."""
-    stmt = select(Lease.id, Lease.state, Lease.shrink_wanted_bytes).where(
-        *where, Lease.state.in_([st.value for st in REVOCABLE])
+    stmt = (
+        select(Lease.id, Lease.state, Lease.shrink_wanted_bytes)
+        .where(*where, Lease.state.in_([st.value for st in REVOCABLE]))
+        .order_by(Lease.id)  # lock order, though each revocation is its own transaction
     )
     with ledger.read() as s:
         rows = s.execute(stmt if limit is None else stmt.limit(limit)).all()
@@ -607,10 +648,22 @@ class ReaperThread:
             self._thread.join(timeout_s)
 
     def _loop(self) -> None:
+        failing = False
         while not self._stop.wait(self.interval_s):
             try:
                 self.reaper.run_once()
+            except LedgerUnavailable as err:
+                # The ledger is down (the Ledger logged the outage once): the pass is
+                # tried again next interval, without a traceback each time.
+                if not failing:
+                    log.warning("reaper passes stop until the ledger is back: %s", err.message)
+                failing = True
+                continue
             except Exception:
-                # A failed pass (database restarting, lock timeout) is retried next
-                # interval; the reaper thread must outlive it.
+                # A failed pass (a bug, a lock timeout) is retried next interval;
+                # the reaper thread must outlive it.
                 log.exception("reaper pass failed")
+                continue
+            if failing:
+                log.info("reaper passes resumed")
+                failing = False

@@ -15,6 +15,14 @@ Every ledger write that others race goes through here:
 * `record` and `event_row`: the one way an `events` row is written, in the
   caller's transaction so that it commits or rolls back with the change.
 * `chunks`: IN lists cut to a size SQLite accepts.
+* `retrying`: one whole transaction run again when it lost a race, or when the
+  database aborted it to resolve contention (a deadlock, a serialisation
+  failure, SQLite locked past its busy timeout): every ledger entry point that
+  writes runs through it, so contention never reaches a client as `internal`.
+
+Lock order: a transaction that locks several leases locks them by lease id
+(`lock_order`), and devices by device id after its leases; two writers that
+touch overlapping sets then queue instead of deadlocking.
 
 Core statements only: the grant and release hot paths call these.
 """
@@ -28,12 +36,13 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, CursorResult, bindparam, insert, select, update
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from poold.errors import GenerationConflict
+from poold.errors import GenerationConflict, LedgerUnavailable
 from poold.lease_states import LIVE_STATE_VALUES, LeaseEvent, LeaseState, next_state
-from poold.ledger.models import Device, Event, Lease, Tenant
+from poold.ledger.db import is_contention
+from poold.ledger.models import Device, Event, Host, Lease, Tenant
 from poold.ledger.types import utcnow
 
 T = TypeVar("T")
@@ -42,8 +51,14 @@ T = TypeVar("T")
 IN_CHUNK = 10_000
 MAX_ATTEMPTS = 16
 RETRY_BACKOFF_S = 0.002
+# A transaction the database aborted for contention runs at most this many times in
+# all; the pause before each rerun is random up to CONTENTION_BACKOFF_S * 2**n (capped):
+# a deadlock's two victims must not meet again at once.
+CONTENTION_ATTEMPTS = 6
+CONTENTION_BACKOFF_S = 0.01
+CONTENTION_BACKOFF_CAP_S = 0.5
 
-Generational = type[Device] | type[Tenant]
+Generational = type[Device] | type[Tenant] | type[Host]
 
 
 def chunks(items: Sequence[T], size: int = IN_CHUNK) -> Iterator[Sequence[T]]:
@@ -99,7 +114,7 @@ _SWAP = {
     model: update(model)
     .where(model.id == bindparam("row_id"), model.generation == bindparam("seen"))
     .values(generation=bindparam("next_generation"))
-    for model in (Device, Tenant)
+    for model in (Device, Tenant, Host)
 }
 # FOR NO KEY UPDATE (PostgreSQL): the lock an UPDATE of the row takes anyway, so
 # locking first adds no conflict (a grant's foreign key on the device still passes).
@@ -107,7 +122,7 @@ _LOCK = {
     model: select(model.generation)
     .where(model.id == bindparam("row_id"))
     .with_for_update(key_share=True)
-    for model in (Device, Tenant)
+    for model in (Device, Tenant, Host)
 }
 
 
@@ -151,25 +166,69 @@ def bump(conn: Connection, model: Generational, row_id: int) -> int:
 
 
 def retrying(run: Callable[[], T], *, what: str, attempts: int = MAX_ATTEMPTS) -> T:
-    """`run()` (one whole transaction) until it does not lose a race, a bounded number of times.
+    """`run()` (one whole transaction) until it neither loses a race nor is aborted for
+    contention, a bounded number of times.
 
     A stale generation met inside the ledger is retried here, never sent to the
-    client; only one that keeps losing becomes `generation_conflict` (409).
+    client; only one that keeps losing becomes `generation_conflict` (409). A
+    deadlock or serialisation failure (or SQLite's "database is locked") is retried
+    up to CONTENTION_ATTEMPTS times with a jittered, growing pause; past that it is
+    `ledger_unavailable` (503, retryable). Nothing of a failed attempt committed.
     """
-    for attempt in range(attempts):
-        if attempt:
-            # Writers that lost the same race retry at once and collide again;
-            # a short, growing, random pause spreads them out.
-            time.sleep(random.uniform(0, RETRY_BACKOFF_S * attempt))  # noqa: S311
+    lost = contended = 0
+    while True:
         try:
             return run()
         except LostRace:
-            continue
-        except OperationalError as exc:  # PostgreSQL: serialisation failure / deadlock
-            if "deadlock" not in str(exc.orig) and "could not serialize" not in str(exc.orig):
+            lost += 1
+            if lost >= attempts:
+                raise GenerationConflict(f"{what} lost {attempts} races in a row; retry") from None
+            # Writers that lost the same race retry at once and collide again;
+            # a short, growing, random pause spreads them out.
+            time.sleep(random.uniform(0, RETRY_BACKOFF_S * lost))  # noqa: S311
+        except (LedgerUnavailable, DBAPIError) as exc:
+            if not is_contention(exc):
                 raise
-            continue
-    raise GenerationConflict(f"{what} lost {attempts} races in a row; retry")
+            contended += 1
+            if contended >= CONTENTION_ATTEMPTS:
+                if isinstance(exc, LedgerUnavailable):
+                    raise
+                raise LedgerUnavailable(
+                    f"{what} was aborted by the database {contended} times in a row "
+                    "(deadlock or serialisation failure); retry",
+                    reason="contention",
+                ) from exc
+            pause = min(CONTENTION_BACKOFF_CAP_S, CONTENTION_BACKOFF_S * 2**contended)
+            time.sleep(random.uniform(0, pause))  # noqa: S311
+
+
+def lock_order(lease_ids: Iterable[str]) -> list[str]:
+    """The order in which one transaction locks several leases: by id, each once."""
+    return sorted(set(lease_ids))
+
+
+def update_leases(db: Connection | Session, where: Sequence[Any], values: dict[str, Any]) -> int:
+    """`UPDATE leases SET values WHERE where` for many leases, locking them in id order; how
+    many rows changed.
+
+    One UPDATE locks its rows in whatever order the plan visits them; a writer
+    locking some of the same leases in id order can then deadlock with it.
+    `SELECT … ORDER BY id FOR UPDATE` takes the locks in id order first (PostgreSQL;
+    SQLite has one writer and ignores FOR UPDATE), then the rows are updated in chunks.
+    """
+    ids = list(
+        db.execute(select(Lease.id).where(*where).order_by(Lease.id).with_for_update()).scalars()
+    )
+    changed = 0
+    for chunk in chunks(ids):
+        result = db.execute(
+            update(Lease)
+            .where(Lease.id.in_(chunk), *where)
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        )
+        changed += int(result.rowcount)  # type: ignore[attr-defined]
+    return changed
 
 
 # --- lease transitions -----------------------------------------------------------------
