@@ -1,4 +1,4 @@
-"""Do a device drain and a tenant quota cut fence out the grants racing them? On PostgreSQL.
+"""Do a device drain, a host drain and a tenant quota cut fence out racing grants? On PostgreSQL.
 
 Many threads grant leases, each grant its own transaction, while the main thread
 drains the device they land on, or cuts their tenant's quota to what it already
@@ -35,7 +35,7 @@ from sqlalchemy import select
 from poold.errors import PoolError
 from poold.ledger import admin_ops, leases, tenants
 from poold.ledger.db import Ledger
-from poold.ledger.models import Device, Lease, Tenant
+from poold.ledger.models import Device, Host, Lease, Tenant
 from poold.wire.admin import TenantUpdate
 from poold.wire.agent import GrantRequest
 from poold.wire.common import LeaseOut
@@ -115,7 +115,7 @@ def wait_for_grants(granted: list[LeaseOut], at_least: int) -> None:
     time.sleep(random.uniform(0, 0.01))  # noqa: S311
 
 
-def generation(ledger: Ledger, model: type[Device] | type[Tenant]) -> int:
+def generation(ledger: Ledger, model: type[Device] | type[Tenant] | type[Host]) -> int:
     with ledger.read() as s:
         return int(s.scalar(select(model.generation)) or 0)
 
@@ -191,3 +191,17 @@ def test_a_quota_cut_fences_out_racing_grants(ledger: Ledger) -> None:
         )
         assert gen_after == gen_before + len(granted) + 1, f"a bump was lost; {where}"
         assert late == set(), f"{len(late)} lease(s) granted after the cut committed; {where}"
+
+
+def test_a_host_drain_fences_out_racing_grants(ledger: Ledger) -> None:
+    skip_sqlite(ledger)
+    seeded(ledger)
+    for iteration in range(ITERATIONS):
+        if iteration:
+            admin_ops.drain_host(ledger, "h1", "admin", draining=False)
+        gen_before = generation(ledger, Host)
+        _, granted, late = race(ledger, lambda: admin_ops.drain_host(ledger, "h1", "admin"))
+        gen_after = generation(ledger, Host)
+        where = f"iteration {iteration}: host generation {gen_before} -> {gen_after}"
+        assert gen_after == gen_before + len(granted) + 1, f"a bump was lost; {where}"
+        assert late == set(), f"{len(late)} lease(s) granted after the drain committed; {where}"
