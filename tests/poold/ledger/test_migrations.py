@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,3 +78,48 @@ def test_postgres_exclusion_constraint_present(pg_server: pg.PgServer, pg_templa
     finally:
         engine.dispose()
         conftest.drop_pg_database(pg_server, name)
+
+
+def test_0006_gives_existing_hosts_a_generation_and_comes_off_cleanly(empty_url: str) -> None:
+    migrate.upgrade(empty_url, "0005")
+    engine = make_engine(empty_url)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO hosts (name, status, credential_hash, created_at) "
+                "VALUES ('old', 'up', 'digest', CURRENT_TIMESTAMP)"
+            )
+        migrate.upgrade(empty_url, "0006")
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT generation FROM hosts").scalar() == 0
+        assert "agent_requests" in inspect(engine).get_table_names()
+        migrate.downgrade(empty_url, "0005")
+        assert "agent_requests" not in inspect(engine).get_table_names()
+        assert "generation" not in {c["name"] for c in inspect(engine).get_columns("hosts")}
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT name FROM hosts").scalar() == "old"
+    finally:
+        engine.dispose()
+
+
+def test_many_upgrades_at_once_all_succeed(empty_url: str) -> None:
+    """Under the schema lock, racing upgrades queue; the later ones find nothing to do."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            migrate.upgrade(empty_url)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    engine = make_engine(empty_url)
+    try:
+        assert migrate.current_revision(engine) == migrate.head_revision(empty_url)
+    finally:
+        engine.dispose()
