@@ -24,14 +24,16 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import random
 import threading
 import time
 import uuid
+from collections import Counter
 from datetime import datetime
 from typing import Protocol
 
 from poold.api.client import PooldClient
-from poold.errors import LedgerUnavailable, PooldUnreachable, PoolError
+from poold.errors import GenerationConflict, LedgerUnavailable, PooldUnreachable, PoolError
 from poold.wire.agent import (
     AgentLease,
     AgentOps,
@@ -158,10 +160,12 @@ class PooldLink:
         # then the ops not in a batch yet.
         self._batches: list[AgentOps] = []
         self._outbox: list[LeaseOp] = []
-        # One op delivery (a flush or a grant carrying ops) at a time, so that ops reach
-        # poold in the order they were queued (a release_dirty before its scrubbed).
+        # Ops on their way (in a flush or riding on a grant), by lease: a lease's later
+        # ops wait until its earlier ones are delivered, so each lease's ops reach poold
+        # in order (a release_dirty before its scrubbed) while grants run side by side.
+        self._in_flight_ops: Counter[str] = Counter()
+        # One flush at a time (a caller's flush returns once what was queued is sent).
         self._deliver = threading.Lock()
-        self._in_delivery: list[LeaseOp] = []
         self._renewals: dict[str, int] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -246,20 +250,13 @@ class PooldLink:
         """
         if req.request_id is None:
             req = req.model_copy(update={"request_id": new_request_id()})
-        # Ops ride on the grant only when no other delivery runs and no failed batch waits:
-        # they must reach poold after those. A grant never waits for a delivery.
-        delivering = self._deliver.acquire(blocking=False)
-        pending: list[LeaseOp] = []
+        # The queued ops ride on the grant (a release just before it frees its bytes and
+        # quota in time), except those of leases with an op still on its way.
+        with self._lock:
+            pending = self._take_ops()
+            token = next(self._grant_tokens)
+            self._grants_in_flight.add(token)
         try:
-            if delivering:
-                with self._lock:
-                    if not self._batches:
-                        pending = self._outbox[:MAX_BATCH_OPS]
-                        del self._outbox[: len(pending)]
-                        self._in_delivery = pending
-            with self._lock:
-                token = next(self._grant_tokens)
-                self._grants_in_flight.add(token)
             try:
                 lease = self._grant_retrying(req.model_copy(update={"pending": pending}))
             except BaseException as err:
@@ -272,14 +269,13 @@ class PooldLink:
                 with self._lock:
                     self._unsettled.add(lease.id)
                 return lease
-            finally:
-                with self._lock:
-                    self._grants_in_flight.discard(token)
         finally:
-            if delivering:
-                with self._lock:
-                    self._in_delivery = []
-                self._deliver.release()
+            with self._lock:
+                self._grants_in_flight.discard(token)
+                self._delivered(pending)
+                held_back = bool(self._outbox)
+            if held_back:
+                self._wake.set()  # ops that waited for these go now
 
     def _grant_retrying(self, req: GrantRequest) -> LeaseOut:
         deadline = time.monotonic() + self.grant_patience_s
@@ -291,6 +287,16 @@ class PooldLink:
                 if backoff is None or time.monotonic() + backoff >= deadline:
                     raise
                 time.sleep(backoff)
+                continue
+            except GenerationConflict:
+                # Concurrent grants on one device lost their races in poold: nothing was
+                # made (a verdict, so a fresh id, and the pending ops were applied).
+                self.reachable = True
+                if backoff is None or time.monotonic() + backoff >= deadline:
+                    raise
+                req = req.model_copy(update={"request_id": new_request_id(), "pending": []})
+                # Jitter, so the racers spread out (not a secret: S311 does not apply).
+                time.sleep(random.uniform(0.01, 0.1))  # noqa: S311
                 continue
             except PoolError as err:
                 if _no_verdict(err):
@@ -320,10 +326,36 @@ class PooldLink:
     def queued_lease_ids(self) -> set[str]:
         """Leases with an op queued or on its way (reconciliation leaves them alone)."""
         with self._lock:
-            ops = [*self._in_delivery, *self._outbox]
+            ids = set(self._in_flight_ops) | {op.lease_id for op in self._outbox}
             for batch in self._batches:
-                ops.extend(batch.ops)
-        return {op.lease_id for op in ops}
+                ids.update(op.lease_id for op in batch.ops)
+        return ids
+
+    def _take_ops(self) -> list[LeaseOp]:
+        """The queued ops that may go now, marked on their way (call under the lock).
+
+        An op of a lease with an op on its way or in a failed batch stays queued, and so
+        does every later op of that lease: each lease's ops keep their order.
+        """
+        blocked = set(self._in_flight_ops)
+        for batch in self._batches:
+            blocked.update(op.lease_id for op in batch.ops)
+        taken: list[LeaseOp] = []
+        kept: list[LeaseOp] = []
+        for op in self._outbox:
+            if op.lease_id in blocked or len(taken) >= MAX_BATCH_OPS:
+                blocked.add(op.lease_id)
+                kept.append(op)
+            else:
+                taken.append(op)
+        self._outbox = kept
+        self._in_flight_ops.update(op.lease_id for op in taken)
+        return taken
+
+    def _delivered(self, ops: list[LeaseOp]) -> None:
+        """These ops are no longer on their way (sent, or back in line); under the lock."""
+        self._in_flight_ops.subtract(op.lease_id for op in ops)
+        self._in_flight_ops = +self._in_flight_ops  # drop the zeros
 
     def abort_now(self, lease_id: str, reason: str) -> None:
         try:
@@ -364,13 +396,12 @@ class PooldLink:
                 with self._lock:
                     if self._batches:
                         batch = self._batches.pop(0)
-                    elif self._outbox:
-                        ops = self._outbox[:MAX_BATCH_OPS]
-                        del self._outbox[: len(ops)]
-                        batch = AgentOps(ops=ops, request_id=new_request_id())
+                        self._in_flight_ops.update(op.lease_id for op in batch.ops)
                     else:
-                        return
-                    self._in_delivery = batch.ops
+                        ops = self._take_ops()
+                        if not ops:
+                            return  # nothing queued, or only ops waiting for a grant's
+                        batch = AgentOps(ops=ops, request_id=new_request_id())
                 try:
                     results = self.client.apply_ops(batch.ops, request_id=batch.request_id)
                 except PoolError as err:
@@ -389,9 +420,13 @@ class PooldLink:
                     if isinstance(err, PooldUnreachable):
                         return
                     raise
+                except BaseException:
+                    with self._lock:
+                        self._batches.insert(0, batch)  # a bug here loses no op either
+                    raise
                 finally:
                     with self._lock:
-                        self._in_delivery = []
+                        self._delivered(batch.ops)
                 self._answered()
                 for result in results:
                     if result.code is not None:

@@ -75,6 +75,8 @@ def run(config: AgentConfig) -> int:
             client.close()
             return 2
         log.warning("poold not reachable yet (%s); serving and retrying", exc.message)
+        # The reconcile above did not run: the first heartbeat poold answers does it.
+        service.resync.failed()
     server = AgentServer(
         config.socket_path,
         service,
