@@ -228,3 +228,10 @@ def from_wire(code: str, message: str, detail: dict[str, Any] | None = None) -> 
         err.code = code  # type: ignore[misc]  # keep an unknown server code visible to callers
         return err
     return cls(message, **(detail or {}))
+
+
+class BodyTooLarge(PoolError):
+    """A request body past poold's cap (`--max-body-bytes`): refused before it is read whole."""
+
+    code = "body_too_large"
+    http_status = 413
