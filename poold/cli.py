@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from poold.settings import DEFAULT_PORT, PooldSettings, default_state_dir
+from poold.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, PooldSettings, default_state_dir
 
 
 @click.group(invoke_without_command=True)
@@ -42,6 +42,14 @@ def main(ctx: click.Context) -> None:
     show_default=True,
     help="apply pending alembic migrations at start",
 )
+@click.option(
+    "--max-body-bytes",
+    envvar="POOLD_MAX_BODY_BYTES",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_BODY_BYTES,
+    show_default=True,
+    help="refuse request bodies past this many bytes (413), unread",
+)
 @click.option("--log-level", default="info", envvar="POOLD_LOG_LEVEL", show_default=True)
 def serve(
     state_dir: Path,
@@ -49,6 +57,7 @@ def serve(
     listen_host: str,
     port: int,
     upgrade_db: bool,
+    max_body_bytes: int,
     log_level: str,
 ) -> None:
     """Serve the poold HTTP API."""
@@ -64,6 +73,7 @@ def serve(
             listen_host=listen_host,
             listen_port=port,
             upgrade_db=upgrade_db,
+            max_body_bytes=max_body_bytes,
         )
     )
 

@@ -21,7 +21,9 @@ def serve(settings: PooldSettings) -> None:
     if settings.upgrade_db:
         migrate.upgrade(url)
     ledger = Ledger(url)
-    app = create_app(ledger, settings.resolved_admin_token())
+    app = create_app(
+        ledger, settings.resolved_admin_token(), max_body_bytes=settings.max_body_bytes
+    )
     policy = ReaperPolicy.from_settings(settings)
     app.state.reaper_policy = policy
     app.state.ddr5_cost_per_gib_month = settings.ddr5_cost_per_gib_month

@@ -9,6 +9,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 DEFAULT_PORT = 7340
+DEFAULT_MAX_BODY_BYTES = 48 * 1024 * 1024  # poold.api.app says why
 
 
 def default_state_dir() -> Path:
@@ -24,6 +25,11 @@ def _env_float(name: str, default: float) -> float:
     return float(raw) if raw else default
 
 
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(f"POOLD_{name.upper()}")
+    return int(raw) if raw else default
+
+
 def _env_optional_float(name: str) -> float | None:
     raw = os.environ.get(f"POOLD_{name.upper()}")
     return float(raw) if raw else None
@@ -36,6 +42,11 @@ class PooldSettings(BaseModel):
     listen_port: int = DEFAULT_PORT
     admin_token: str | None = None  # None: read or create state_dir/admin.token
     upgrade_db: bool = True
+    # Request bodies past this are refused unread (413 body_too_large); the default is a
+    # little above the biggest legitimate one, a 100,000-lease heartbeat (poold/api/app.py).
+    max_body_bytes: int = Field(
+        default_factory=lambda: _env_int("max_body_bytes", DEFAULT_MAX_BODY_BYTES), gt=0
+    )
     host_down_after_s: float = 60.0
     # The reaper (poold/ledger/reaper.py): how often it runs and the clocks it enforces.
     # Each reads POOLD_<NAME> from the environment when not given, so that a unit file

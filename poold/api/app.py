@@ -12,25 +12,34 @@ from __future__ import annotations
 import hmac
 import inspect
 import logging
+import threading
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, FastAPI, Query, Request, Response
+import anyio
+import anyio.to_thread
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from sqlalchemy.pool import QueuePool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from poold import __version__, pressure
 from poold.errors import (
     BadRequest,
+    BodyTooLarge,
     Forbidden,
     InvalidSize,
+    LedgerUnavailable,
     NotFound,
     NotOwner,
     PoolError,
@@ -43,6 +52,7 @@ from poold.ledger import audit as ledger_audit
 from poold.ledger import heartbeat as ledger_heartbeat
 from poold.ledger.db import Ledger
 from poold.ledger.reaper import ReaperPolicy
+from poold.settings import DEFAULT_MAX_BODY_BYTES
 from poold.wire.admin import (
     AccountingReport,
     AuditReport,
@@ -97,38 +107,42 @@ class Principal:
 
 
 AUTH_CACHE_TTL_S = 5.0
+# DEFAULT_MAX_BODY_BYTES (poold.settings, 48 MiB): the biggest legitimate request is the
+# heartbeat of a host holding 100,000 leases: 100,000 renewals, reports and held leases
+# (one holder each) are 41.6 MB of JSON (the renewals alone 6.3 MB). The cap is a little
+# above; a bigger body is refused from its Content-Length, or as soon as a chunked one
+# passes the cap.
+# Requests doing ledger work at once when the engine's pool sets no bound (NullPool).
+DEFAULT_WORKER_THREADS = 16
+RETRY_AFTER_S = 1  # what a 503 ledger_unavailable tells the caller to wait
+CRASH_TRACEBACK_EVERY_S = 60.0
+
+# Where the gate leaves the authenticated caller for the `principal` dependency.
+_PRINCIPAL = "poold.principal"
+
+
+def worker_threads(ledger: Ledger) -> int:
+    """How many requests may do ledger work at once: as many as the pool has connections.
+
+    More threads than connections would only queue inside the pool (and time out there
+    after 30 s as a 500); fewer would leave connections idle. SQLite gets the same
+    bound (SQLAlchemy's default QueuePool, 5 + 10 overflow): its writers serialise on
+    BEGIN IMMEDIATE whatever the bound, and its readers run in parallel under WAL.
+    """
+    pool = ledger.engine.pool
+    if isinstance(pool, QueuePool):
+        overflow = int(getattr(pool, "_max_overflow", -1))  # QueuePool has no public getter
+        if overflow >= 0:
+            return max(1, pool.size() + overflow)
+    return DEFAULT_WORKER_THREADS
 
 
 async def principal(request: Request) -> Principal:
-    """Authenticate the bearer token: the admin token, or one host's agent credential.
-
-    Agent credentials are looked up once and cached for a few seconds: every
-    agent request carries one, and the lookup was a third of poold's CPU time
-    per lease. Hosts are never renamed, so a cached name cannot be wrong.
-    """
-    if "\x00" in request.url.path:
-        # Every endpoint but /v1/health authenticates, so this is the one place
-        # to refuse what PostgreSQL cannot compare (SQLite would just not match).
-        raise BadRequest("the request path contains a NUL byte")
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
+    """The caller `_Gate` authenticated before any byte of the body was read."""
+    found = request.scope.get(_PRINCIPAL)
+    if not isinstance(found, Principal):
         raise Unauthorized("missing bearer token")
-    admin_token: str = request.app.state.admin_token
-    if hmac.compare_digest(token.encode(), admin_token.encode()):
-        return Principal(admin=True)
-    cache: dict[str, tuple[str, float]] = request.app.state.auth_cache
-    digest = hosts.hash_credential(token)
-    now = time.monotonic()
-    hit = cache.get(digest)
-    if hit is not None and now - hit[1] < AUTH_CACHE_TTL_S:
-        return Principal(admin=False, host=hit[0])
-    ledger: Ledger = request.app.state.ledger
-    name = hosts.authenticate(ledger, digest)
-    if len(cache) > 10_000:
-        cache.clear()
-    cache[digest] = (name, now)
-    return Principal(admin=False, host=name)
+    return found
 
 
 # Module level: FastAPI resolves string annotations against module globals.
@@ -155,36 +169,299 @@ _AUTH: dict[Auth, list[Any]] = {
 }
 
 
+async def _read_body(request: Request) -> bytes:
+    """The raw body, read on the event loop (cheap); parsing it is the worker thread's job."""
+    return await request.body()
+
+
+RawBody = Annotated[bytes, Depends(_read_body)]
+_RAW_BODY = "raw_body"
+
+
 def _host_of(p: Principal) -> str:
     """The calling agent's host (routes of auth "agent" have checked there is one)."""
     assert p.host is not None
     return p.host
 
 
-def _error(err: PoolError) -> JSONResponse:
-    return JSONResponse(err.to_dict(), status_code=err.http_status)
+def _error(err: PoolError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(err.to_dict(), status_code=err.http_status, headers=headers)
+
+
+class _Outage:
+    """Whether the ledger answers, as requests see it: logged when that changes, not per request."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        self._refused = 0
+
+    def failed(self, err: PoolError) -> None:
+        with self._lock:
+            first = self._since is None
+            if first:
+                self._since = time.monotonic()
+            self._refused += 1
+        if first:
+            log.warning("ledger unavailable, answering 503 until it is back: %s", err.message)
+
+    def reachable(self) -> None:
+        if self._since is None:  # the common case, without the lock
+            return
+        with self._lock:
+            since, refused = self._since, self._refused
+            self._since, self._refused = None, 0
+        if since is not None:
+            log.info(
+                "ledger reachable again after %.1fs (%d request(s) answered 503 meanwhile)",
+                time.monotonic() - since,
+                refused,
+            )
+
+
+class _Refusals:
+    """How a `PoolError` leaves: counted by code, logged (an outage once), with its status."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.total = Counter(
+            "poold_api_errors_total", "API errors by code", ["code"], registry=registry
+        )
+        self.outage = _Outage()
+        self._tracebacks: dict[str, float] = {}  # exception type -> when one was last logged
+
+    def response(self, err: PoolError) -> JSONResponse:
+        self.total.labels(err.code).inc()
+        if isinstance(err, LedgerUnavailable):
+            self.outage.failed(err)
+            return _error(err, {"Retry-After": str(RETRY_AFTER_S)})
+        log.info("refused: %s: %s", err.code, err.message)
+        return _error(err)
+
+    def crash(self, exc: Exception, scope: Scope) -> JSONResponse:
+        """A 500 for an unexpected exception: one line, its traceback once a minute per type."""
+        self.total.labels("internal").inc()
+        kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        now = time.monotonic()
+        last = self._tracebacks.get(kind)
+        fresh = last is None or now - last >= CRASH_TRACEBACK_EVERY_S
+        if fresh:
+            self._tracebacks[kind] = now
+        log.error(
+            "internal error on %s %s: %s: %s%s",
+            scope.get("method"),
+            scope.get("path"),
+            kind,
+            exc,
+            "" if fresh else " (traceback at DEBUG: one per type per minute above it)",
+            exc_info=exc if fresh else None,
+        )
+        if not fresh:
+            log.debug("traceback of the internal error above", exc_info=exc)
+        return JSONResponse(
+            {"code": "internal", "message": f"internal error: {type(exc).__name__}"},
+            status_code=500,
+        )
+
+
+class _Authenticator:
+    """Bearer token -> Principal: the admin token, or one host's agent credential.
+
+    Agent credentials are looked up once and cached for a few seconds: every
+    agent request carries one, and the lookup was a third of poold's CPU time
+    per lease. Hosts are never renamed, so a cached name cannot be wrong. A miss
+    looks up in a worker thread, under the same limiter as the handlers.
+    """
+
+    def __init__(
+        self, ledger: Ledger, admin_token: str, cache: dict[str, tuple[str, float]]
+    ) -> None:
+        self.ledger = ledger
+        self.admin_token = admin_token.encode()
+        self.cache = cache
+
+    async def __call__(
+        self, token: str, limiter: anyio.CapacityLimiter, outage: _Outage
+    ) -> Principal:
+        if hmac.compare_digest(token.encode(), self.admin_token):
+            return Principal(admin=True)
+        digest = hosts.hash_credential(token)
+        now = time.monotonic()
+        hit = self.cache.get(digest)
+        if hit is not None and now - hit[1] < AUTH_CACHE_TTL_S:
+            return Principal(admin=False, host=hit[0])
+        name = await anyio.to_thread.run_sync(
+            hosts.authenticate, self.ledger, digest, limiter=limiter
+        )
+        outage.reachable()
+        if len(self.cache) > 10_000:
+            self.cache.clear()
+        self.cache[digest] = (name, now)
+        return Principal(admin=False, host=name)
+
+
+def _bearer(scope: Scope) -> str:
+    header = ""
+    for key, value in scope["headers"]:
+        if key == b"authorization":
+            header = value.decode("latin-1")
+            break
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("missing bearer token")
+    return token
+
+
+def _content_length(scope: Scope) -> int | None:
+    for key, value in scope["headers"]:
+        if key == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the HTTP parser refuses it before we are called
+    return None
+
+
+class _Gate:
+    """What every request passes before FastAPI reads a byte of its body, and the net under it.
+
+    Pure ASGI, just inside Starlette's ServerErrorMiddleware: (1) for a route whose
+    table `auth` is not "none", the bearer token is checked from the headers alone,
+    so an unauthenticated body is never read (uvicorn discards what the client still
+    sends, 64 KiB at a time); (2) a Content-Length past the cap is a 413 unread, and
+    a chunked body is counted and stopped at the cap; (3) an unexpected exception is
+    answered 500 here, without re-raising: ServerErrorMiddleware would re-raise it
+    after answering, and uvicorn would then drop the keep-alive connection.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        router: APIRouter,
+        authenticate: _Authenticator,
+        refusals: _Refusals,
+        limiter: anyio.CapacityLimiter,
+        max_body_bytes: int,
+    ) -> None:
+        self.app = app
+        self.router = router
+        self.authenticate = authenticate
+        self.refusals = refusals
+        self.limiter = limiter
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            try:
+                await self._admit(scope)
+            except PoolError as err:
+                await self.refusals.response(err)(scope, receive, send_tracked)
+                return
+            await self.app(scope, self._counted(receive), send_tracked)
+        except ClientDisconnect:
+            return  # nobody to answer
+        except Exception as exc:  # the net: answered 500, never re-raised
+            reply = self.refusals.crash(exc, scope)
+            if not started:
+                await reply(scope, receive, send_tracked)
+
+    async def _admit(self, scope: Scope) -> None:
+        """Authenticate (when the route wants it) and check the announced length."""
+        if self._auth_of(scope) != "none":
+            if "\x00" in scope["path"]:
+                # Every endpoint but /v1/health authenticates, so this is the one place
+                # to refuse what PostgreSQL cannot compare (SQLite would just not match).
+                raise BadRequest("the request path contains a NUL byte")
+            scope[_PRINCIPAL] = await self.authenticate(
+                _bearer(scope), self.limiter, self.refusals.outage
+            )
+        length = _content_length(scope)
+        if length is not None and length > self.max_body_bytes:
+            raise BodyTooLarge(
+                f"the request body ({length} bytes) is over the cap of {self.max_body_bytes}",
+                max_body_bytes=self.max_body_bytes,
+            )
+
+    def _auth_of(self, scope: Scope) -> Auth:
+        for route in self.router.routes:
+            match, _child = route.matches(scope)
+            if match is Match.FULL:
+                found = ROUTES.get(getattr(route, "name", ""))
+                return found.auth if found is not None else "none"
+        return "none"  # a 404 or 405: nothing behind it reads the body
+
+    def _counted(self, receive: Receive) -> Receive:
+        seen = 0
+        cap = self.max_body_bytes
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > cap:
+                    raise BodyTooLarge(
+                        f"the request body is over the cap of {cap} bytes", max_body_bytes=cap
+                    )
+            return message
+
+        return counted
 
 
 class _Binder:
-    """Binds handlers to the routes of `poold.wire.routes`, by name (subiquity's `bind`)."""
+    """Binds handlers to the routes of `poold.wire.routes`, by name (subiquity's `bind`).
 
-    def __init__(self, app: FastAPI) -> None:
+    A handler that touches the ledger is a plain `def`; the binder wraps it so that
+    the body is parsed, the ledger called and the reply rendered to bytes in one
+    worker thread, under a limiter as wide as the connection pool: the event loop
+    only moves bytes, so a 100,000-item heartbeat does not stall /v1/health. Only
+    routes of auth "none" (health, metrics: no ledger) may have `async def` handlers.
+    """
+
+    def __init__(self, app: FastAPI, limiter: anyio.CapacityLimiter, outage: _Outage) -> None:
         self.app = app
+        self.limiter = limiter
+        self.outage = outage
         self.bound: set[str] = set()
 
     def __call__(self, fn: F) -> F:
         route = ROUTES.get(fn.__name__)
         if route is None:
             raise RuntimeError(f"handler {fn.__name__} has no route in poold.wire.routes")
-        _check_body(route, fn)
-        self.app.add_api_route(
-            route.path,
-            fn,
-            methods=[route.method],
-            status_code=route.status_code,
-            dependencies=_AUTH[route.auth],
-            name=route.name,
-        )
+        body_param = _check_body(route, fn)
+        if inspect.iscoroutinefunction(fn):
+            if route.auth != "none":
+                raise RuntimeError(
+                    f"handler {fn.__name__} is async: ledger work runs in worker threads"
+                )
+            self.app.add_api_route(
+                route.path,
+                fn,
+                methods=[route.method],
+                status_code=route.status_code,
+                name=route.name,
+            )
+        else:
+            self.app.add_api_route(
+                route.path,
+                _threaded(route, fn, body_param, self.limiter, self.outage),
+                methods=[route.method],
+                status_code=route.status_code,
+                dependencies=_AUTH[route.auth],
+                name=route.name,
+                response_model=None,  # rendered in the worker thread (`_threaded`)
+            )
         self.bound.add(route.name)
         return fn
 
@@ -194,10 +471,15 @@ class _Binder:
             raise RuntimeError(f"routes without a handler: {', '.join(missing)}")
 
 
-def _check_body(route: Route[Any], fn: Callable[..., Any]) -> None:
-    """A handler's body parameter is the model the route table names, or none at all."""
+def _check_body(route: Route[Any], fn: Callable[..., Any]) -> str | None:
+    """A handler's body parameter is the model the route table names, or none at all.
+
+    Returns that parameter's name: the binder parses the body into it with the
+    table's model, so the handler's annotation and what it receives cannot differ.
+    """
     hints = typing.get_type_hints(fn, include_extras=True)
     models = set()
+    body_param = None
     for name in inspect.signature(fn).parameters:
         hint = hints.get(name)
         for tp in (hint, *typing.get_args(hint)):
@@ -205,27 +487,93 @@ def _check_body(route: Route[Any], fn: Callable[..., Any]) -> None:
                 if route.query is not None and tp is route.query:
                     continue
                 models.add(tp)
+                body_param = name
     expected = {route.body} if route.body is not None else set()
     if models != expected:
         raise RuntimeError(f"handler {fn.__name__} takes {models}, its route says {expected}")
+    return body_param
 
 
-def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
+def _parse_body(route: Route[Any], raw: bytes) -> BaseModel | None:
+    """The body as the route's model, with FastAPI's error shape (a `body` location)."""
+    assert route.body is not None
+    if route.body_optional and not raw.strip():
+        return None  # older clients send no body: the handler applies the defaults
+    try:
+        return route.body.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
+
+
+def _threaded(
+    route: Route[Any],
+    fn: Callable[..., Any],
+    body_param: str | None,
+    limiter: anyio.CapacityLimiter,
+    outage: _Outage,
+) -> Callable[..., Awaitable[Response]]:
+    """`fn` as an endpoint: body parsing, the ledger call and rendering in a worker thread."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    # Keyword-only throughout: FastAPI matches by name, and the order of defaults is free.
+    params = [
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints.get(p.name, p.annotation))
+        for p in inspect.signature(fn).parameters.values()
+        if p.name != body_param
+    ]
+    if body_param is not None:
+        params.append(
+            inspect.Parameter(_RAW_BODY, inspect.Parameter.KEYWORD_ONLY, annotation=RawBody)
+        )
+    adapter: TypeAdapter[Any] | None = (
+        TypeAdapter(route.response) if route.response is not None else None
+    )
+
+    def call(kwargs: dict[str, Any]) -> Response:
+        if body_param is not None:
+            kwargs[body_param] = _parse_body(route, kwargs.pop(_RAW_BODY))
+        value = fn(**kwargs)
+        outage.reachable()
+        if isinstance(value, Response):
+            return value
+        assert adapter is not None, f"{route.name} returns no body"
+        return Response(
+            adapter.dump_json(value), status_code=route.status_code, media_type="application/json"
+        )
+
+    async def endpoint(**kwargs: Any) -> Response:
+        return await anyio.to_thread.run_sync(call, kwargs, limiter=limiter)
+
+    endpoint.__signature__ = inspect.Signature(params, return_annotation=Response)  # type: ignore[attr-defined]
+    endpoint.__name__ = fn.__name__
+    endpoint.__doc__ = fn.__doc__
+    return endpoint
+
+
+def create_app(
+    ledger: Ledger, admin_token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
     app = FastAPI(title="poold", version=__version__, docs_url=None, redoc_url=None)
     app.state.ledger = ledger
     app.state.admin_token = admin_token
     app.state.auth_cache = {}
     registry = CollectorRegistry()
-    errors_total = Counter(
-        "poold_api_errors_total", "API errors by code", ["code"], registry=registry
+    refusals = _Refusals(registry)
+    limiter = anyio.CapacityLimiter(worker_threads(ledger))
+    app.state.limiter = limiter
+    bind = _Binder(app, limiter, refusals.outage)
+    app.add_middleware(
+        _Gate,
+        router=app.router,
+        authenticate=_Authenticator(ledger, admin_token, app.state.auth_cache),
+        refusals=refusals,
+        limiter=limiter,
+        max_body_bytes=max_body_bytes,
     )
-    bind = _Binder(app)
 
     @app.exception_handler(PoolError)
     async def _pool_error(_req: Request, err: PoolError) -> JSONResponse:
-        errors_total.labels(err.code).inc()
-        log.info("refused: %s: %s", err.code, err.message)
-        return _error(err)
+        return refusals.response(err)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req: Request, err: RequestValidationError) -> JSONResponse:
@@ -239,7 +587,7 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
             if any(tuple(e.get("loc", ()))[:2] == ("body", "size_bytes") for e in err.errors())
             else BadRequest
         )
-        errors_total.labels(cls.code).inc()
+        refusals.total.labels(cls.code).inc()
         return _error(cls(f"invalid request: {problems}"))
 
     @app.exception_handler(StarletteHTTPException)
@@ -252,13 +600,8 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
         }
         return JSONResponse(body, status_code=err.status_code)
 
-    @app.exception_handler(Exception)
-    async def _crash(_req: Request, err: Exception) -> JSONResponse:
-        log.exception("internal error")
-        return JSONResponse(
-            {"code": "internal", "message": f"internal error: {type(err).__name__}"},
-            status_code=500,
-        )
+    # No handler for Exception: Starlette would register it in ServerErrorMiddleware,
+    # which re-raises after answering. `_Gate` answers unexpected exceptions instead.
 
     def policy() -> ReaperPolicy:
         # server.py sets the configured one; an app built by a test uses the defaults.
@@ -291,85 +634,85 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
 
     # --- tenants ---------------------------------------------------------
     @bind
-    async def create_tenant(spec: TenantSpec, p: Caller) -> TenantOut:
+    def create_tenant(spec: TenantSpec, p: Caller) -> TenantOut:
         return tenants.create_tenant(ledger, spec, p.actor)
 
     @bind
-    async def list_tenants() -> list[TenantOut]:
+    def list_tenants() -> list[TenantOut]:
         return tenants.list_tenants(ledger)
 
     @bind
-    async def get_tenant(name: str) -> TenantOut:
+    def get_tenant(name: str) -> TenantOut:
         return tenants.get_tenant(ledger, name)
 
     @bind
-    async def update_tenant(name: str, change: TenantUpdate, p: Caller) -> TenantOut:
+    def update_tenant(name: str, change: TenantUpdate, p: Caller) -> TenantOut:
         return tenants.update_tenant(ledger, name, change, p.actor)
 
     @bind
-    async def delete_tenant(name: str, p: Caller) -> Response:
+    def delete_tenant(name: str, p: Caller) -> Response:
         tenants.delete_tenant(ledger, name, p.actor)
         return Response(status_code=204)
 
     # --- hosts and their agents ------------------------------------------
     @bind
-    async def add_host(spec: HostSpec, p: Caller) -> HostCreated:
+    def add_host(spec: HostSpec, p: Caller) -> HostCreated:
         return hosts.add_host(ledger, spec.name, p.actor)
 
     @bind
-    async def list_hosts() -> list[HostOut]:
+    def list_hosts() -> list[HostOut]:
         return hosts.list_hosts(ledger)
 
     @bind
-    async def register(beat: Heartbeat, p: Caller) -> HeartbeatReply:
+    def register(beat: Heartbeat, p: Caller) -> HeartbeatReply:
         if beat.inventory is None:
             raise BadRequest("register needs the host's inventory")
         return receive(beat, p, register=True)
 
     @bind
-    async def heartbeat(beat: Heartbeat, p: Caller) -> HeartbeatReply:
+    def heartbeat(beat: Heartbeat, p: Caller) -> HeartbeatReply:
         return receive(beat, p, register=False)
 
     @bind
-    async def apply_ops(body: AgentOps, p: Caller) -> list[LeaseOpResult]:
+    def apply_ops(body: AgentOps, p: Caller) -> list[LeaseOpResult]:
         return leases.apply_ops(ledger, _host_of(p), body.ops, p.actor)
 
     @bind
-    async def confirm_revoked(body: RevokedConfirm, p: Caller) -> list[LeaseOpResult]:
+    def confirm_revoked(body: RevokedConfirm, p: Caller) -> list[LeaseOpResult]:
         return admin_ops.confirm_revoked(ledger, _host_of(p), body.lease_ids, p.actor)
 
     # --- leases ----------------------------------------------------------
     @bind
-    async def grant(req: GrantRequest, p: Caller) -> LeaseOut:
+    def grant(req: GrantRequest, p: Caller) -> LeaseOut:
         return leases.grant(ledger, _host_of(p), req, p.actor)
 
     @bind
-    async def activate(lease_id: str, p: Caller) -> LeaseOut:
+    def activate(lease_id: str, p: Caller) -> LeaseOut:
         return leases.activate(ledger, _host_of(p), lease_id, p.actor)
 
     @bind
-    async def renew(lease_id: str, body: RenewRequest, p: Caller) -> LeaseOut:
+    def renew(lease_id: str, body: RenewRequest, p: Caller) -> LeaseOut:
         return leases.renew(ledger, _host_of(p), lease_id, body.ttl_s)
 
     @bind
-    async def release(lease_id: str, body: EndRequest, p: Caller) -> LeaseOut:
+    def release(lease_id: str, body: EndRequest, p: Caller) -> LeaseOut:
         return leases.end(
             ledger, lease_id, LeaseEvent.RELEASE, p.actor, body.reason, host_name=p.host
         )
 
     @bind
-    async def abort(lease_id: str, body: EndRequest, p: Caller) -> LeaseOut:
+    def abort(lease_id: str, body: EndRequest, p: Caller) -> LeaseOut:
         return leases.end(
             ledger, lease_id, LeaseEvent.ABORT, p.actor, body.reason, host_name=_host_of(p)
         )
 
     @bind
-    async def revoke(lease_id: str, body: RevokeRequest, p: Caller) -> LeaseOut:
+    def revoke(lease_id: str, body: RevokeRequest, p: Caller) -> LeaseOut:
         deadline_s = body.deadline_s if body.deadline_s is not None else policy().revoke_deadline_s
         return admin_ops.revoke_lease(ledger, lease_id, body.reason, p.actor, deadline_s=deadline_s)
 
     @bind
-    async def list_leases(p: Caller, q: Annotated[LeaseQuery, Query()]) -> list[LeaseOut]:
+    def list_leases(p: Caller, q: Annotated[LeaseQuery, Query()]) -> list[LeaseOut]:
         # An agent sees its own host's leases only.
         host = q.host if p.admin else p.host
         return lease_views.list_leases(
@@ -377,7 +720,7 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
         )
 
     @bind
-    async def show_lease(lease_id: str, p: Caller) -> LeaseOut:
+    def show_lease(lease_id: str, p: Caller) -> LeaseOut:
         out = lease_views.show(ledger, lease_id)
         if not p.admin and out.host != p.host:
             # The same code renew/release/activate give for another host's lease.
@@ -386,21 +729,21 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
 
     # --- capacity and devices --------------------------------------------
     @bind
-    async def status() -> PoolStatus:
+    def status() -> PoolStatus:
         return capacity.pool_status(ledger)
 
     @bind
-    async def show_device(uid: str) -> DeviceStatus:
+    def show_device(uid: str) -> DeviceStatus:
         return capacity.device_status(ledger, uid)
 
     @bind
-    async def annotate_device(uid: str, change: DeviceAnnotate, p: Caller) -> DeviceStatus:
+    def annotate_device(uid: str, change: DeviceAnnotate, p: Caller) -> DeviceStatus:
         devices.annotate_device(ledger, uid, change, p.actor)
         return capacity.device_status(ledger, uid)
 
     # --- drain (poold/ledger/admin_ops.py) ----------------------------------
     @bind
-    async def drain_device(uid: str, body: DeviceDrainRequest, p: Caller) -> DrainResult:
+    def drain_device(uid: str, body: DeviceDrainRequest, p: Caller) -> DrainResult:
         return admin_ops.drain_device(
             ledger,
             uid,
@@ -411,11 +754,11 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
         )
 
     @bind
-    async def undrain_device(uid: str, p: Caller) -> DrainResult:
+    def undrain_device(uid: str, p: Caller) -> DrainResult:
         return admin_ops.undrain_device(ledger, uid, p.actor)
 
     @bind
-    async def drain_host(name: str, p: Caller, body: HostDrainRequest | None = None) -> DrainResult:
+    def drain_host(name: str, p: Caller, body: HostDrainRequest | None = None) -> DrainResult:
         body = body or HostDrainRequest()  # older clients send no body: no deadline
         return admin_ops.drain_host(
             ledger,
@@ -428,16 +771,16 @@ def create_app(ledger: Ledger, admin_token: str) -> FastAPI:
         )
 
     @bind
-    async def undrain_host(name: str, p: Caller) -> DrainResult:
+    def undrain_host(name: str, p: Caller) -> DrainResult:
         return admin_ops.drain_host(ledger, name, p.actor, draining=False)
 
     # --- audit and accounting --------------------------------------------
     @bind
-    async def audit(q: Annotated[AuditQuery, Query()]) -> AuditReport:
+    def audit(q: Annotated[AuditQuery, Query()]) -> AuditReport:
         return ledger_audit.run_audit(ledger, policy(), reclaim_safe=q.reclaim)
 
     @bind
-    async def accounting(q: Annotated[AccountingQuery, Query()]) -> AccountingReport:
+    def accounting(q: Annotated[AccountingQuery, Query()]) -> AccountingReport:
         # A time without a zone is UTC, as everywhere in the ledger.
         until = _utc(q.until) if q.until is not None else datetime.now(UTC)
         since = _utc(q.since) if q.since is not None else until - ACCOUNTING_PERIOD
