@@ -675,7 +675,7 @@ def create_app(
 
     @bind
     def apply_ops(body: AgentOps, p: Caller) -> list[LeaseOpResult]:
-        return leases.apply_ops(ledger, _host_of(p), body.ops, p.actor)
+        return leases.apply_ops(ledger, _host_of(p), body.ops, p.actor, request_id=body.request_id)
 
     @bind
     def confirm_revoked(body: RevokedConfirm, p: Caller) -> list[LeaseOpResult]:

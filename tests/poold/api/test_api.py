@@ -212,6 +212,18 @@ def test_agent_ops_and_heartbeat_renewals(agent: Agent) -> None:
     assert [(r.state, r.code) for r in results] == [("released", None), ("aborted", None)]
 
 
+def test_an_op_batch_replayed_with_its_request_id_gets_the_first_answer(agent: Agent) -> None:
+    """A batch whose reply was lost is re-sent under its id: answered, not applied again."""
+    lease = agent.client.grant(GRANT.model_copy(update={"activate": True}))
+    ops = [LeaseOp(lease_id=lease.id, op="release")]
+    first = agent.client.apply_ops(ops, request_id="batch-1")
+    again = agent.client.apply_ops(ops, request_id="batch-1")
+    assert [(r.state, r.code) for r in first] == [("released", None)]
+    assert again == first
+    # Without the id the same op is applied again, and refused: the lease has ended.
+    assert agent.client.apply_ops(ops)[0].code == "lease_not_active"
+
+
 def test_agent_sees_only_its_own_leases(
     agent: Agent, other_agent: Agent, admin: PooldClient
 ) -> None:
