@@ -196,6 +196,16 @@ class Ledger:
         self._write = sessionmaker(self._write_engine, expire_on_commit=False)
         # Host name -> id. Hosts are never renamed or deleted, so this cannot go stale.
         self.host_ids: dict[str, int] = {}
+        self._host_locks: dict[str, threading.Lock] = {}
+        self._host_locks_guard = threading.Lock()
+
+    def host_lock(self, host_name: str) -> threading.Lock:
+        """This process's lock for writers that would race on one host's generations."""
+        with self._host_locks_guard:
+            lock = self._host_locks.get(host_name)
+            if lock is None:
+                lock = self._host_locks[host_name] = threading.Lock()
+            return lock
 
     @property
     def is_sqlite(self) -> bool:

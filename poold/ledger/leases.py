@@ -202,7 +202,12 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Leas
                 raise
             raise transitions.LostRace from exc
 
-    return transitions.retrying(attempt, what="allocation")
+    # Grants for one host race for the same host and device generations: inside
+    # one poold they take turns instead, so its worker threads do not make each
+    # other lose the swap and redo the transaction. Other poold processes are
+    # still fenced by the swap itself.
+    with ledger.host_lock(host_name):
+        return transitions.retrying(attempt, what="allocation")
 
 
 def _grant_once(
