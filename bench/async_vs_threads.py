@@ -1,5 +1,6 @@
 """Would async SQLAlchemy (psycopg's async driver) serve poold better than worker threads?
 
+    .venv/bin/pip install -e ".[bench]"   # greenlet, for async SQLAlchemy
     .venv/bin/python bench/async_vs_threads.py [--database-url URL] [--concurrency 8,32,128]
                                                [--operations 2000] [--json]
 
