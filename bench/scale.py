@@ -417,36 +417,15 @@ def agent_url_mode() -> str:
 def start_poold(
     state_dir: Path, port: int, database_url: str, *, reaper: bool, upgrade: bool
 ) -> procs.Child:
-    argv = [
-        sys.executable,
-        "-m",
-        "poold",
-        "serve",
-        "--state-dir",
-        str(state_dir),
-        "--port",
-        str(port),
-        "--database-url",
-        database_url,
-        "--log-level",
-        "warning",
-    ]
-    if not upgrade:
-        argv.append("--no-upgrade-db")
-    env = {} if reaper else {"POOLD_REAP_INTERVAL_S": "0"}
-    child = procs.Child("poold", argv, state_dir.parent / f"poold-{port}.log", env=env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if not child.alive():
-            raise RuntimeError(f"poold exited at start:\n{child.log_tail()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=1).status_code == 200:
-                return child
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    child.kill()
-    raise RuntimeError(f"poold did not answer within 60s:\n{child.log_tail()}")
+    """One poold of the cluster: only one runs the reaper, only one migrates."""
+    return procs.start_poold(
+        state_dir,
+        port,
+        database_url=database_url,
+        timeout_s=60.0,
+        env={} if reaper else {"POOLD_REAP_INTERVAL_S": "0"},
+        extra=[] if upgrade else ["--no-upgrade-db"],
+    )
 
 
 @dataclass

@@ -77,6 +77,7 @@ def start_poold(
     database_url: str | None = None,
     timeout_s: float = 30.0,
     env: dict[str, str] | None = None,
+    extra: list[str] | None = None,
 ) -> Child:
     argv = [
         sys.executable,
@@ -92,6 +93,7 @@ def start_poold(
     ]
     if database_url:
         argv += ["--database-url", database_url]
+    argv += extra or []
     child = Child("poold", argv, state_dir.parent / f"poold-{port}.log", env=env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
