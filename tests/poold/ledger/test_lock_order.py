@@ -11,10 +11,7 @@ run many times with the batch in reverse id order, never reaches either caller.
 from __future__ import annotations
 
 import functools
-import threading
-from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -25,34 +22,12 @@ from poold.ledger.models import Host, Lease
 from poold.ledger.reaper import Reaper, ReaperPolicy
 from poold.ledger.types import utcnow
 from poold.wire.agent import GrantRequest, LeaseOp
-from tests.poold.conftest import UID, MiB, device, seed
+from tests.poold.conftest import UID, MiB, at_once, device, seed
 
 pytestmark = pytest.mark.postgres
 
 ITERATIONS = 200
 LEASES = 24
-
-
-def at_once(*calls: Callable[[], Any]) -> list[Any]:
-    """Run the calls in threads released together; their results (an error fails the test)."""
-    barrier = threading.Barrier(len(calls))
-    results: list[Any] = [None] * len(calls)
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            barrier.wait()
-            results[i] = calls[i]()
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return results
 
 
 def test_hold_and_release_batch_never_fail(ledger: Ledger) -> None:

@@ -9,10 +9,7 @@ reaper forgets old ids.
 from __future__ import annotations
 
 import functools
-import threading
-from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import pytest
 from sqlalchemy import func, select, update
@@ -24,7 +21,7 @@ from poold.ledger.models import AgentRequest, Event, Lease
 from poold.ledger.reaper import Reaper, ReaperPolicy
 from poold.ledger.types import utcnow
 from poold.wire.agent import GrantRequest, LeaseOp
-from tests.poold.conftest import UID, MiB, device, seed
+from tests.poold.conftest import UID, MiB, at_once, device, seed
 
 
 def _grant(request_id: str | None = None, size_bytes: int = 2 * MiB) -> GrantRequest:
@@ -42,28 +39,6 @@ def _grant(request_id: str | None = None, size_bytes: int = 2 * MiB) -> GrantReq
 def _count(ledger: Ledger, model: type[Lease] | type[AgentRequest]) -> int:
     with ledger.read() as s:
         return int(s.scalar(select(func.count()).select_from(model)) or 0)
-
-
-def at_once(*calls: Callable[[], Any]) -> list[Any]:
-    """Run the calls in threads released together; their results (an error fails the test)."""
-    barrier = threading.Barrier(len(calls))
-    results: list[Any] = [None] * len(calls)
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            barrier.wait()
-            results[i] = calls[i]()
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return results
 
 
 def test_a_retried_grant_gets_the_first_lease(ledger: Ledger) -> None:
