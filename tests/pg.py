@@ -75,6 +75,10 @@ class PgServer:
             "--no-sync",
             "--no-instructions",
         )
+        self.resume()
+
+    def resume(self) -> None:
+        """Start the server on its existing data directory (after `pause`)."""
         opts = (
             f"-c listen_addresses=127.0.0.1 -c port={self.port} "
             f"-c unix_socket_directories={self.root} -c fsync=off "
@@ -93,6 +97,12 @@ class PgServer:
             "60",
             "start",
         )
+
+    def pause(self) -> None:
+        """Stop the server as `systemctl stop` would (`-m fast`: clients cut off, every
+        commit written, since `synchronous_commit=off` loses the last ones on a crash),
+        keeping its data for `resume`."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
 
     def stop(self) -> None:
         try:
