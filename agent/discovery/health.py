@@ -4,6 +4,13 @@ sysfs does not carry device health, so this asks ndctl's ``cxl list -M -H`` (plu
 ``--media-errors`` where that cxl-cli has it, v80+). The tool is optional: a missing tool,
 an unsupported flag or output that doesn't parse makes health "unknown", never an error.
 The command runner is injectable so tests feed captured JSON.
+
+Flags are detected from ``cxl list -h``, never ``--help``: ndctl's ``--help`` execs
+``man`` (absent on most servers and in the QEMU guest, where it printed no flags), while
+``-h`` prints the option list itself, on stderr, and exits 129 (ndctl's parse-options,
+like git's). Neither exit status nor an empty help page decides anything: when the help
+lists no options at all, the flags are tried directly, and a flag the tool rejects exits
+129 again ("unknown option"), which only drops that flag.
 """
 
 from __future__ import annotations
@@ -17,21 +24,29 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 HealthState = Literal["ok", "warning", "critical", "unknown"]
-# Runs an argument list, returns (exit status, stdout). Raises FileNotFoundError when the
-# tool is not installed.
-CommandRunner = Callable[[Sequence[str]], tuple[int, str]]
+# Runs an argument list, returns (exit status, stdout, stderr). Raises FileNotFoundError
+# when the tool is not installed, subprocess.TimeoutExpired when it hangs.
+CommandRunner = Callable[[Sequence[str]], tuple[int, str, str]]
 
 CXL_TIMEOUT_S = 20.0  # get-poison-list walks the whole device; slow parts take seconds
+# ndctl's parse-options exits 129 after printing usage: for -h, and for an unknown option.
+USAGE_STATUS = 129
 
 
-def system_runner(argv: Sequence[str]) -> tuple[int, str]:
+def system_runner(argv: Sequence[str]) -> tuple[int, str, str]:
     """Run a real command; FileNotFoundError when it is not on PATH."""
     if shutil.which(argv[0]) is None:
         raise FileNotFoundError(argv[0])
     done = subprocess.run(
-        list(argv), capture_output=True, text=True, timeout=CXL_TIMEOUT_S, check=False
+        list(argv),
+        capture_output=True,
+        text=True,
+        errors="replace",
+        stdin=subprocess.DEVNULL,
+        timeout=CXL_TIMEOUT_S,
+        check=False,
     )
-    return done.returncode, done.stdout
+    return done.returncode, done.stdout, done.stderr
 
 
 class MediaError(BaseModel):
@@ -61,7 +76,9 @@ class MemdevHealth(BaseModel):
 class HealthReport(BaseModel):
     """Health of every memdev the tool listed, keyed by memdev serial where known."""
 
-    tool: Literal["available", "missing", "failed", "skipped"] = "skipped"
+    # missing: no cxl-cli; unsupported: one without --health; failed: it ran, and its
+    # listing failed or did not parse. Device health is "unknown" in all three.
+    tool: Literal["available", "missing", "unsupported", "failed", "skipped"] = "skipped"
     media_errors_supported: bool = False
     memdevs: list[MemdevHealth] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
@@ -166,37 +183,66 @@ def parse_list(text: str) -> list[dict[str, Any]]:
     return [d for d in data if isinstance(d, dict) and "memdev" in d]
 
 
+def _listed_flags(usage: str) -> set[str] | None:
+    """The long options a usage text lists; None when it lists none (not a usage page)."""
+    flags = {word.rstrip(",=") for word in usage.split() if word.startswith("--")}
+    flags.discard("--")
+    return flags or None
+
+
+def _probe_flags(run: CommandRunner, report: HealthReport) -> set[str] | None:
+    """``cxl list -h``'s long options; None when no help could be read (flags then tried).
+    FileNotFoundError (no cxl-cli) propagates."""
+    try:
+        _, out, err = run(["cxl", "list", "-h"])
+    except FileNotFoundError:
+        raise
+    except (OSError, subprocess.SubprocessError) as exc:
+        report.warnings.append(f"cxl list -h: {exc}; trying the health flags directly")
+        return None
+    return _listed_flags(out + "\n" + err)
+
+
 def read_health(run: CommandRunner = system_runner) -> HealthReport:
-    """Ask cxl-cli for health; feature-detect flags from ``cxl list --help``."""
+    """Ask cxl-cli for health; feature-detect flags from ``cxl list -h`` (module docstring)."""
     report = HealthReport()
     try:
-        _, usage = run(["cxl", "list", "--help"])
+        flags = _probe_flags(run, report)
     except FileNotFoundError:
         report.tool = "missing"
         return report
-    except (OSError, subprocess.SubprocessError) as exc:
-        report.tool = "failed"
-        report.warnings.append(f"cxl list --help: {exc}")
+    if flags is not None and "--health" not in flags:
+        report.tool = "unsupported"
+        report.warnings.append("this cxl list has no --health: health unknown")
         return report
-    # `cxl list --help` exits 129 and prints usage; we only look at what it offers.
-    if "--health" not in usage:
-        report.tool = "failed"
-        report.warnings.append("cxl list has no --health: health unknown")
-        return report
-    argv = ["cxl", "list", "-M", "-H"]
-    if "--media-errors" in usage:
-        report.media_errors_supported = True
-        argv.append("--media-errors")
-    try:
-        status, out = run(argv)
-    except (OSError, subprocess.SubprocessError) as exc:
-        report.tool = "failed"
-        report.warnings.append(f"{' '.join(argv)}: {exc}")
+    attempts = [["cxl", "list", "-M", "-H"]]
+    if flags is None or "--media-errors" in flags:
+        attempts.insert(0, [*attempts[0], "--media-errors"])
+    for argv in attempts:
+        try:
+            status, out, err = run(argv)
+        except FileNotFoundError:
+            report.tool = "missing"
+            return report
+        except (OSError, subprocess.SubprocessError) as exc:
+            report.tool = "failed"
+            report.warnings.append(f"{' '.join(argv)}: {exc}")
+            return report
+        if status == USAGE_STATUS and flags is None:
+            continue  # a flag this cxl-cli does not have: try without it
+        break
+    else:
+        report.tool = "unsupported"
+        report.warnings.append("cxl list rejects --health: health unknown")
         return report
     if status != 0:
         report.tool = "failed"
-        report.warnings.append(f"{' '.join(argv)}: exit status {status}")
+        detail = err.strip().splitlines()[-1:] if err.strip() else []
+        report.warnings.append(
+            f"{' '.join(argv)}: exit status {status}" + (f" ({detail[0]})" if detail else "")
+        )
         return report
+    report.media_errors_supported = "--media-errors" in argv
     try:
         objects = parse_list(out)
     except ValueError as exc:  # json.JSONDecodeError is a ValueError

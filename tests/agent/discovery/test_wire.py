@@ -19,8 +19,8 @@ def test_tier_serials_and_health_reasons_on_the_wire(
         {"memdev": "mem3", "serial": 4, "health": HEALTHY, "media_errors": []},
     ]
 
-    def run(argv: Sequence[str]) -> tuple[int, str]:
-        return (129, NEW_USAGE) if "--help" in argv else (0, json.dumps(listing))
+    def run(argv: Sequence[str]) -> tuple[int, str, str]:
+        return (129, "", NEW_USAGE) if "-h" in argv else (0, json.dumps(listing), "")
 
     inv = discover(machine_root("qemu-full-06-interleave"), run_cxl=run)
     wire = {d.local_name: d for d in to_wire(inv, "h1")}
