@@ -65,11 +65,13 @@ from poold.errors import (
     AgentProtocolError,
     AgentUnreachable,
     FrameTooLarge,
+    InvalidSize,
     LeaseNotActive,
     PoolError,
     UnknownLease,
     from_wire,
 )
+from poold.sizes import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,16 @@ RevokeCallback = Callable[["Lease", datetime], None]
 ShrinkCallback = Callable[["Lease", int, datetime], None]
 _ResultT = TypeVar("_ResultT", bound=Model)
 _ArgsT = TypeVar("_ArgsT", bound=Model)
+
+
+def _size(size: int | str) -> int:
+    """A byte count, or a size string by the one rule (poold.sizes): '64GiB', '512M'."""
+    if isinstance(size, str):
+        try:
+            return parse_size(size)
+        except ValueError as err:
+            raise InvalidSize(str(err), size=size[:64]) from None
+    return size
 
 
 def _args(model: type[_ArgsT], **values: Any) -> _ArgsT:
@@ -171,8 +183,10 @@ class Lease:
             self.fd, self.length_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
         )
 
-    def shrink(self, size_bytes: int) -> int:
+    def shrink(self, size_bytes: int | str) -> int:
         """Give back the tail past ``size_bytes`` (rounded up to the alignment); the new length.
+
+        ``size_bytes`` is a byte count or a size string such as ``"32GiB"``.
 
         Only for leases granted ``shrinkable`` (memfd-backed): the agent cuts the memfd
         down and tells poold, which can then place others on the freed bytes. Every
@@ -403,7 +417,7 @@ class PoolClient:
 
     def lease(
         self,
-        size_bytes: int,
+        size_bytes: int | str,
         ttl_s: int = 60,
         media: str | None = None,
         tenant: str | None = None,
@@ -416,6 +430,9 @@ class PoolClient:
         shrinkable: bool = False,
     ) -> Lease:
         """Lease ``size_bytes`` of far memory; renewed in the background unless ``renew=False``.
+
+        ``size_bytes`` is a byte count or a size string: ``lease("64GiB")`` (``G`` and
+        ``GiB`` are binary, ``GB`` decimal; poold.sizes has the rule).
 
         When the pool is full, ``wait_s`` > 0 waits up to that long (at most 300 s) for
         capacity that pressure frees, served in arrival order on the agent; past it, or
@@ -432,6 +449,7 @@ class PoolClient:
         Never retried: a dropped connection mid-request may have granted a lease whose
         fd was lost; the agent sees the disconnect and poold reclaims it.
         """
+        size_bytes = _size(size_bytes)
         args = _args(
             LeaseArgs,
             size_bytes=size_bytes,
@@ -461,11 +479,11 @@ class PoolClient:
             OPERATIONS["renew"], _args(RenewArgs, lease_id=lease_id, ttl_s=ttl_s), RenewResult
         )[0]
 
-    def shrink(self, lease_id: str, size_bytes: int) -> ShrinkResult:
+    def shrink(self, lease_id: str, size_bytes: int | str) -> ShrinkResult:
         """Shrink by id; prefer :meth:`Lease.shrink`, which also updates the lease."""
         return self._call(
             OPERATIONS["shrink"],
-            _args(ShrinkArgs, lease_id=lease_id, size_bytes=size_bytes),
+            _args(ShrinkArgs, lease_id=lease_id, size_bytes=_size(size_bytes)),
             ShrinkResult,
         )[0]
 
