@@ -104,3 +104,36 @@ def largest_free(capacity: int, alignment: int, used: Iterable[Extent]) -> int:
         usable = align_down(hole.end - start, alignment) if hole.end > start else 0
         largest = max(largest, usable)
     return largest
+
+
+def whole_fit(
+    capacity: int, alignment: int, used: Iterable[Extent], reserved: Iterable[Extent], size: int
+) -> Extent | None:
+    """The one extent a whole-only device gives (a static dax region, leased only whole):
+    all of its usable space, when nothing but ``reserved`` occupies it, that space is one
+    aligned hole, and ``size`` rounded up to ``alignment`` is exactly that hole; else None.
+
+    ``used`` is everything occupied (leases, quarantine and ``reserved``): a device with
+    any lease or scrub on it has no whole to give.
+    """
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {size}")
+    usable = free_extents(capacity, reserved)
+    if len(usable) != 1 or free_extents(capacity, used) != usable:
+        return None
+    hole = usable[0]
+    if hole.offset % alignment or hole.length % alignment:
+        return None
+    return hole if align_up(size, alignment) == hole.length else None
+
+
+def whole_free(
+    capacity: int, alignment: int, used: Iterable[Extent], reserved: Iterable[Extent]
+) -> int:
+    """What ``no_capacity`` reports for a whole-only device: its usable size while nothing
+    is on it (the one size it takes), else 0."""
+    usable = free_extents(capacity, reserved)
+    if len(usable) != 1 or free_extents(capacity, used) != usable:
+        return 0
+    hole = usable[0]
+    return hole.length if not (hole.offset % alignment or hole.length % alignment) else 0

@@ -5,6 +5,11 @@ the request asks for; healthy devices that take new leases; the lowest
 latency tier from the requesting host; then best fit. Emulated memory is
 never chosen on a host that has real far memory unless asked for by name:
 a tenant would silently get ordinary DRAM while paying for far memory.
+
+A whole-only device (a static dax region, which its agent can only lease whole) is a
+candidate only for a request of exactly its usable size, and only while nothing is on
+it: a smaller lease placed there would be granted, then fail in the agent and be
+aborted, where another device (or ``no_capacity``) is the right answer.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ class Candidate:
     read_latency_ns: int | None = None
     distance: int | None = None
     generation: int = 0
+    whole_only: bool = False
+    # The part of ``used`` that is held by dax devices poold did not place: never free,
+    # and not part of the device's usable size either (what a whole-only device gives).
+    reserved: tuple[Extent, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,7 +101,7 @@ def place(req: Request, candidates: Sequence[Candidate]) -> Choice | Refusal:
     )
     best: tuple[tuple[bool, tuple[int, int], int, int], Choice] | None = None
     for c in ranked:
-        ext = extents.best_fit(c.capacity_bytes, c.alignment_bytes, c.used, req.size_bytes)
+        ext = _fit(c, req.size_bytes)
         if ext is None:
             continue
         hole = _hole_size(c, ext)
@@ -101,11 +110,26 @@ def place(req: Request, candidates: Sequence[Candidate]) -> Choice | Refusal:
             best = (key, Choice(c, ext))
     if best is not None:
         return best[1]
-    free = {
-        c.device_id: extents.largest_free(c.capacity_bytes, c.alignment_bytes, c.used)
-        for c in usable
-    }
-    return Refusal("no device has a free extent that large", max(free.values(), default=0), free)
+    free = {c.device_id: _largest(c) for c in usable}
+    reason = "no device has a free extent that large"
+    whole = sorted({free[c.device_id] for c in usable if c.whole_only and free[c.device_id]})
+    if whole:
+        reason += f" (whole-only devices take exactly {', '.join(map(str, whole))} bytes)"
+    return Refusal(reason, max(free.values(), default=0), free)
+
+
+def _fit(c: Candidate, size_bytes: int) -> Extent | None:
+    if c.whole_only:
+        return extents.whole_fit(
+            c.capacity_bytes, c.alignment_bytes, c.used, c.reserved, size_bytes
+        )
+    return extents.best_fit(c.capacity_bytes, c.alignment_bytes, c.used, size_bytes)
+
+
+def _largest(c: Candidate) -> int:
+    if c.whole_only:
+        return extents.whole_free(c.capacity_bytes, c.alignment_bytes, c.used, c.reserved)
+    return extents.largest_free(c.capacity_bytes, c.alignment_bytes, c.used)
 
 
 def _hole_size(c: Candidate, ext: Extent) -> int:

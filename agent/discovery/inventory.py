@@ -122,6 +122,7 @@ def to_wire(
             memdev_serials=d.memdev_serials,
             health_reasons=d.health_reasons,
             reserved_extents=reserved_extents(d, own_sub_devices),
+            whole_only=d.whole_only,
         )
         for d in inv.devices
     ]

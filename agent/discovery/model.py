@@ -66,6 +66,9 @@ class PoolDevice(BaseModel):
     dax_region_id: int | None = None
     dax_devices: list[str] = Field(default_factory=list)
     dax_occupants: list[DaxOccupant] = Field(default_factory=list)
+    # A static dax region (a pmem namespace in devdax mode, hmem): no seed/create/delete,
+    # so the backend leases its one device whole; poold must place nothing smaller.
+    whole_only: bool = False
     media: str = "unknown"
     recycled: bool = False
     provenance: str | None = None
@@ -226,6 +229,7 @@ def build_pool_devices(
             # system-ram devices too: capacity leaves their bytes out, but offsets count
             # from the region's start, so where they sit must not be carved either.
             dax_occupants=region_occupants(dax_region),
+            whole_only=not dax_region.carvable,
         )
         if cxl_region is not None:
             device.uid, device.host_scoped = idents[cxl_region.region]

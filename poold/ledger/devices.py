@@ -40,8 +40,19 @@ UNANNOTATED: dict[str, Any] = {
 
 
 def reported(item: InventoryDevice) -> dict[str, Any]:
-    """The annotation fields of one inventory row, as stored in ``reported_annotations``."""
-    return {field: getattr(item, field) for field in ANNOTATION_FIELDS}
+    """The annotation fields of one inventory row, as stored in ``reported_annotations``;
+    with them the agent's other word on the device that no administrator overrides:
+    ``whole_only`` (see :func:`whole_only`). A JSON column: no migration for a new field."""
+    out: dict[str, Any] = {field: getattr(item, field) for field in ANNOTATION_FIELDS}
+    if item.whole_only:
+        out["whole_only"] = True
+    return out
+
+
+def whole_only(reported: dict[str, Any] | None) -> bool:
+    """Whether the agent leases this device only whole (a static dax region): placement
+    then takes it only for a lease of exactly its usable size (pure)."""
+    return bool((reported or {}).get("whole_only", False))
 
 
 def effective(reported: dict[str, Any], admin: dict[str, Any]) -> dict[str, Any]:

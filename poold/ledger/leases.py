@@ -53,7 +53,7 @@ from poold.errors import (
 )
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATES_SQL, LeaseEvent, LeaseState, next_state
-from poold.ledger import agent_requests, lease_views, tenants, transitions
+from poold.ledger import agent_requests, devices, lease_views, tenants, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine, Tenant
 from poold.ledger.transitions import event_row
@@ -85,6 +85,7 @@ _HOST_DEVICES = (
         DevicePath.numa_node,
         DevicePath.local_name,
         Device.reserved_extents,
+        Device.reported_annotations,
     )
     .join(DevicePath, DevicePath.device_id == Device.id)
     .where(DevicePath.host_id == bindparam("host_id"), DevicePath.present.is_(True))
@@ -159,6 +160,15 @@ def _host_id(ledger: Ledger, conn: Connection, host_name: str) -> int:
         raise NotOwner(f"host {host_name!r} is not registered")
     ledger.host_ids[host_name] = int(host_id)
     return int(host_id)
+
+
+def host_id_of(ledger: Ledger, host_name: str) -> int:
+    """A registered host's id (cached: hosts are looked up on every lease call)."""
+    cached = ledger.host_ids.get(host_name)
+    if cached is not None:
+        return cached
+    with ledger.read() as s:
+        return _host_id(ledger, s.connection(), host_name)
 
 
 # --- grant ----------------------------------------------------------------------------
@@ -371,8 +381,10 @@ def _candidates(
         used[device_id].append(Extent(offset, length))
     for device_id, offset, length in conn.execute(_USED_BY_QUARANTINE, params):
         used[device_id].append(Extent(offset, length))
+    reserved: dict[int, tuple[Extent, ...]] = {}
     for row in rows:  # held by dax devices poold did not place (poold/ledger/devices.py)
-        used[row.id].extend(Extent(offset, length) for offset, length in row.reserved_extents)
+        reserved[row.id] = tuple(devices.reserved(row.reserved_extents))
+        used[row.id].extend(reserved[row.id])
     candidates = [
         placement.Candidate(
             device_id=row.id,
@@ -386,6 +398,8 @@ def _candidates(
             read_latency_ns=row.read_latency_ns,
             distance=row.distance,
             generation=row.generation,
+            whole_only=devices.whole_only(row.reported_annotations),
+            reserved=reserved[row.id],
         )
         for row in rows
     ]

@@ -171,6 +171,52 @@ def test_best_fit_and_largest_free_agree(dev: tuple[int, int, list[Extent]], siz
         assert extents.best_fit(capacity, alignment, used, largest) is not None
 
 
+def test_whole_fit_is_all_or_nothing() -> None:
+    cap, align = 8 * MiB, 2 * MiB
+    assert extents.whole_fit(cap, align, [], [], cap) == Extent(0, cap)
+    assert extents.whole_fit(cap, align, [], [], cap - 1) == Extent(0, cap)  # rounded up
+    assert extents.whole_fit(cap, align, [], [], 2 * MiB) is None  # smaller: never carved
+    assert extents.whole_fit(cap, align, [], [], cap + align) is None
+    assert extents.whole_fit(cap, align, [Extent(0, cap)], [], cap) is None  # leased
+    assert extents.whole_fit(cap, align, [Extent(6 * MiB, 2 * MiB)], [], 6 * MiB) is None
+    # Reserved bytes are not part of the usable size: the rest is the whole.
+    tail = [Extent(6 * MiB, 2 * MiB)]
+    assert extents.whole_fit(cap, align, tail, tail, 6 * MiB) == Extent(0, 6 * MiB)
+    assert extents.whole_free(cap, align, tail, tail) == 6 * MiB
+    assert extents.whole_free(cap, align, [Extent(0, 2 * MiB), *tail], tail) == 0
+    middle = [Extent(2 * MiB, 2 * MiB)]  # two holes: no one lease is the whole device
+    assert extents.whole_fit(cap, align, middle, middle, 6 * MiB) is None
+    assert extents.whole_free(cap, align, middle, middle) == 0
+
+
+@given(
+    device_and_used(),
+    st.lists(st.builds(Extent, st.integers(0, 300), st.integers(1, 300)), max_size=3),
+    st.integers(1, 70 * 4096),
+)
+@settings(max_examples=200)
+def test_whole_fit_gives_the_usable_space_or_nothing(
+    dev: tuple[int, int, list[Extent]], reserved: list[Extent], size: int
+) -> None:
+    capacity, alignment, leases = dev
+    used = [*leases, *reserved]
+    ext = extents.whole_fit(capacity, alignment, used, reserved, size)
+    usable = extents.free_bytes(capacity, reserved)
+    if ext is None:
+        # Refused: something besides the reserved bytes is on it, or the size is not the
+        # whole, or the whole is not one aligned hole; whole_free says which size it takes.
+        whole = extents.whole_free(capacity, alignment, used, reserved)
+        assert whole == 0 or extents.align_up(size, alignment) != whole
+        return
+    assert ext.length == usable == extents.align_up(size, alignment)
+    assert ext.offset % alignment == 0
+    assert extents.free_extents(capacity, used) == [ext]  # nothing was on it
+    assert not any(ext.overlaps(u) for u in used if u.length > 0)
+    assert extents.whole_free(capacity, alignment, used, reserved) == ext.length
+    # Once leased, the device has no whole to give to anyone else.
+    assert extents.whole_fit(capacity, alignment, [*used, ext], reserved, size) is None
+
+
 @given(device_and_used())
 def test_free_extents_are_disjoint_sorted_and_conserve_bytes(
     dev: tuple[int, int, list[Extent]],

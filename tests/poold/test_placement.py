@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from poold.extents import Extent
 from poold.placement import Candidate, Choice, Refusal, Request, eligible, place
@@ -157,3 +159,65 @@ def test_no_candidates_at_all() -> None:
     refusal = place(Request(MiB), [])
     assert isinstance(refusal, Refusal)
     assert refusal.largest_free_bytes == 0
+
+
+# --- whole-only devices (static dax regions, leased whole) ---------------------------------
+
+
+def test_whole_only_device_takes_only_a_lease_of_its_usable_size() -> None:
+    static = dev(1, whole_only=True, capacity_bytes=250 * MiB, read_latency_ns=100)
+    carvable = dev(2, read_latency_ns=300)
+    # 2 MiB: the nearer static device cannot be carved, the farther carvable one can.
+    small = chosen(Request(2 * MiB), [static, carvable])
+    assert small.candidate.device_id == 2
+    whole = chosen(Request(250 * MiB), [static, carvable])
+    assert (whole.candidate.device_id, whole.extent) == (1, Extent(0, 250 * MiB))
+
+
+def test_whole_only_device_alone_refuses_a_part_with_no_capacity() -> None:
+    static = dev(1, whole_only=True, capacity_bytes=250 * MiB)
+    refusal = place(Request(2 * MiB), [static])
+    assert isinstance(refusal, Refusal)
+    assert refusal.free_by_device == {1: 250 * MiB}
+    assert "whole-only devices take exactly 262144000 bytes" in refusal.reason
+    # Leased: nothing left to give, not even the whole.
+    leased = dev(1, whole_only=True, capacity_bytes=250 * MiB, used=(Extent(0, 250 * MiB),))
+    assert isinstance(place(Request(250 * MiB), [leased]), Refusal)
+    # Scrubbing after release (quarantine in used): still nothing, until it is free again.
+    scrubbing = dev(1, whole_only=True, capacity_bytes=250 * MiB, used=(Extent(0, 2 * MiB),))
+    refusal = place(Request(250 * MiB), [scrubbing])
+    assert isinstance(refusal, Refusal) and refusal.free_by_device == {1: 0}
+
+
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.integers(1, 64), st.integers(0, 64)), min_size=1, max_size=5
+    ),
+    st.integers(1, 64),
+)
+@settings(max_examples=200)
+def test_placement_never_puts_a_part_on_a_whole_only_device(
+    devices: list[tuple[bool, int, int]], size_units: int
+) -> None:
+    cands = [
+        dev(
+            i,
+            whole_only=whole,
+            capacity_bytes=units * 2 * MiB,
+            used=(Extent(0, leased * 2 * MiB),) if leased else (),
+        )
+        for i, (whole, units, leased) in enumerate(devices)
+    ]
+    result = place(Request(size_units * 2 * MiB), cands)
+    if isinstance(result, Choice):
+        c = result.candidate
+        if c.whole_only:
+            assert not c.used and result.extent == Extent(0, c.capacity_bytes)
+        return
+    # Refused: no carvable device had room, and no whole-only one was free at exactly that size.
+    for c in cands:
+        free = c.capacity_bytes - min(sum(e.length for e in c.used), c.capacity_bytes)
+        if c.whole_only:
+            assert c.used or c.capacity_bytes != size_units * 2 * MiB
+        else:
+            assert free < size_units * 2 * MiB
