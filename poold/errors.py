@@ -235,3 +235,17 @@ class BodyTooLarge(PoolError):
 
     code = "body_too_large"
     http_status = 413
+
+
+class DeviceNotBound(Forbidden):
+    """A host reported a device it is not bound to (poold/ledger/device_hosts.py): the
+    inventory item is dropped, and the rest of the heartbeat still applies."""
+
+    code = "device_not_bound"
+
+
+class DeviceHostScoped(Conflict):
+    """`allow-host` of a second host for a device only one host can reach (emulated
+    memory, a host's own NUMA node or dax region)."""
+
+    code = "device_host_scoped"

@@ -22,7 +22,15 @@ from sqlalchemy.orm import Session
 from poold import extents, pressure
 from poold.errors import BadRequest, LeaseNotActive, NotOwner, PoolError, UnknownLease
 from poold.lease_states import LIVE_STATE_VALUES, LeaseState
-from poold.ledger import accounting, agent_reports, devices, hosts, leases, transitions
+from poold.ledger import (
+    accounting,
+    agent_reports,
+    device_hosts,
+    devices,
+    hosts,
+    leases,
+    transitions,
+)
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, DevicePath, Event, Host, Lease, Quarantine
 from poold.ledger.types import check_ints_fit, utcnow
@@ -43,20 +51,32 @@ from poold.wire.agent import (
 REVOKED_HELD_EXTENSION_S = 60.0
 
 
-def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevice]) -> None:
-    """Make devices and device_paths match what the host's agent sees.
+def upsert_inventory(
+    session: Session, host: Host, inventory: list[InventoryDevice]
+) -> list[ReportRefusal]:
+    """Make devices and device_paths match what the host's agent sees; the items refused.
 
     A device that vanished from the host's inventory keeps its row (leases and
     history point at it); its path is marked absent, and a device no host
-    reaches any more becomes `missing` so placement skips it.
+    reaches any more becomes `missing` so placement skips it. An item for a device
+    the host is not bound to (poold/ledger/device_hosts.py) touches nothing: no
+    device field, no path; it counts as vanished from this host.
     """
     now = utcnow()
     seen: set[int] = set()
+    refused: list[ReportRefusal] = []
     for item in inventory:
         reported = item.model_dump()
         check_ints_fit(Device.__table__, reported)
         check_ints_fit(DevicePath.__table__, reported)
         dev = session.scalar(select(Device).where(Device.uid == item.uid))
+        err = device_hosts.refusal(session, host, item.uid, dev)
+        if err is not None:
+            device_hosts.log_refusal(host.name, item.uid, err.message)
+            refused.append(ReportRefusal(device_uid=item.uid, code=err.code, message=err.message))
+            continue
+        device_hosts.forget_refusal(host.name, item.uid)
+        first_sight = dev is None
         if dev is None:
             dev = Device(
                 uid=item.uid,
@@ -85,6 +105,8 @@ def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevi
             dev.state = "online"
         dev.updated_at = now
         session.flush()
+        if first_sight:
+            device_hosts.bind(session, dev.id, host.id, "first_sight")
         seen.add(dev.id)
         path = session.scalar(
             select(DevicePath).where(DevicePath.device_id == dev.id, DevicePath.host_id == host.id)
@@ -128,6 +150,7 @@ def upsert_inventory(session: Session, host: Host, inventory: list[InventoryDevi
                         host_id=host.id,
                     ),
                 )
+    return refused
 
 
 def _leases(session: Session, lease_ids: Sequence[str]) -> dict[str, Lease]:
@@ -398,8 +421,9 @@ def heartbeat(
     host.last_heartbeat_at = now
     host.agent_version = beat.agent_version or host.agent_version
     want_inventory = False
+    inventory_errors: list[ReportRefusal] = []
     if beat.inventory is not None:
-        upsert_inventory(session, host, beat.inventory)
+        inventory_errors = upsert_inventory(session, host, beat.inventory)
         host.inventory_digest = beat.inventory_digest
     elif beat.inventory_digest != host.inventory_digest:
         want_inventory = True
@@ -463,6 +487,7 @@ def heartbeat(
         revocations=revocations,
         scrub=scrub,
         report_errors=report_errors,
+        inventory_errors=inventory_errors,
         want_inventory=want_inventory,
         # After the reports: what tenants already gave back is not asked again.
         shrink=shrink_hints(

@@ -133,6 +133,26 @@ class DevicePath(Base):
     seen_at: Mapped[datetime] = _ts()
 
 
+class DeviceHost(Base):
+    """A host that may report a device (and so reach it for placement).
+
+    A heartbeat's inventory item for a device its host is not bound to is refused
+    whole (poold/ledger/device_hosts.py): no path, no capacity, health or media
+    change. Bindings go with their host or device (ON DELETE CASCADE).
+    """
+
+    __tablename__ = "device_hosts"
+    __table_args__ = (UniqueConstraint("device_id", "host_id", name="uq_device_hosts_device_host"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    device_id: Mapped[int] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id", ondelete="CASCADE"), index=True)
+    # How the binding came about: "first_sight" (the device's first report), "admin"
+    # (`poolctl devices allow-host`) or "path" (migration 0007, from a device_paths row).
+    source: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = _ts()
+
+
 class Tenant(Base):
     """A KV-cache tenant: quotas, allowed media, and who may act for it."""
 

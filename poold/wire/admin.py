@@ -106,6 +106,21 @@ class DeviceStatus(Model):
     reserved_bytes: int = 0
 
 
+DeviceScope = Literal["host", "shared"]
+
+
+class DeviceHosts(Model):
+    """Which hosts may report a device (`poolctl devices allow-host` / `disallow-host`).
+
+    ``scope`` "host": only one host can reach it (emulated memory, a host's own NUMA node
+    or dax region); "shared": a multi-headed or switched CXL device, by its memdev serials.
+    """
+
+    uid: str
+    scope: DeviceScope
+    hosts: list[str]
+
+
 class HostStatus(Model):
     name: str
     status: str

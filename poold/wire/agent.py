@@ -55,10 +55,6 @@ class InventoryDevice(Model):
     reserved_extents: list[
         tuple[Annotated[int, Field(ge=0, le=1 << 62)], Annotated[int, Field(gt=0, le=1 << 62)]]
     ] = Field(default_factory=list, max_length=4096)
-    # A device leased only whole (a static dax region: its one device, never carved):
-    # poold places only a lease of exactly its usable size there. Absent from older
-    # agents: carvable.
-    whole_only: bool = False
 
 
 class Renewal(Model):
@@ -185,11 +181,13 @@ class ScrubOrder(Model):
 
 
 class ReportRefusal(Model):
-    """A lease report poold did not store (not this host's lease, ended, inconsistent)."""
+    """A lease report poold did not store (not this host's lease, ended, inconsistent),
+    or an inventory item it dropped (``device_uid`` set: a device this host may not report)."""
 
-    lease_id: str
+    lease_id: str = ""
     code: str
     message: str
+    device_uid: str | None = None
 
 
 class ShrinkHint(Model):
@@ -211,6 +209,9 @@ class HeartbeatReply(Model):
     scrub: list[ScrubOrder] = Field(default_factory=list)
     # Reports refused one by one; the rest of the heartbeat still applies.
     report_errors: list[ReportRefusal] = Field(default_factory=list)
+    # Inventory items dropped one by one (device_not_bound); the rest of the inventory
+    # still applies (poold/ledger/device_hosts.py).
+    inventory_errors: list[ReportRefusal] = Field(default_factory=list)
     # True when poold has no (or a stale) inventory for this host.
     want_inventory: bool = False
     # Pressure: this host's leases whose tenants are asked to give memory back.
