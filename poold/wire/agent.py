@@ -55,6 +55,10 @@ class InventoryDevice(Model):
     reserved_extents: list[
         tuple[Annotated[int, Field(ge=0, le=1 << 62)], Annotated[int, Field(gt=0, le=1 << 62)]]
     ] = Field(default_factory=list, max_length=4096)
+    # A device leased only whole (a static dax region: its one device, never carved):
+    # poold places only a lease of exactly its usable size there. Absent from older
+    # agents: carvable.
+    whole_only: bool = False
 
 
 class Renewal(Model):
