@@ -5,17 +5,28 @@ The oldest one on this agent. A request with ``wait_s`` that poold refuses with
 retries its grant (after a heartbeat reply, a local release or shrink, or every
 :data:`ADMISSION_RETRY_S`), so a later or smaller request never overtakes it. Each
 heartbeat tells poold how many bytes the head wants (:meth:`Admission.wanted_bytes`),
-which poold may free for it (pressure, replicas first).
+which poold may free for it (pressure, replicas first). A request counts there only
+once poold has refused it ``no_capacity``, which it says only to a caller it has
+authorised: a stranger's request never makes poold press other tenants.
+
+How much lease work may run at once is :class:`InFlight`'s: a request slot per uid
+while the request runs, then, once poold has granted the lease, its bytes against a
+per-uid and a host-wide budget while its memory is made. Both are bounded, so neither
+one uid nor everyone together can have the agent make more memory at once than the
+budget (each check of free memory alone would let concurrent requests all pass).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Final
 
-from poold.errors import NoCapacity
+from poold.errors import InFlightLimit, NoCapacity
 from poold.wire.agent import GrantRequest
 from poold.wire.common import LeaseOut
 
@@ -23,14 +34,22 @@ from poold.wire.common import LeaseOut
 # arrives or a local lease is released, and at least this often otherwise.
 ADMISSION_RETRY_S = 1.0
 
+DEFAULT_MAX_REQUESTS_PER_UID: Final = 16
+DEFAULT_MAX_IN_FLIGHT_BYTES: Final = 8 << 30
+DEFAULT_MAX_IN_FLIGHT_BYTES_PER_UID: Final = 4 << 30
+DEFAULT_IN_FLIGHT_WAIT_S: Final = 5.0
+
 
 class _Waiting:
     """A lease request waiting for capacity; identity is its place in the queue."""
 
-    __slots__ = ("size_bytes",)
+    __slots__ = ("authorised", "size_bytes")
 
     def __init__(self, size_bytes: int) -> None:
         self.size_bytes = size_bytes
+        # poold refused it no_capacity, so it knows the caller: only then does poold
+        # hear of the bytes it wants.
+        self.authorised = False
 
 
 class Admission:
@@ -71,6 +90,7 @@ class Admission:
                 except NoCapacity as err:
                     if "host_status" in err.detail:  # draining: no capacity will come
                         raise
+                    ticket.authorised = True
                     last = err
                     self._last_refusal = err
                 with self._changed:
@@ -98,9 +118,11 @@ class Admission:
         )
 
     def wanted_bytes(self) -> int:
-        """What the oldest waiting lease request needs (FIFO: only it), for the heartbeat."""
+        """What the oldest waiting lease request needs (FIFO: only it), for the heartbeat;
+        0 until poold has authorised it (its first refusal was no_capacity)."""
         with self._changed:
-            return self._waiting[0].size_bytes if self._waiting else 0
+            head = self._waiting[0] if self._waiting else None
+            return head.size_bytes if head is not None and head.authorised else 0
 
     def waiting(self) -> int:
         """How many lease requests wait for capacity now."""
@@ -117,3 +139,148 @@ class Admission:
         """The agent stops: every waiting request gives up at once."""
         self._closed.set()
         self.capacity_changed()
+
+
+@dataclass(frozen=True, slots=True)
+class InFlightLimits:
+    """How much lease work may run at once; see :class:`InFlight`."""
+
+    max_requests_per_uid: int = DEFAULT_MAX_REQUESTS_PER_UID
+    max_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES
+    max_bytes_per_uid: int = DEFAULT_MAX_IN_FLIGHT_BYTES_PER_UID
+    # How long a request past a limit waits for room before in_flight_limit.
+    wait_s: float = DEFAULT_IN_FLIGHT_WAIT_S
+
+
+class InFlight:
+    """Lease requests running now, per uid, and the bytes being made for them (thread-safe).
+
+    ``request(uid)`` holds one of the uid's request slots for a whole lease request;
+    ``making(uid, n)`` holds ``n`` bytes of the uid's and of the host's budget while a
+    granted lease's memory is made. Either waits up to ``wait_s`` for room, then refuses
+    with ``in_flight_limit`` (retryable). A lone request larger than a budget still
+    runs when nothing else is being made in that scope: the budgets bound what runs
+    together, never which single lease may be made. ``available`` (bytes of RAM free
+    now) makes a request also wait while the bytes others are making, plus its own,
+    exceed it.
+    """
+
+    def __init__(self, limits: InFlightLimits | None = None) -> None:
+        self.limits = limits or InFlightLimits()
+        self._changed = threading.Condition()
+        self._requests: dict[int, int] = {}
+        self._bytes: dict[int, int] = {}
+        self._bytes_total = 0
+
+    @contextlib.contextmanager
+    def request(self, uid: int, wait_s: float | None = None) -> Iterator[None]:
+        """One of the uid's lease-request slots, for the block."""
+        limit = self.limits.max_requests_per_uid
+        self._wait(
+            lambda: self._requests.get(uid, 0) < limit,
+            wait_s,
+            lambda: InFlightLimit(
+                f"uid {uid} already has {limit} lease requests in flight on this agent; "
+                "retry when one has finished",
+                limit="requests_per_uid",
+                max_requests=limit,
+                retry_after_s=1,
+            ),
+            take=lambda: self._requests.__setitem__(uid, self._requests.get(uid, 0) + 1),
+        )
+        try:
+            yield
+        finally:
+            with self._changed:
+                left = self._requests[uid] - 1
+                if left:
+                    self._requests[uid] = left
+                else:
+                    del self._requests[uid]
+                self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def making(
+        self,
+        uid: int,
+        size_bytes: int,
+        *,
+        wait_s: float | None = None,
+        available: Callable[[], int | None] | None = None,
+    ) -> Iterator[None]:
+        """``size_bytes`` of the uid's and the host's in-flight budgets, for the block."""
+        limits = self.limits
+
+        def fits() -> bool:
+            mine = self._bytes.get(uid, 0)
+            if mine and mine + size_bytes > limits.max_bytes_per_uid:
+                return False
+            if self._bytes_total and self._bytes_total + size_bytes > limits.max_bytes:
+                return False
+            if available is not None and self._bytes_total:
+                free = available()
+                if free is not None and self._bytes_total + size_bytes > free:
+                    return False
+            return True
+
+        def refusal() -> InFlightLimit:
+            mine = self._bytes.get(uid, 0)
+            if mine and mine + size_bytes > limits.max_bytes_per_uid:
+                scope, limit, used = "bytes_per_uid", limits.max_bytes_per_uid, mine
+            else:
+                scope, limit, used = "bytes", limits.max_bytes, self._bytes_total
+            whom = "this host" if scope == "bytes" else f"uid {uid}"
+            return InFlightLimit(
+                f"{used} bytes of memory are being made for {whom} already; {size_bytes} "
+                f"more would pass the in-flight limit of {limit} bytes: retry shortly",
+                limit=scope,
+                in_flight_bytes=used,
+                max_bytes=limit,
+                size_bytes=size_bytes,
+                retry_after_s=1,
+            )
+
+        self._wait(fits, wait_s, refusal, take=lambda: self._take_bytes(uid, size_bytes))
+        try:
+            yield
+        finally:
+            with self._changed:
+                left = self._bytes[uid] - size_bytes
+                if left:
+                    self._bytes[uid] = left
+                else:
+                    del self._bytes[uid]
+                self._bytes_total -= size_bytes
+                self._changed.notify_all()
+
+    def _take_bytes(self, uid: int, size_bytes: int) -> None:
+        self._bytes[uid] = self._bytes.get(uid, 0) + size_bytes
+        self._bytes_total += size_bytes
+
+    def _wait(
+        self,
+        fits: Callable[[], bool],
+        wait_s: float | None,
+        refusal: Callable[[], InFlightLimit],
+        take: Callable[[], None] | None = None,
+    ) -> None:
+        """Wait (under the condition) until ``fits``; then ``take``, in the same hold."""
+        deadline = time.monotonic() + (self.limits.wait_s if wait_s is None else wait_s)
+        with self._changed:
+            while not fits():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise refusal()
+                # Re-checked at least every second: `available` is not notified.
+                self._changed.wait(min(remaining, ADMISSION_RETRY_S))
+            if take is not None:
+                take()
+
+    def bytes_in_flight(self, uid: int | None = None) -> int:
+        """Bytes being made now, for ``uid`` or (None) on the whole host."""
+        with self._changed:
+            return self._bytes_total if uid is None else self._bytes.get(uid, 0)
+
+    def requests_in_flight(self, uid: int) -> int:
+        with self._changed:
+            return self._requests.get(uid, 0)

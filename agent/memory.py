@@ -1,10 +1,10 @@
 """How does a granted lease become memory on this host, and how does that memory go again?
 
-Memory is made by the backend of the lease's device kind (agent/backends), either
-before the grant, where it does not depend on the placement (emulated memfds, some from
-the warm pool), or after it: a dax sub-device at the ledger's offset, a memfd on the
-device's NUMA node. It is dropped when the lease ends, and a released devdax range is
-zeroed (scrubbed) off the request path before poold counts it free. Where each pool
+Memory is made by the backend of the lease's device kind (agent/backends), always
+after poold granted the lease: a dax sub-device at the ledger's offset, a memfd on the
+device's NUMA node, an emulated memfd (from the warm pool when one is ready). It is
+dropped when the lease ends, and a released devdax range is zeroed (scrubbed) off the
+request path before poold counts it free. Where each pool
 device lives on this host (its dax region or node) is a :class:`LocalDevice`.
 
 Every dax sub-device made here, for a lease or for a scrub, is recorded with the
@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from agent import protocol as p
 from agent.backends import Backend, Materialised, Placement
 from agent.held import HeldLease, HeldLeases
 from agent.journal import SubDevice
@@ -31,7 +30,6 @@ from agent.leftovers import LeftoverSweep, Tied
 from agent.link import PooldLink
 from agent.warm import WarmPool
 from poold.errors import BackendFailed, PoolError
-from poold.extents import align_up
 from poold.wire.agent import InventoryDevice, LeaseOp, ScrubOrder
 from poold.wire.common import LeaseOut
 
@@ -111,53 +109,6 @@ class LeaseMemory:
         kind = held.memory.backend if held.memory is not None else held.lease.device_kind
         return self.backends.get(kind)
 
-    # --- made before the grant ------------------------------------------------------
-    def _premade_length(self, args: p.LeaseArgs) -> tuple[Backend, int] | None:
-        """For memfd-only hosts, the length the grant will have, so memory can be made first.
-
-        Emulated memory does not depend on where on the device the lease sits, so
-        the agent materialises it before asking poold and grants+activates in one
-        round trip. Any other device kind needs the placement first.
-        """
-        inv = self.link.inventory
-        if not inv or any(d.kind != "emulated" for d in inv):
-            return None
-        if args.media is not None and args.media != "emulated":
-            return None
-        backend = self.backends.get("emulated")
-        if backend is None:
-            return None
-        alignment = max(d.alignment_bytes for d in inv)
-        return backend, align_up(args.size_bytes, alignment)
-
-    def premade(self, args: p.LeaseArgs, pid: int) -> Materialised | None:
-        """Memory for the lease ``args`` asks, made before its grant where that can be;
-        None when the lease needs its placement first (:meth:`materialise_placed`)."""
-        premade = self._premade_length(args)
-        if premade is None:
-            return None
-        backend, length = premade
-        # Warm memfds are sealed against shrinking: a shrinkable lease is made here.
-        memory = self.warm.take(length) if self.warm is not None and not args.shrinkable else None
-        if memory is None:
-            memory = backend.materialise(length, f"poold-lease-{pid}", shrinkable=args.shrinkable)
-        return memory
-
-    def never_handed_out(self, memory: Materialised) -> None:
-        """Premade memory whose grant failed: still fresh, so it may wait for the next tenant."""
-        if self.warm is not None:
-            self.warm.give_back(memory)
-        else:
-            self.backends[memory.backend].release(memory)
-
-    def fitting(self, memory: Materialised, lease: LeaseOut) -> Materialised | None:
-        """The premade memory if it has the granted length; else it goes, and None."""
-        if lease.length_bytes == memory.length_bytes:
-            return memory
-        # poold aligned differently than the inventory said: redo, never mis-size.
-        self.backends[memory.backend].release(memory)
-        return None
-
     # --- made after placement -------------------------------------------------------
     def _make(self, backend: Backend, lease: LeaseOut, *, shrinkable: bool = False) -> Materialised:
         """Memory for a placed lease, where this host has its device."""
@@ -184,13 +135,26 @@ class LeaseMemory:
             placement, f"poold-lease-{lease.id}", shrinkable=shrinkable, on_carve=carved
         )
 
+    def _warm(self, lease: LeaseOut, *, shrinkable: bool) -> Materialised | None:
+        """A fresh warm memfd of the lease's length (emulated; warm ones are sealed
+        against shrinking, so not for a shrinkable lease), taken only once it is granted."""
+        if self.warm is None or shrinkable or lease.device_kind != "emulated":
+            return None
+        return self.warm.take(lease.length_bytes)
+
     def materialise_placed(self, lease: LeaseOut, *, shrinkable: bool = False) -> Materialised:
-        """Two-step path: memory made after placement, then activated in the ledger."""
+        """Memory for a granted lease, then its activation in the ledger.
+
+        Only ever after poold granted the lease: the agent makes no memory for a request
+        nobody has authorised (DESIGN.md "Memory follows the pages").
+        """
         backend = self.backends.get(lease.device_kind)
         try:
             if backend is None:
                 raise BackendFailed(f"no backend for device kind {lease.device_kind}")
-            memory = self._make(backend, lease, shrinkable=shrinkable)
+            memory = self._warm(lease, shrinkable=shrinkable) or self._make(
+                backend, lease, shrinkable=shrinkable
+            )
         except BaseException as exc:
             self.link.abort_now(lease.id, f"materialise failed: {exc}")
             if isinstance(exc, PoolError):

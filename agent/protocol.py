@@ -21,9 +21,10 @@ import array
 import json
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, Literal
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -176,6 +177,10 @@ class StatsArgs(Model):
 
 
 class StatsResult(Model):
+    """Leases and bytes held: host-wide for root, the caller's own uid's for anyone else
+    (``scope``), so a socket user learns nothing of other tenants."""
+
+    scope: Literal["host", "caller"] = "host"
     leases_held: int
     bytes_held: int
     # Revoked memfd leases whose holder still maps them (counted apart from bytes_held).
@@ -252,17 +257,32 @@ def _frame(body: bytes) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-def _recv_exact(sock: socket.socket, length: int, fds: list[int] | None) -> bytes:
+def _until(sock: socket.socket, deadline: float | None) -> None:
+    """Bound the next blocking call by ``deadline`` (monotonic); TimeoutError once past it."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("frame deadline passed")
+    sock.settimeout(left)
+
+
+def _recv_exact(
+    sock: socket.socket, length: int, fds: list[int] | None, deadline: float | None = None
+) -> bytes:
     """Exactly ``length`` bytes; b"" on EOF before the first byte; BadRequest on EOF after it.
 
     With ``fds`` given, any SCM_RIGHTS fds riding on the bytes are appended to it (the
     kernel attaches them to the first byte of the sender's sendmsg, so they may arrive
-    with any chunk); without it, the kernel closes any fds a peer sent.
+    with any chunk); without it, the kernel closes any fds a peer sent. With
+    ``deadline`` (monotonic), the bytes must all arrive by then, however slowly they
+    trickle: TimeoutError otherwise.
     """
     if fds is None:
         chunks: list[bytes] = []
         remaining = length
         while remaining:
+            _until(sock, deadline)
             chunk = sock.recv(remaining)
             if not chunk:
                 break
@@ -270,17 +290,20 @@ def _recv_exact(sock: socket.socket, length: int, fds: list[int] | None) -> byte
             remaining -= len(chunk)
         data = b"".join(chunks)
     else:
-        data = _recvmsg_exact(sock, length, fds)
+        data = _recvmsg_exact(sock, length, fds, deadline)
     if data and len(data) < length:
         raise BadRequest(f"connection closed mid-frame ({len(data)} of {length} bytes)")
     return data
 
 
-def _recvmsg_exact(sock: socket.socket, length: int, fds: list[int]) -> bytes:
+def _recvmsg_exact(
+    sock: socket.socket, length: int, fds: list[int], deadline: float | None
+) -> bytes:
     anc_size = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * array.array("i").itemsize)
     chunks: list[bytes] = []
     remaining = length
     while remaining:
+        _until(sock, deadline)
         chunk, ancdata, flags, _ = sock.recvmsg(remaining, anc_size, socket.MSG_CMSG_CLOEXEC)
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -301,16 +324,19 @@ def read_frame(
     *,
     max_frame_bytes: int = MAX_FRAME_BYTES,
     fds: list[int] | None = None,
+    deadline: float | None = None,
 ) -> dict[str, Any] | None:
     """Read exactly one frame; None on a clean EOF before it.
 
     Raises FrameTooLarge when the announced length exceeds ``max_frame_bytes`` (the body
     is left unread: the caller must close the connection) and BadRequest when the body
     is not a UTF-8 JSON object or the connection ends mid-frame. Socket errors
-    (OSError, TimeoutError) propagate. Received fds are appended to ``fds``; the caller
-    owns them even when this raises.
+    (OSError, TimeoutError) propagate; TimeoutError too when the whole frame has not
+    arrived by ``deadline`` (monotonic; the agent's cap on a peer that trickles a
+    frame). Received fds are appended to ``fds``; the caller owns them even when this
+    raises.
     """
-    header = _recv_exact(sock, _HEADER.size, fds)
+    header = _recv_exact(sock, _HEADER.size, fds, deadline)
     if not header:
         return None
     (length,) = _HEADER.unpack(header)
@@ -320,7 +346,7 @@ def read_frame(
             size_bytes=length,
             max_bytes=max_frame_bytes,
         )
-    body = _recv_exact(sock, length, fds) if length else b""
+    body = _recv_exact(sock, length, fds, deadline) if length else b""
     if len(body) < length:
         raise BadRequest("connection closed after a frame header")
     try:

@@ -9,14 +9,26 @@ SCM_RIGHTS.
 
 Threads, not asyncio: one per connection, so that a handler may block (on poold, on a
 backend) without stalling other tenants, and fds cross with plain ``sendmsg``. A bad
-client costs at most its own connection: errors become error frames, and the number of
-connections is capped.
+client costs at most its own connection: errors become error frames.
+
+Anyone in the socket's group can connect, so everything a connection can pin is
+bounded (:class:`SocketLimits`): connections per uid well below the global cap; a
+frame must arrive whole within ``frame_timeout_s`` of its first byte and within
+``max_frame_bytes``; a reply the peer does not read is given up after
+``reply_timeout_s``; a connection idle for ``idle_timeout_s`` is closed unless its
+process holds leases (a tenant session stays). When the global cap is reached, a
+newcomer takes the place of the longest-idle connection of the uid holding the most
+connections, if that uid holds at least two more than the newcomer's: one uid (or a
+few) flooding the socket cannot keep any other uid out. Fds a peer attaches are
+never received (the kernel closes them).
 """
 
 from __future__ import annotations
 
 import array
+import collections
 import contextlib
+import dataclasses
 import errno
 import grp
 import itertools
@@ -28,13 +40,14 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Protocol
 
 from agent.protocol import (
+    MAX_FRAME_BYTES,
     OPERATIONS,
     HelloArgs,
     HelloResult,
@@ -58,11 +71,17 @@ from agent.protocol import (
     parse_request,
     read_frame,
 )
-from poold.errors import AgentBusy, PoolError
+from poold.errors import AgentBusy, FrameTimeout, PoolError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONNECTIONS: Final = 1024
+DEFAULT_MAX_CONNECTIONS_PER_UID: Final = 64
+DEFAULT_FRAME_TIMEOUT_S: Final = 10.0
+DEFAULT_IDLE_TIMEOUT_S: Final = 300.0
+DEFAULT_REPLY_TIMEOUT_S: Final = 30.0
+# Until the agent's settings name them, limits may be set in its environment.
+LIMITS_ENV_PREFIX: Final = "POOL_AGENT_SOCKET_"
 _JOIN_TIMEOUT_S: Final = 5.0
 # struct ucred from <sys/socket.h>: pid_t pid; uid_t uid; gid_t gid.
 _UCRED = struct.Struct("iII")
@@ -71,6 +90,37 @@ _UCRED = struct.Struct("iII")
 _SO_PEERGROUPS: Final[int] = getattr(socket, "SO_PEERGROUPS", 59)
 # CPython caps getsockopt buffers at 1024 bytes: 256 groups; more falls back to /proc.
 _PEERGROUPS_BUFLEN: Final = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SocketLimits:
+    """What one connection, and one uid, may hold of the agent (see the module docstring)."""
+
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections_per_uid: int = DEFAULT_MAX_CONNECTIONS_PER_UID
+    frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S
+    max_frame_bytes: int = MAX_FRAME_BYTES
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> SocketLimits:
+        """Defaults, overridden by ``POOL_AGENT_SOCKET_<FIELD>`` (e.g. ``..._IDLE_TIMEOUT_S``)."""
+        changes: dict[str, Any] = {}
+        for name in cls.__dataclass_fields__:
+            key = LIMITS_ENV_PREFIX + name.upper()
+            raw = environ.get(key)
+            if raw is None:
+                continue
+            kind = float if name.endswith("_s") else int
+            try:
+                value = kind(raw)
+            except ValueError:
+                raise ValueError(f"{key}={raw!r} is not a number") from None
+            if value <= 0:
+                raise ValueError(f"{key} must be positive, got {raw!r}")
+            changes[name] = value
+        return cls(**changes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +148,8 @@ class AgentHandler(Protocol):
     anything else is logged and reported as ``internal``. ``lease`` returns the fd to
     pass with its result: the handler keeps owning it (the server sends it, never closes
     it). A reply that cannot be delivered ends the connection, so ``disconnected``
-    follows: a lease granted on it then has no holder.
+    follows: a lease granted on it then has no holder. A handler may also have
+    ``holds_leases(peer) -> bool``: an idle connection for which it says yes stays open.
     """
 
     def hello(self, peer: Peer, args: HelloArgs) -> HelloResult: ...
@@ -177,6 +228,10 @@ def _proc_groups(pid: int) -> tuple[int, ...]:
     return ()
 
 
+def _holds_none(peer: Peer) -> bool:
+    return False
+
+
 def _remove_stale_socket(path: Path) -> None:
     """Unlink a socket file nobody listens on; refuse to touch anything else."""
     try:
@@ -208,12 +263,20 @@ def _resolve_gid(group: str | int) -> int:
 
 
 class _Connection:
-    """One accepted socket; ``close`` and ``interrupt`` may race from two threads."""
+    """One accepted socket; ``close`` and ``interrupt`` may race from two threads.
 
-    def __init__(self, sock: socket.socket, connection_id: int) -> None:
+    ``busy`` (a frame begun, or its request running) and ``shed`` are the server's,
+    under the server's lock: only a connection that is not busy is ever shed.
+    """
+
+    def __init__(self, sock: socket.socket, peer: Peer) -> None:
         self.sock = sock
-        self.connection_id = connection_id
+        self.peer = peer
+        self.connection_id = peer.connection_id
         self.thread: threading.Thread | None = None
+        self.busy = False
+        self.shed = False
+        self.last_active = time.monotonic()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -247,11 +310,18 @@ class AgentServer:
         mode: int = 0o660,
         group: str | int | None = None,
         listen_socket: socket.socket | None = None,
-        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_connections: int | None = None,
         backlog: int = 128,
+        limits: SocketLimits | None = None,
     ) -> None:
         self._methods, self._disconnected = bind_handler(handler)
-        self.max_connections = max_connections
+        holds: Callable[[Peer], bool] | None = getattr(handler, "holds_leases", None)
+        self._holds_leases: Callable[[Peer], bool] = holds if callable(holds) else _holds_none
+        limits = limits or SocketLimits.from_environ(os.environ)
+        if max_connections is not None:
+            limits = dataclasses.replace(limits, max_connections=max_connections)
+        self.limits = limits
+        self.max_connections = limits.max_connections
         self._bound_inode: int | None = None
         if listen_socket is not None:
             # Adopted (systemd socket activation): its unit set path and permissions.
@@ -405,16 +475,61 @@ class AgentServer:
 
     # --- connections ------------------------------------------------------
 
-    def _admit(self, sock: socket.socket) -> None:
-        sock.setblocking(True)
-        connection = _Connection(sock, next(self._connection_ids))
+    def connections_of(self, uid: int) -> int:
+        """How many connections of ``uid`` are open now."""
         with self._lock:
-            admitted = not self._closed and len(self._connections) < self.max_connections
-            if admitted:
-                self._connections[connection.connection_id] = connection
-        if not admitted:
-            self._refuse(connection)
+            return sum(1 for c in self._connections.values() if c.peer.uid == uid)
+
+    def _admit(self, sock: socket.socket) -> None:
+        connection_id = next(self._connection_ids)
+        try:
+            peer = read_peer(sock, connection_id)
+        except OSError as err:  # gone already
+            log.debug("connection %d: no peer credentials: %s", connection_id, err)
+            sock.close()
             return
+        sock.setblocking(True)
+        connection = _Connection(sock, peer)
+        limits = self.limits
+        refusal: AgentBusy | None = None
+        victim: _Connection | None = None
+        with self._lock:
+            mine = sum(1 for c in self._connections.values() if c.peer.uid == peer.uid)
+            if self._closed:
+                refusal = AgentBusy("the agent is shutting down")
+            elif mine >= limits.max_connections_per_uid:
+                refusal = AgentBusy(
+                    f"uid {peer.uid} already has {mine} connections to the agent; "
+                    "close one or reuse a connection",
+                    limit="connections_per_uid",
+                    max_connections=limits.max_connections_per_uid,
+                )
+            elif len(self._connections) >= limits.max_connections:
+                victim = self._victim(mine)
+                if victim is None:
+                    refusal = AgentBusy(
+                        f"the agent already serves {limits.max_connections} connections; "
+                        "retry later",
+                        limit="connections",
+                        max_connections=limits.max_connections,
+                    )
+                else:
+                    victim.shed = True
+                    del self._connections[victim.connection_id]
+            if refusal is None:
+                self._connections[connection.connection_id] = connection
+        if refusal is not None:
+            self._refuse(connection, refusal)
+            return
+        if victim is not None:
+            log.warning(
+                "connection cap %d reached: closing idle connection %d of uid %d for uid %d",
+                limits.max_connections,
+                victim.connection_id,
+                victim.peer.uid,
+                peer.uid,
+            )
+            victim.interrupt()
         thread = threading.Thread(
             target=self._serve_connection,
             args=(connection,),
@@ -424,20 +539,32 @@ class AgentServer:
         connection.thread = thread
         thread.start()
 
-    def _refuse(self, connection: _Connection) -> None:
-        log.warning("refusing connection: %d connections already open", self.max_connections)
-        busy = AgentBusy(
-            f"the agent already serves {self.max_connections} connections; retry later"
-        )
+    def _victim(self, newcomer_count: int) -> _Connection | None:
+        """The connection to shed for a newcomer whose uid has ``newcomer_count`` (under
+        the lock): the longest-idle one of the uid with the most connections, if that uid
+        has at least two more than the newcomer's and one of them is idle."""
+        by_uid: dict[int, list[_Connection]] = collections.defaultdict(list)
+        for c in self._connections.values():
+            by_uid[c.peer.uid].append(c)
+        for conns in sorted(by_uid.values(), key=len, reverse=True):
+            if len(conns) <= newcomer_count + 1:
+                return None
+            idle = [c for c in conns if not c.busy and not c.shed]
+            if idle:
+                return min(idle, key=lambda c: c.last_active)
+        return None
+
+    def _refuse(self, connection: _Connection, busy: AgentBusy) -> None:
+        peer = connection.peer
+        log.warning("refusing connection of uid %d pid %d: %s", peer.uid, peer.pid, busy.message)
         with contextlib.suppress(OSError):
             # Never block the accept loop on a peer that does not read.
             connection.sock.send(encode_error(busy), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
         connection.close()
 
     def _serve_connection(self, connection: _Connection) -> None:
-        peer: Peer | None = None
+        peer = connection.peer
         try:
-            peer = read_peer(connection.sock, connection.connection_id)
             log.debug(
                 "connection %d: pid %d uid %d gid %d",
                 peer.connection_id,
@@ -454,36 +581,82 @@ class AgentServer:
             connection.close()
             with self._lock:
                 self._connections.pop(connection.connection_id, None)
-            if peer is not None:
-                try:
-                    self._disconnected(peer)
-                except Exception:
-                    log.exception(
-                        "handler.disconnected failed for connection %d", peer.connection_id
-                    )
+            try:
+                self._disconnected(peer)
+            except Exception:
+                log.exception("handler.disconnected failed for connection %d", peer.connection_id)
+
+    def _begin(self, connection: _Connection) -> bool:
+        """A frame has begun: the connection may no longer be shed (False: it was)."""
+        with self._lock:
+            if connection.shed:
+                return False
+            connection.busy = True
+            return True
+
+    def _end(self, connection: _Connection) -> None:
+        with self._lock:
+            connection.busy = False
+            connection.last_active = time.monotonic()
 
     def _converse(self, connection: _Connection, peer: Peer) -> None:
         sock = connection.sock
+        limits = self.limits
+        waiting = select.poll()
+        waiting.register(sock, select.POLLIN)
         while not self._stopping.is_set():
-            try:
-                frame = read_frame(sock)
-            except PoolError as err:
-                # Oversized or undecodable: the stream can no longer be trusted to be
-                # at a frame boundary, so say why and hang up.
-                log.warning(
-                    "connection %d (pid %d uid %d): %s; closing",
+            if not waiting.poll(limits.idle_timeout_s * 1000):
+                if self._holds_leases(peer):
+                    continue  # a tenant session: it stays as long as it holds leases
+                log.info(
+                    "connection %d (pid %d uid %d): idle for %.0f s without leases; closing",
                     peer.connection_id,
                     peer.pid,
                     peer.uid,
-                    err.message,
+                    limits.idle_timeout_s,
                 )
-                self._send(sock, encode_error(err), None)
+                return
+            if not self._begin(connection):
+                return
+            try:
+                frame = read_frame(
+                    sock,
+                    max_frame_bytes=limits.max_frame_bytes,
+                    deadline=time.monotonic() + limits.frame_timeout_s,
+                )
+            except TimeoutError:
+                self._hang_up(
+                    connection,
+                    peer,
+                    FrameTimeout(
+                        f"a frame was begun and not finished within {limits.frame_timeout_s:g} s",
+                        timeout_s=limits.frame_timeout_s,
+                    ),
+                )
+                return
+            except PoolError as err:
+                # Oversized or undecodable: the stream can no longer be trusted to be
+                # at a frame boundary, so say why and hang up.
+                self._hang_up(connection, peer, err)
                 return
             if frame is None:
                 return
             reply, fd = self._dispatch(peer, frame)
+            sock.settimeout(limits.reply_timeout_s)  # a peer that never reads pins nothing
             if not self._send(sock, reply, fd):
                 return
+            self._end(connection)
+
+    def _hang_up(self, connection: _Connection, peer: Peer, err: PoolError) -> None:
+        log.warning(
+            "connection %d (pid %d uid %d): %s; closing",
+            peer.connection_id,
+            peer.pid,
+            peer.uid,
+            err.message,
+        )
+        connection.sock.settimeout(self.limits.reply_timeout_s)
+        self._send(connection.sock, encode_error(err), None)
 
     def _dispatch(self, peer: Peer, frame: dict[str, Any]) -> tuple[bytes, int | None]:
         """The reply frame (and fd) for one request; never raises."""

@@ -6,6 +6,11 @@ users, never what the request claims. The operations work over the table of held
 leases (agent/held.py); memory is made and dropped by agent/memory.py, a request
 that finds the pool full waits in agent/admission.py, and what poold hears of the
 host each heartbeat, and the leases it revokes, are agent/revocation.py's.
+
+Any local user who can open the socket may call it, so nothing here costs the host
+before the caller is authorised: a lease is granted (authorised) first and its memory
+made after, within bounded in-flight budgets (:meth:`AgentService._authorise_then_make`);
+a stranger learns neither which tenants exist nor what other tenants hold.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from datetime import UTC, datetime, timedelta
 
 from agent import protocol as p
 from agent import restart
-from agent.admission import Admission
-from agent.backends import Backend
+from agent.admission import Admission, InFlight, InFlightLimits
+from agent.backends import Backend, Materialised
+from agent.backends.emulated import available_bytes
 from agent.held import HeldLease, HeldLeases
 from agent.holders import Holder
 from agent.journal import Journal
@@ -31,9 +37,16 @@ from agent.revocation import Revocations
 from agent.server import Peer
 from agent.warm import WarmPool
 from poold import __version__
-from poold.errors import InvalidSize, LeaseNotActive, NotShrinkable
+from poold.errors import (
+    InvalidSize,
+    LeaseNotActive,
+    NotOwner,
+    NotShrinkable,
+    UnknownTenant,
+)
 from poold.extents import align_up
 from poold.wire.agent import GrantRequest, LeaseOp, LeaseReport
+from poold.wire.common import LeaseOut
 
 log = logging.getLogger("pool_agent")
 
@@ -42,7 +55,13 @@ class AgentService:
     """Handler of every socket operation (the server checks all are present at start)."""
 
     def __init__(
-        self, host: str, link: PooldLink, backends: dict[str, Backend], warm: WarmPool | None = None
+        self,
+        host: str,
+        link: PooldLink,
+        backends: dict[str, Backend],
+        warm: WarmPool | None = None,
+        *,
+        in_flight: InFlightLimits | None = None,
     ) -> None:
         self.host = host
         self.warm = warm
@@ -51,6 +70,7 @@ class AgentService:
         self.started_at = time.monotonic()
         self.held = HeldLeases()
         self.admission = Admission(link.grant)
+        self.in_flight = InFlight(in_flight)
         self.memory = LeaseMemory(link, backends, self.held, warm)
         self.leftovers = self.memory.leftovers
         self.revocations = Revocations(link, self.held, self.memory, self.admission)
@@ -140,32 +160,9 @@ class AgentService:
         )
 
     def lease(self, peer: Peer, args: p.LeaseArgs) -> tuple[p.LeaseResult, int]:
-        gids = list(peer.all_gids)
-        req = GrantRequest(
-            tenant=args.tenant,
-            size_bytes=args.size_bytes,
-            ttl_s=args.ttl_s,
-            media=args.media,
-            uid=peer.uid,
-            gids=gids,
-            pid=peer.pid,
-            labels=dict(args.labels),
-        )
-        memory = self.memory.premade(args, peer.pid)
-        if memory is not None:
-            # Made first: the grant activates the lease in the same round trip.
-            try:
-                lease = self.admission.grant(req.model_copy(update={"activate": True}), args.wait_s)
-            except BaseException:
-                self.memory.never_handed_out(memory)
-                raise
-        else:
-            lease = self.admission.grant(req, args.wait_s)
+        with self.in_flight.request(peer.uid):
+            lease, memory = self._authorise_then_make(peer, args)
         try:
-            if memory is not None:
-                memory = self.memory.fitting(memory, lease)
-            if memory is None:
-                memory = self.memory.materialise_placed(lease, shrinkable=args.shrinkable)
             held = HeldLease(
                 lease=lease,
                 memory=memory,
@@ -196,6 +193,63 @@ class AgentService:
             peer.pid,
         )
         return self._result(held), memory.fd
+
+    def _authorise_then_make(self, peer: Peer, args: p.LeaseArgs) -> tuple[LeaseOut, Materialised]:
+        """The one way to a lease's memory: poold authorises it (grants it), then the agent
+        makes its memory within the in-flight budgets, then poold activates it.
+
+        Nothing is made, taken from the warm pool, or counted towards pressure before the
+        grant, so a caller no tenant allows costs the host nothing but the refusal. (A
+        local grant inside a delegation will authorise here instead of poold.)
+        """
+        lease = self._authorise(peer, args)
+        making = False
+        try:
+            # RAM-backed memory also waits while what others are making would not fit
+            # in what the host has free (the backend's own check sees only itself).
+            ram = available_bytes if lease.device_kind == "emulated" else None
+            with self.in_flight.making(
+                peer.uid,
+                lease.length_bytes,
+                wait_s=max(self.in_flight.limits.wait_s, args.wait_s),
+                available=ram,
+            ):
+                making = True  # from here on, materialise_placed aborts its own failures
+                memory = self.memory.materialise_placed(lease, shrinkable=args.shrinkable)
+        except BaseException as err:
+            if not making:
+                self.link.abort_now(lease.id, f"not materialised: {err}")
+            self.link.settled(lease.id)
+            raise
+        return lease, memory
+
+    def _authorise(self, peer: Peer, args: p.LeaseArgs) -> LeaseOut:
+        """poold's grant of the lease for the caller's kernel identity (not activated).
+
+        A caller who may not act for the tenant it names hears the same ``not_owner``
+        whether that tenant exists or not: the socket is no oracle of tenant names.
+        """
+        req = GrantRequest(
+            tenant=args.tenant,
+            size_bytes=args.size_bytes,
+            ttl_s=args.ttl_s,
+            media=args.media,
+            uid=peer.uid,
+            gids=list(peer.all_gids),
+            pid=peer.pid,
+            labels=dict(args.labels),
+        )
+        try:
+            return self.admission.grant(req, args.wait_s)
+        except (UnknownTenant, NotOwner) as err:
+            if args.tenant is None:
+                raise
+            raise NotOwner(
+                f"uid {peer.uid} may not act for tenant {args.tenant!r} on this host "
+                "(no such tenant, or not yours)",
+                tenant=args.tenant,
+                uid=peer.uid,
+            ) from err
 
     def renew(self, peer: Peer, args: p.RenewArgs) -> p.RenewResult:
         held = self.held.owned(peer.uid, args.lease_id, "renew")
@@ -312,10 +366,13 @@ class AgentService:
         )
 
     def stats(self, peer: Peer, args: p.StatsArgs) -> p.StatsResult:
-        everything = self.held.all()
+        """Host-wide counts for root; anyone else sees only their own uid's leases (a
+        stranger: none), so the socket tells nobody what other tenants hold."""
+        everything = self.held.visible_to(peer.uid)
         held = [h for h in everything if not h.revoked_held]
         revoked = [h for h in everything if h.revoked_held]
         return p.StatsResult(
+            scope="host" if peer.uid == 0 else "caller",
             leases_held=len(held),
             bytes_held=sum(h.lease.length_bytes for h in held),
             revoked_held_leases=len(revoked),
@@ -331,6 +388,10 @@ class AgentService:
         # Only the latest counts: the next heartbeat carries it (DESIGN.md: batched).
         self.revocations.note_report(LeaseReport(**held.extra["report"]))
         return p.ReportResult(accepted=True)
+
+    def holds_leases(self, peer: Peer) -> bool:
+        """Whether the peer's process holds a lease here: its idle connection stays open."""
+        return bool(self.held.of_pid(peer.pid))
 
     def disconnected(self, peer: Peer) -> None:
         """A connection closed. Its leases stay while the holder lives (it may reconnect)."""

@@ -249,3 +249,19 @@ class DeviceHostScoped(Conflict):
     memory, a host's own NUMA node or dax region)."""
 
     code = "device_host_scoped"
+
+
+class InFlightLimit(PoolError):
+    """Too much lease work in flight on the agent, for this uid or host-wide: retry shortly.
+
+    Nothing was made for the refused request, and a lease granted for it was aborted.
+    """
+
+    code = "in_flight_limit"
+    http_status = 429
+
+
+class FrameTimeout(BadRequest):
+    """A socket peer began a frame and did not finish it in time; the agent hung up."""
+
+    code = "frame_timeout"
