@@ -30,16 +30,37 @@ scrub's ``on_deleted`` says when its sub-device is gone again.
 
 Static regions (a pmem namespace in devdax mode, hmem) cannot be carved: they have no
 ``seed``/``create``/``delete``. Such a region is leased whole, to one lease at a time,
-through its one device; revoking it unbinds and rebinds that device.
+through its one device (poold places nothing smaller there: the inventory marks it
+``whole_only``). Its device is never rebound while any process still holds a file of it.
+Measured in the QEMU guest (Linux 6.12, a CXL pmem namespace in devdax mode,
+docs/design-changes.md "Static devdax"):
+
+* unbinding ``daxN.0`` while fds and mappings are open is safe: every mapping faults
+  (SIGBUS) from then on, and opening the node still works;
+* rebinding while a file of the old binding is still open, or still mapped after its fd
+  was closed, is not: the old mapping works again (the revoked tenant can read and write
+  the next lease's bytes), and when that last old file goes, the kernel tears the new
+  binding's char device down (``cd_forget``): every later open is ENXIO, until the device
+  is unbound and bound again with nothing open. ``ndctl disable-namespace`` /
+  ``enable-namespace`` under an open mapping is worse: a ``list_del corruption`` BUG;
+* rebinding with nothing open always worked.
+
+So revoking (and releasing) a static lease only unbinds: the agent's fd is closed right
+after, and the device stays unbound. It is bound again by the next lease of it, or by the
+scrub, which first waits until no process has an fd or a mapping of the device
+(:func:`device_holders`, over ``/proc``) and fails the scrub (the range is quarantined)
+when one still does after ``holder_wait_s``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -136,6 +157,44 @@ class DevdaxMaterialised(Materialised):
         return self.region_id
 
 
+def device_holders(dev_path: Path, proc_root: Path = Path("/proc")) -> dict[int, str]:
+    """{pid: "fd" or "map"} of the processes that hold ``dev_path`` open or mapped.
+
+    Read from ``/proc/<pid>/fd`` (links to the node) and ``/proc/<pid>/maps`` (a mapping
+    keeps its file after its fd is closed). The agent runs as root, so every process is
+    readable; one that exits meanwhile, or that cannot be read, is skipped.
+    """
+    target = str(dev_path)
+    out: dict[int, str] = {}
+    try:
+        pids = [int(name) for name in os.listdir(proc_root) if name.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        base = Path(proc_root) / str(pid)
+        try:
+            for fd in os.listdir(base / "fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(base / "fd" / fd).removesuffix(" (deleted)") == target:
+                        out[pid] = "fd"
+                        break
+            if pid in out:
+                continue
+            with (base / "maps").open() as maps:
+                for line in maps:
+                    # "7f..-7f.. rw-s 00000000 00:05 1234    /dev/dax0.0"
+                    fields = line.split(maxsplit=5)
+                    if (
+                        len(fields) == 6
+                        and fields[5].rstrip("\n").removesuffix(" (deleted)") == target
+                    ):
+                        out[pid] = "map"
+                        break
+        except OSError:
+            continue  # gone, or not ours to read
+    return out
+
+
 def _parse_int(value: str | None, what: str) -> int:
     if value is None or value == "":
         raise BackendFailed(f"{what} is missing from sysfs")
@@ -148,10 +207,14 @@ def _parse_int(value: str | None, what: str) -> int:
 class DevdaxBackend:
     """The :class:`agent.backends.Backend` for dax sub-devices.
 
-    ``sysfs_root``/``dev_root`` are injected (tests use a recorded machine); ``apply`` is
-    the tests' stand-in for the kernel's reaction to writes. ``require_char_device``
-    is off only in tests, whose ``/dev`` holds plain files.
+    ``sysfs_root``/``dev_root``/``proc_root`` are injected (tests use a recorded machine);
+    ``apply`` is the tests' stand-in for the kernel's reaction to writes.
+    ``require_char_device`` is off only in tests, whose ``/dev`` holds plain files.
+    ``holder_wait_s``: how long the scrub of a static region waits for the last process
+    holding its device to let go before it fails (module docstring).
     """
+
+    HOLDER_POLL_S = 0.2
 
     def __init__(
         self,
@@ -160,11 +223,15 @@ class DevdaxBackend:
         *,
         apply: ApplyHook | None = None,
         require_char_device: bool = True,
+        proc_root: Path = Path("/proc"),
+        holder_wait_s: float = 300.0,
     ) -> None:
         self.sysfs_root = Path(sysfs_root)
         self.dev_root = Path(dev_root)
         self.apply = apply
         self.require_char_device = require_char_device
+        self.proc_root = Path(proc_root)
+        self.holder_wait_s = holder_wait_s
         self._lock = threading.Lock()  # one carve at a time: the seed is shared state
         self._whole: set[int] = set()  # static regions currently leased
 
@@ -397,6 +464,15 @@ class DevdaxBackend:
             if driver not in (None, DRIVER):
                 raise BackendFailed(f"{device} is bound to {driver}, not {DRIVER}")
             if driver is None:
+                # Never bound under a file of the last binding (module docstring).
+                holders = device_holders(self.dev_root / device, self.proc_root)
+                if holders:
+                    raise BackendFailed(
+                        f"{device} is still held by the last lease's processes "
+                        f"{sorted(holders)}: it cannot be bound again yet",
+                        device=device,
+                        holders=sorted(holders),
+                    )
                 txn.write(drivers / "bind", device, undo=[(drivers / "unbind", device)])
             log.info("devdax lease %s: whole static region %d (%s)", name, region.id, device)
             fd = self._open(region, device)
@@ -451,7 +527,7 @@ class DevdaxBackend:
             os.close(materialised.fd)
 
     def revoke(self, region_id: int, device: str) -> None:
-        """Unbind and delete ``device`` (static regions: unbind and rebind), whoever maps it.
+        """Unbind and delete ``device`` (static regions: unbind only), whoever maps it.
 
         Usable by an agent that restarted and knows the device only from its journal.
         Raises ``backend_failed`` when a step fails; the sub-device is then left for the
@@ -465,7 +541,8 @@ class DevdaxBackend:
                 # inode, so every process's mapping is gone and a later touch is SIGBUS.
                 write_attr(self.sysfs_root, drivers / "unbind", device, self.apply)
             if region.static:
-                write_attr(self.sysfs_root, drivers / "bind", device, self.apply)
+                # Left unbound: rebinding while the tenant still holds the device would
+                # give its mapping back and break the node (module docstring).
                 self._whole.discard(region.id)
                 return
             try:
@@ -494,8 +571,15 @@ class DevdaxBackend:
         quarantines it when it returns False. ``on_carve(device)`` runs before the
         temporary sub-device is sized, ``on_deleted(device)`` once it is deleted again (not
         when its teardown failed: it is then left for the audit to find);
-        ``progress(bytes_done)`` after each zeroed chunk.
+        ``progress(bytes_done)`` after each zeroed chunk. A static region's scrub first
+        waits (up to ``holder_wait_s``) until no process holds its device.
         """
+        try:
+            if self.region(region_id).static and not self._wait_unheld(f"dax{region_id}.0"):
+                return False
+        except BackendFailed:
+            log.exception("scrub of dax region %d [%d, +%d)", region_id, offset_bytes, length_bytes)
+            return False
         try:
             m = self.materialise_at(
                 region_id, offset_bytes, length_bytes, "poold-scrub", on_carve=on_carve
@@ -518,6 +602,25 @@ class DevdaxBackend:
                 if on_deleted is not None:
                     on_deleted(m.device)
         return ok
+
+    def _wait_unheld(self, device: str) -> bool:
+        """True once no process holds ``/dev/<device>``; False after ``holder_wait_s``."""
+        deadline = time.monotonic() + self.holder_wait_s
+        logged = False
+        while True:
+            holders = device_holders(self.dev_root / device, self.proc_root)
+            if not holders:
+                return True
+            if time.monotonic() >= deadline:
+                log.error(
+                    "%s is still held by %s after %gs: not bound again, scrub failed",
+                    device, holders, self.holder_wait_s,
+                )  # fmt: skip
+                return False
+            if not logged:
+                log.info("%s: waiting for %s to let go before its scrub", device, holders)
+                logged = True
+            time.sleep(self.HOLDER_POLL_S)
 
 
 def _zero_and_verify(
