@@ -20,6 +20,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -34,6 +35,11 @@ from poold.wire.agent import InventoryDevice, LeaseOp, ScrubOrder
 from poold.wire.common import LeaseOut
 
 log = logging.getLogger("pool_agent")
+
+# Told how long a backend took to make or to scrub memory: (what, device kind, ok,
+# seconds), what being "materialise" or "scrub". agent/metrics.py sets it on the
+# service's LeaseMemory; unset, nothing is timed.
+Timed = Callable[[str, str, bool, float], None]
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class LeaseMemory:
         self._scrubbing: set[str] = set()  # lease ids whose range is being (or was) zeroed
         self._scrubs_running: dict[str, _RunningScrub] = {}  # by lease id
         self._scrub_reissues: dict[str, datetime] = {}  # lease id -> reissued_at acted on
+        self.timed: Timed | None = None
 
     # --- where devices live ---------------------------------------------------------
     def set_local_devices(self, devices: dict[str, LocalDevice]) -> None:
@@ -131,9 +138,17 @@ class LeaseMemory:
             )
             self.leftovers.record(self.held.journal, sub)
 
-        return backend.materialise_placed(
-            placement, f"poold-lease-{lease.id}", shrinkable=shrinkable, on_carve=carved
-        )
+        started = time.perf_counter()
+        ok = False
+        try:
+            memory = backend.materialise_placed(
+                placement, f"poold-lease-{lease.id}", shrinkable=shrinkable, on_carve=carved
+            )
+            ok = True
+        finally:
+            if self.timed is not None:
+                self.timed("materialise", lease.device_kind, ok, time.perf_counter() - started)
+        return memory
 
     def _warm(self, lease: LeaseOut, *, shrinkable: bool) -> Materialised | None:
         """A fresh warm memfd of the lease's length (emulated; warm ones are sealed
@@ -236,6 +251,7 @@ class LeaseMemory:
 
         def run() -> None:
             ok = False
+            started = time.perf_counter()
             try:
                 if backend is not None:
                     ok = backend.scrub(
@@ -248,6 +264,8 @@ class LeaseMemory:
                     )
             except Exception:
                 log.exception("scrub of lease %s failed", lease_id)
+            if self.timed is not None:
+                self.timed("scrub", kind, ok, time.perf_counter() - started)
             op = "scrubbed" if ok else "scrub_failed"
             reason = "range zeroed" if ok else "scrub failed: range goes to quarantine"
             self.link.enqueue(LeaseOp(lease_id=lease_id, op=op, reason=reason))

@@ -25,7 +25,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from sqlalchemy.pool import QueuePool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -34,6 +34,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from poold import __version__, pressure
+from poold.api.metrics import UNMATCHED_ROUTE, PooldMetrics
 from poold.errors import (
     BadRequest,
     BodyTooLarge,
@@ -226,6 +227,8 @@ class _Refusals:
         self.total = Counter(
             "poold_api_errors_total", "API errors by code", ["code"], registry=registry
         )
+        for code in ("internal", "ledger_unavailable"):  # alerts see them from the start, at 0
+            self.total.labels(code)
         self.outage = _Outage()
         self._tracebacks: dict[str, float] = {}  # exception type -> when one was last logged
 
@@ -342,6 +345,7 @@ class _Gate:
         refusals: _Refusals,
         limiter: anyio.CapacityLimiter,
         max_body_bytes: int,
+        metrics: PooldMetrics,
     ) -> None:
         self.app = app
         self.router = router
@@ -349,22 +353,27 @@ class _Gate:
         self.refusals = refusals
         self.limiter = limiter
         self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = False
+        status: int | None = None
+        arrived = time.perf_counter()
+        route = self._route_of(scope)
 
         async def send_tracked(message: Message) -> None:
-            nonlocal started
+            nonlocal started, status
             if message["type"] == "http.response.start":
                 started = True
+                status = int(message["status"])
             await send(message)
 
         try:
             try:
-                await self._admit(scope)
+                await self._admit(scope, route)
             except PoolError as err:
                 await self.refusals.response(err)(scope, receive, send_tracked)
                 return
@@ -375,10 +384,17 @@ class _Gate:
             reply = self.refusals.crash(exc, scope)
             if not started:
                 await reply(scope, receive, send_tracked)
+        finally:
+            # By route name, never the raw path: the label set stays the route table's.
+            self.metrics.request(
+                route.name if route is not None else UNMATCHED_ROUTE,
+                status,
+                time.perf_counter() - arrived,
+            )
 
-    async def _admit(self, scope: Scope) -> None:
+    async def _admit(self, scope: Scope, route: Route[Any] | None) -> None:
         """Authenticate (when the route wants it) and check the announced length."""
-        if self._auth_of(scope) != "none":
+        if route is not None and route.auth != "none":
             if "\x00" in scope["path"]:
                 # Every endpoint but /v1/health authenticates, so this is the one place
                 # to refuse what PostgreSQL cannot compare (SQLite would just not match).
@@ -393,13 +409,13 @@ class _Gate:
                 max_body_bytes=self.max_body_bytes,
             )
 
-    def _auth_of(self, scope: Scope) -> Auth:
+    def _route_of(self, scope: Scope) -> Route[Any] | None:
+        """The table's route a request is for; None for a 404 or 405 (nothing reads its body)."""
         for route in self.router.routes:
             match, _child = route.matches(scope)
             if match is Match.FULL:
-                found = ROUTES.get(getattr(route, "name", ""))
-                return found.auth if found is not None else "none"
-        return "none"  # a 404 or 405: nothing behind it reads the body
+                return ROUTES.get(getattr(route, "name", ""))
+        return None
 
     def _counted(self, receive: Receive) -> Receive:
         seen = 0
@@ -557,8 +573,9 @@ def create_app(
     app.state.ledger = ledger
     app.state.admin_token = admin_token
     app.state.auth_cache = {}
-    registry = CollectorRegistry()
-    refusals = _Refusals(registry)
+    pool_metrics = PooldMetrics(ledger)
+    app.state.metrics = pool_metrics  # server.py counts its reaper passes here
+    refusals = _Refusals(pool_metrics.registry)
     limiter = anyio.CapacityLimiter(worker_threads(ledger))
     app.state.limiter = limiter
     bind = _Binder(app, limiter, refusals.outage)
@@ -569,6 +586,7 @@ def create_app(
         refusals=refusals,
         limiter=limiter,
         max_body_bytes=max_body_bytes,
+        metrics=pool_metrics,
     )
 
     @app.exception_handler(PoolError)
@@ -630,7 +648,10 @@ def create_app(
 
     @bind
     async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        # The ledger's gauges are read at scrape time, in a worker thread like any ledger
+        # work; a ledger that is down gives `poold_ledger_up 0`, never a 500.
+        body = await anyio.to_thread.run_sync(pool_metrics.render, limiter=limiter)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     # --- tenants ---------------------------------------------------------
     @bind
@@ -777,7 +798,13 @@ def create_app(
     # --- audit and accounting --------------------------------------------
     @bind
     def audit(q: Annotated[AuditQuery, Query()]) -> AuditReport:
-        return ledger_audit.run_audit(ledger, policy(), reclaim_safe=q.reclaim)
+        try:
+            report = ledger_audit.run_audit(ledger, policy(), reclaim_safe=q.reclaim)
+        except Exception:
+            pool_metrics.audit_run(None)
+            raise
+        pool_metrics.audit_run(report.exit_code)
+        return report
 
     @bind
     def accounting(q: Annotated[AccountingQuery, Query()]) -> AccountingReport:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -631,11 +632,22 @@ def _aware(value: Any) -> datetime:
 
 
 class ReaperThread:
-    """Runs `Reaper.run_once` every `interval_s` in a daemon thread until stopped."""
+    """Runs `Reaper.run_once` every `interval_s` in a daemon thread until stopped.
 
-    def __init__(self, reaper: Reaper, interval_s: float) -> None:
+    `on_pass` hears each pass's result ("ok", "ledger_unavailable", "failed") and
+    duration: poold's metrics count them (poold/api/metrics.py).
+    """
+
+    def __init__(
+        self,
+        reaper: Reaper,
+        interval_s: float,
+        *,
+        on_pass: Callable[[str, float], None] | None = None,
+    ) -> None:
         self.reaper = reaper
         self.interval_s = interval_s
+        self.on_pass = on_pass
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="poold-reaper", daemon=True)
 
@@ -650,9 +662,13 @@ class ReaperThread:
     def _loop(self) -> None:
         failing = False
         while not self._stop.wait(self.interval_s):
+            started = time.perf_counter()
+            outcome = "failed"
             try:
                 self.reaper.run_once()
+                outcome = "ok"
             except LedgerUnavailable as err:
+                outcome = "ledger_unavailable"
                 # The ledger is down (the Ledger logged the outage once): the pass is
                 # tried again next interval, without a traceback each time.
                 if not failing:
@@ -664,6 +680,9 @@ class ReaperThread:
                 # the reaper thread must outlive it.
                 log.exception("reaper pass failed")
                 continue
+            finally:
+                if self.on_pass is not None:
+                    self.on_pass(outcome, time.perf_counter() - started)
             if failing:
                 log.info("reaper passes resumed")
                 failing = False

@@ -70,6 +70,9 @@ def chunks(items: Sequence[T], size: int = IN_CHUNK) -> Iterator[Sequence[T]]:
 # --- the journal ---------------------------------------------------------------------
 
 _INSERT_EVENT = insert(Event)
+# Where `record` leaves the kinds of the events a transaction wrote, on a connection
+# of an engine that counts them at COMMIT (metrics_views.count_committed_events).
+PENDING_EVENTS = "poold.pending_event_kinds"
 
 
 def event_row(
@@ -110,6 +113,13 @@ def record(db: Connection | Session, *rows: dict[str, Any]) -> None:
         db.execute(_INSERT_EVENT, rows[0])
     elif rows:
         db.execute(_INSERT_EVENT, list(rows))
+    else:
+        return
+    conn = db if isinstance(db, Connection) else db.connection()
+    # Counted when the transaction commits, where an engine counts (metrics_views).
+    pending = conn.info.get(PENDING_EVENTS)
+    if pending is not None:
+        pending.extend(row["kind"] for row in rows)
 
 
 # --- generations -----------------------------------------------------------------------
