@@ -58,6 +58,10 @@ MAX_BATCH_OPS = 10_000
 # all within the tenant's patience: the tenant client waits 30 s by default.
 GRANT_BACKOFF_S = (0.2, 0.5, 1.0)
 GRANT_PATIENCE_S = 20.0
+# How long one wait for news may last (poold caps it at 60 s), and the pause before
+# waiting again after a failed one.
+NEWS_WAIT_S = 25.0
+NEWS_RETRY_S = 1.0
 
 # Per lease what the agent holds (holders, sub-device, local state, scrub progress),
 # and the sub-devices it made that no held lease accounts for.
@@ -168,6 +172,8 @@ class PooldLink:
         self._deliver = threading.Lock()
         self._renewals: dict[str, int] = {}
         self._wake = threading.Event()
+        # Set when poold says it has news for this host: the heartbeat goes now.
+        self._beat_now = threading.Event()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.inventory: list[InventoryDevice] = []
@@ -523,7 +529,11 @@ class PooldLink:
     # --- threads ----------------------------------------------------------
     def start(self, interval_s: float) -> None:
         def beat_loop() -> None:
-            while not self._stop.wait(interval_s):
+            while True:
+                self._beat_now.wait(interval_s)
+                if self._stop.is_set():
+                    break
+                self._beat_now.clear()
                 try:
                     self.flush()
                 except PoolError:
@@ -556,9 +566,39 @@ class PooldLink:
             thread = threading.Thread(target=target, name=f"agent-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
+        # Not joined at stop: it may sit in a long poll; it sends nothing that matters.
+        threading.Thread(target=self._news_loop, name="agent-news", daemon=True).start()
+
+    def _news_loop(self) -> None:
+        """Wait on poold for news of this host (a long poll) and heartbeat when it has some.
+
+        A revocation, a lease the ledger ended or a shrink request reaches the agent in
+        the reply of the heartbeat this starts, within a round trip of poold deciding it
+        rather than within a heartbeat interval. A poold without the route (an older
+        one) leaves the agent on its heartbeat interval alone.
+        """
+        token: str | None = None
+        while not self._stop.is_set():
+            try:
+                news = self.client.wait_news(token, timeout_s=NEWS_WAIT_S)
+            except PoolError as err:
+                if err.http_status in (404, 405):
+                    log.info("poold does not push news (%s); heartbeats alone carry it", err)
+                    return
+                token = None  # another poold may answer next: its tokens differ
+                self._stop.wait(NEWS_RETRY_S)
+                continue
+            except Exception:
+                log.exception("waiting for news from poold failed")
+                self._stop.wait(NEWS_RETRY_S)
+                continue
+            if news.news:
+                self._beat_now.set()
+            token = news.token
 
     def stop(self) -> None:
         self._stop.set()
+        self._beat_now.set()
         self._wake.set()
         for thread in self._threads:
             thread.join(timeout=5)

@@ -77,6 +77,8 @@ from poold.wire.agent import (
     Heartbeat,
     HeartbeatReply,
     LeaseOpResult,
+    News,
+    NewsWait,
     RenewRequest,
     RevokedConfirm,
 )
@@ -117,6 +119,10 @@ AUTH_CACHE_TTL_S = 5.0
 DEFAULT_WORKER_THREADS = 16
 RETRY_AFTER_S = 1  # what a 503 ledger_unavailable tells the caller to wait
 CRASH_TRACEBACK_EVERY_S = 60.0
+
+# Authenticated routes whose handlers are `async def`: they wait (a long poll) and do
+# no ledger work on the event loop.
+ASYNC_ROUTES = frozenset({"wait_news"})
 
 # Where the gate leaves the authenticated caller for the `principal` dependency.
 _PRINCIPAL = "poold.principal"
@@ -442,7 +448,9 @@ class _Binder:
     the body is parsed, the ledger called and the reply rendered to bytes in one
     worker thread, under a limiter as wide as the connection pool: the event loop
     only moves bytes, so a 100,000-item heartbeat does not stall /v1/health. Only
-    routes of auth "none" (health, metrics: no ledger) may have `async def` handlers.
+    routes of auth "none" (health, metrics: no ledger) and the long polls of
+    `ASYNC_ROUTES` (which wait on the event loop, not in a worker) may have `async def`
+    handlers.
     """
 
     def __init__(self, app: FastAPI, limiter: anyio.CapacityLimiter, outage: _Outage) -> None:
@@ -457,7 +465,7 @@ class _Binder:
             raise RuntimeError(f"handler {fn.__name__} has no route in poold.wire.routes")
         body_param = _check_body(route, fn)
         if inspect.iscoroutinefunction(fn):
-            if route.auth != "none":
+            if route.auth != "none" and route.name not in ASYNC_ROUTES:
                 raise RuntimeError(
                     f"handler {fn.__name__} is async: ledger work runs in worker threads"
                 )
@@ -466,6 +474,7 @@ class _Binder:
                 fn,
                 methods=[route.method],
                 status_code=route.status_code,
+                dependencies=_AUTH[route.auth],
                 name=route.name,
             )
         else:
@@ -577,6 +586,7 @@ def create_app(
     app.state.metrics = pool_metrics  # server.py counts its reaper passes here
     refusals = _Refusals(pool_metrics.registry)
     limiter = anyio.CapacityLimiter(worker_threads(ledger))
+    ledger.listen_for_news()  # other poolds' news for the agents waiting here (PostgreSQL)
     app.state.limiter = limiter
     bind = _Binder(app, limiter, refusals.outage)
     app.add_middleware(
@@ -693,6 +703,17 @@ def create_app(
     @bind
     def heartbeat(beat: Heartbeat, p: Caller) -> HeartbeatReply:
         return receive(beat, p, register=False)
+
+    @bind
+    async def wait_news(body: NewsWait, p: Caller) -> News:
+        host = _host_of(p)
+        host_id = ledger.host_ids.get(host)
+        if host_id is None:
+            host_id = await anyio.to_thread.run_sync(
+                lambda: leases.host_id_of(ledger, host), limiter=limiter
+            )
+        news, token = await ledger.news.wait(host_id, body.since, body.timeout_s)
+        return News(news=news, token=token)
 
     @bind
     def apply_ops(body: AgentOps, p: Caller) -> list[LeaseOpResult]:

@@ -56,6 +56,8 @@ from poold.wire.agent import (
     HeartbeatReply,
     LeaseOp,
     LeaseOpResult,
+    News,
+    NewsWait,
     RenewRequest,
     RevokedConfirm,
 )
@@ -72,7 +74,7 @@ AUDIT_TIMEOUT_S = 600.0  # an audit of a large ledger takes seconds, not the def
 # poold is sent again to another: a heartbeat (or registration) and a renewal set the
 # same state from a later now. Reads are replayable by their method; grants and op
 # batches only when they name themselves with a request id (see `_replayable`).
-_REPLAYABLE_ROUTES = frozenset({"register", "heartbeat", "renew"})
+_REPLAYABLE_ROUTES = frozenset({"register", "heartbeat", "renew", "wait_news"})
 
 # Transport errors raised before the request left this process: no poold saw it, so
 # any request may go to the next URL.
@@ -247,6 +249,14 @@ class PooldClient:
 
     def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
         return self._send(routes.heartbeat, beat)
+
+    def wait_news(self, since: str | None = None, timeout_s: float = 25.0) -> News:
+        """Wait (a long poll) until poold has news for this host or ``timeout_s`` passes."""
+        return self._send(
+            routes.wait_news,
+            NewsWait(since=since, timeout_s=timeout_s),
+            timeout_s=timeout_s + self.timeout_s,
+        )
 
     def apply_ops(
         self, ops: list[LeaseOp], *, request_id: str | None = None

@@ -29,6 +29,7 @@ from sqlalchemy.exc import DataError, DBAPIError, InterfaceError, OperationalErr
 from sqlalchemy.orm import Session, sessionmaker
 
 from poold.errors import BadRequest, LedgerUnavailable
+from poold.ledger import news
 
 log = logging.getLogger("poold.ledger")
 
@@ -198,6 +199,9 @@ class Ledger:
         self.host_ids: dict[str, int] = {}
         self._host_locks: dict[str, threading.Lock] = {}
         self._host_locks_guard = threading.Lock()
+        # Agents waiting for news of their host (poold/ledger/news.py).
+        self.news = news.HostNews()
+        self._news_listener: news.NewsListener | None = None
 
     def host_lock(self, host_name: str) -> threading.Lock:
         """This process's lock for writers that would race on one host's generations."""
@@ -214,16 +218,33 @@ class Ledger:
     @contextmanager
     def write(self) -> Iterator[Session]:
         """One write transaction: committed on success, rolled back on any error."""
-        with self._unavailable(), _refused_values(), self._write() as session, session.begin():
-            yield session
-        self.health.succeeded()
+        with news.collecting() as told:
+            with self._unavailable(), _refused_values(), self._write() as session, session.begin():
+                yield session
+            self.health.succeeded()
+            if told:
+                self.news.signal(told)  # after the commit: see poold/ledger/news.py
 
     @contextmanager
     def write_conn(self) -> Iterator[Connection]:
         """A write transaction on a bare Core connection: the lease hot path skips the ORM."""
-        with self._unavailable(), _refused_values(), self._write_engine.begin() as conn:
-            yield conn
-        self.health.succeeded()
+        with news.collecting() as told:
+            with self._unavailable(), _refused_values(), self._write_engine.begin() as conn:
+                yield conn
+            self.health.succeeded()
+            if told:
+                self.news.signal(told)
+
+    def listen_for_news(self) -> None:
+        """Hear other poolds' news too (PostgreSQL; once, from the first waiting agent)."""
+        with self._host_locks_guard:
+            if self._news_listener is not None:
+                return
+            conninfo = news.pg_conninfo(self.url)
+            if conninfo is None:
+                return  # SQLite: one poold, whose own commits signal
+            self._news_listener = news.NewsListener(conninfo, self.news)
+            self._news_listener.start()
 
     @contextmanager
     def read(self) -> Iterator[Session]:
@@ -257,4 +278,7 @@ class Ledger:
             raise LedgerUnavailable(f"the ledger database is unreachable: {_brief(exc)}") from exc
 
     def dispose(self) -> None:
+        if self._news_listener is not None:
+            self._news_listener.stop()
+            self._news_listener = None
         self.engine.dispose()

@@ -29,6 +29,7 @@ from poold.ledger import (
     devices,
     hosts,
     leases,
+    news,
     transitions,
 )
 from poold.ledger.db import Ledger
@@ -244,6 +245,7 @@ def shrink_hints(
     used = {d.id: devices.reserved(d.reserved_extents) for d in reached}
     uses: list[pressure.LeaseUse] = []
     mine: list[Lease] = []  # this host's: its heartbeat asks (and records) their share
+    not_yet_asked: dict[str, int] = {}  # other hosts' leases no heartbeat asked yet: host
     for lease in session.scalars(
         select(Lease)
         .where(Lease.device_id.in_(ids), Lease.state.in_(live))
@@ -252,6 +254,8 @@ def shrink_hints(
         used[lease.device_id].append(extents.Extent(lease.offset_bytes, lease.length_bytes))
         if lease.host_id == host.id:
             mine.append(lease)
+        elif lease.shrink_deadline_at is None:
+            not_yet_asked[lease.id] = lease.host_id
         uses.append(
             pressure.LeaseUse(
                 lease_id=lease.id,
@@ -293,6 +297,9 @@ def shrink_hints(
         free = [dataclasses.replace(d, wanted_bytes=wanted_bytes) if d is best else d for d in free]
     plan = pressure.plan(free, uses, watermark=watermark, now=now, deadline_s=deadline_s)
     asked = {r.lease_id: r for r in plan}
+    # Other hosts' leases the plan asks for the first time: their agents heartbeat now
+    # (poold/ledger/news.py) rather than at their next interval.
+    news.tell(session.connection(), {h for i, h in not_yet_asked.items() if i in asked})
     hints: list[ShrinkHint] = []
     for lease in mine:
         request = asked.get(lease.id)

@@ -41,6 +41,7 @@ from sqlalchemy.orm import Session
 
 from poold.errors import GenerationConflict, LedgerUnavailable
 from poold.lease_states import LIVE_STATE_VALUES, LeaseEvent, LeaseState, next_state
+from poold.ledger import news
 from poold.ledger.db import is_contention
 from poold.ledger.models import Device, Event, Host, Lease, Tenant
 from poold.ledger.types import utcnow
@@ -116,6 +117,15 @@ def record(db: Connection | Session, *rows: dict[str, Any]) -> None:
     else:
         return
     conn = db if isinstance(db, Connection) else db.connection()
+    # What an agent did not do itself (the reaper, an administrator, pressure) is
+    # news for the lease's host: its agent is told at commit (poold/ledger/news.py).
+    told = {
+        row["host_id"]
+        for row in rows
+        if row["host_id"] is not None and not str(row["actor"]).startswith("agent:")
+    }
+    if told:
+        news.tell(conn, told)
     # Counted when the transaction commits, where an engine counts (metrics_views).
     pending = conn.info.get(PENDING_EVENTS)
     if pending is not None:

@@ -292,3 +292,19 @@ class RevokedConfirm(Model):
     """The agent's word that it tore down these revoked leases (the memory is gone)."""
 
     lease_ids: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(max_length=100_000)
+
+
+class NewsWait(Model):
+    """Wait until poold has news for this host (a revocation, an ended lease, a shrink
+    request), or ``timeout_s``: the agent's long poll (poold/ledger/news.py)."""
+
+    # The token of the last answer; none at first (answers at once with a token).
+    since: Annotated[str, Field(max_length=128)] | None = None
+    timeout_s: float = Field(default=25.0, ge=0, le=60)
+
+
+class News(Model):
+    """Whether there is news (then the agent heartbeats now), and the token to wait from."""
+
+    news: bool
+    token: str

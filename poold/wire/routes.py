@@ -41,6 +41,8 @@ from poold.wire.agent import (
     Heartbeat,
     HeartbeatReply,
     LeaseOpResult,
+    News,
+    NewsWait,
     RenewRequest,
     RevokedConfirm,
 )
@@ -155,6 +157,9 @@ register: Route[HeartbeatReply] = Route(
 heartbeat: Route[HeartbeatReply] = Route(
     "POST", "/v1/agent/heartbeat", HeartbeatReply, "agent", body=Heartbeat
 )
+# A long poll: held open up to the body's timeout_s, on the event loop, never a
+# worker thread (see `_Binder` in poold/api/app.py).
+wait_news: Route[News] = Route("POST", "/v1/agent/news", News, "agent", body=NewsWait)
 apply_ops: Route[list[LeaseOpResult]] = Route(
     "POST", "/v1/agent/ops", list[LeaseOpResult], "agent", body=AgentOps
 )
