@@ -141,6 +141,12 @@ class TenantInUse(Conflict):
     code = "tenant_in_use"
 
 
+class HostBusy(Conflict):
+    """A host still holds live leases: `poolctl hosts delete --force` ends them first."""
+
+    code = "host_busy"
+
+
 class NotShrinkable(Conflict):
     """The lease's memory cannot be cut down in place (devdax, a sealed memfd, re-adopted)."""
 

@@ -62,9 +62,12 @@ from poold.wire.admin import (
     DeviceStatus,
     DrainResult,
     HostCreated,
+    HostDeleted,
     HostDrainRequest,
     HostOut,
     HostSpec,
+    LeaseEnded,
+    LeaseEndRequest,
     PoolStatus,
     RevokeRequest,
     TenantOut,
@@ -88,6 +91,7 @@ from poold.wire.routes import (
     AccountingQuery,
     AuditQuery,
     Auth,
+    HostDeleteQuery,
     LeaseQuery,
     Route,
 )
@@ -695,6 +699,16 @@ def create_app(
         return hosts.list_hosts(ledger)
 
     @bind
+    def delete_host(name: str, q: Annotated[HostDeleteQuery, Query()], p: Caller) -> HostDeleted:
+        out = admin_ops.delete_host(ledger, name, p.actor, force=q.force)
+        # Its credential stops working at once in this process: drop the cached name
+        # (other poold processes' caches forget it within AUTH_CACHE_TTL_S).
+        cache: dict[str, tuple[str, float]] = app.state.auth_cache
+        for digest in [d for d, (n, _at) in list(cache.items()) if n == name]:
+            cache.pop(digest, None)
+        return out
+
+    @bind
     def register(beat: Heartbeat, p: Caller) -> HeartbeatReply:
         if beat.inventory is None:
             raise BadRequest("register needs the host's inventory")
@@ -752,6 +766,10 @@ def create_app(
     def revoke(lease_id: str, body: RevokeRequest, p: Caller) -> LeaseOut:
         deadline_s = body.deadline_s if body.deadline_s is not None else policy().revoke_deadline_s
         return admin_ops.revoke_lease(ledger, lease_id, body.reason, p.actor, deadline_s=deadline_s)
+
+    @bind
+    def end_lease(lease_id: str, body: LeaseEndRequest, p: Caller) -> LeaseEnded:
+        return admin_ops.end_lease(ledger, lease_id, p.actor, body.reason)
 
     @bind
     def list_leases(p: Caller, q: Annotated[LeaseQuery, Query()]) -> list[LeaseOut]:

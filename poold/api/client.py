@@ -40,9 +40,12 @@ from poold.wire.admin import (
     DeviceStatus,
     DrainResult,
     HostCreated,
+    HostDeleted,
     HostDrainRequest,
     HostOut,
     HostSpec,
+    LeaseEnded,
+    LeaseEndRequest,
     PoolStatus,
     RevokeRequest,
     TenantOut,
@@ -62,7 +65,7 @@ from poold.wire.agent import (
     RevokedConfirm,
 )
 from poold.wire.common import EndRequest, LeaseOut
-from poold.wire.routes import AccountingQuery, AuditQuery, LeaseQuery, Route
+from poold.wire.routes import AccountingQuery, AuditQuery, HostDeleteQuery, LeaseQuery, Route
 
 R = TypeVar("R")
 
@@ -244,6 +247,10 @@ class PooldClient:
     def list_hosts(self) -> list[HostOut]:
         return self._send(routes.list_hosts)
 
+    def delete_host(self, name: str, *, force: bool = False) -> HostDeleted:
+        """Delete a host (`host_busy` while it holds live leases, unless ``force``)."""
+        return self._send(routes.delete_host, query=HostDeleteQuery(force=force), name=name)
+
     def register(self, beat: Heartbeat) -> HeartbeatReply:
         return self._send(routes.register, beat)
 
@@ -288,6 +295,10 @@ class PooldClient:
     def revoke(self, lease_id: str, reason: str, deadline_s: float | None = None) -> LeaseOut:
         body = RevokeRequest(reason=reason, deadline_s=deadline_s)
         return self._send(routes.revoke, body, lease_id=lease_id)
+
+    def end_lease(self, lease_id: str, reason: str = "ended by administrator") -> LeaseEnded:
+        """End a lease at once, whatever its live state (poold/ledger/admin_ops.end_lease)."""
+        return self._send(routes.end_lease, LeaseEndRequest(reason=reason), lease_id=lease_id)
 
     def list_leases(
         self,

@@ -1,4 +1,5 @@
-"""How does an administrator take memory back? Revoking leases and draining devices and hosts.
+"""How does an administrator take memory back? Revoking and ending leases, draining devices
+and hosts, deleting hosts.
 
 * `revoke_lease`: active/orphaned/expired → revoking. The agent learns it from
   its next heartbeat reply (`revocations`), tears the memory down and confirms
@@ -13,37 +14,52 @@
 * A drain and an undrain bump the target's generation (a device's or a host's)
   with a compare-and-swap, as a grant does: a grant that read the target before
   the drain committed then fails its own swap and reads `draining` (STYLE.md
-  pattern 1).
+  pattern 1). A repeated drain without a deadline, and an undrain of a target not
+  draining, write nothing and say so (`changed` False).
+* `end_lease`: an administrator ends one lease at once, whatever its live state,
+  without handing out bytes an agent may still map (its docstring says how).
+* `delete_host`: a host without live leases (or, with `force`, once they are ended)
+  goes, with its credential, its paths and the devices only it reached.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, func, insert, select, update
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from poold.errors import (
     BadRequest,
     GenerationConflict,
+    HostBusy,
     InvalidTransition,
     NotOwner,
     PoolError,
     UnknownLease,
 )
-from poold.lease_states import LIVE_STATE_VALUES, LeaseEvent, LeaseState, next_state
+from poold.lease_states import (
+    LIVE_STATE_VALUES,
+    TERMINAL_STATES,
+    LeaseEvent,
+    LeaseState,
+    next_state,
+)
 from poold.ledger import devices, hosts, lease_views, transitions
 from poold.ledger.db import Ledger
-from poold.ledger.models import Device, Host, Lease
+from poold.ledger.models import Device, DevicePath, Event, Host, Lease, Quarantine
 from poold.ledger.reaper import reclaim_event, revoke_in, revoke_matching
 from poold.ledger.types import utcnow
-from poold.wire.admin import DrainResult
+from poold.wire.admin import DrainResult, HostDeleted, LeaseEndAction, LeaseEnded
 from poold.wire.agent import LeaseOpResult
 from poold.wire.common import LeaseOut
+
+log = logging.getLogger(__name__)
 
 
 def revoke_lease(
@@ -214,6 +230,31 @@ def _live_leases(session: Session, kind: _Kind, target_id: int) -> int:
     )
 
 
+@dataclass(frozen=True)
+class _Changed:
+    """What `_change` found and did: the target, its live leases, its state now."""
+
+    target_id: int
+    live: int
+    state: str
+    changed: bool
+
+
+def _latest_drain_deadline(session: Session, kind: _Kind, target_id: int) -> str | None:
+    """The deadline (ISO text) of the target's latest drain event, None when it had none."""
+    detail = session.scalar(
+        select(Event.detail)
+        .where(
+            Event.kind == f"{kind.noun}.drain",
+            getattr(Event, kind.event_target) == target_id,
+        )
+        .order_by(Event.id.desc())
+        .limit(1)
+    )
+    found = (detail or {}).get("deadline_at")
+    return str(found) if found is not None else None
+
+
 def _change(
     ledger: Ledger,
     kind: _Kind,
@@ -224,16 +265,21 @@ def _change(
     after: str,
     now: datetime,
     event: dict[str, Any],
-) -> tuple[int, int]:
+    unchanged: Callable[[Session, _Found], bool] = lambda _s, _f: False,
+) -> _Changed:
     """Move a target to `after`, journalled, again from a fresh read if it loses a race.
 
     `refused(state)`: why the target cannot move from `state` (bad_request), or None.
-    Returns the target's id and its live leases.
+    `unchanged(session, found)`: the target already is as asked; then nothing is
+    written (no event, no generation bump) and the result says `changed` False, so
+    a repeated drain or undrain succeeds without journalling a second one.
     """
 
-    def attempt() -> tuple[int, int]:
+    def attempt() -> _Changed:
         with ledger.write() as s:
             found = kind.find(s, name)
+            if unchanged(s, found):
+                return _Changed(found.id, _live_leases(s, kind, found.id), found.state, False)
             why = refused(found.state)
             if why is not None:
                 raise BadRequest(
@@ -248,7 +294,7 @@ def _change(
                     actor=actor, from_state=found.state, to_state=after, **target, **event
                 ),
             )
-            return found.id, _live_leases(s, kind, found.id)
+            return _Changed(found.id, _live_leases(s, kind, found.id), after, True)
 
     return transitions.retrying(attempt, what=f"{event['kind']} of {name!r}")
 
@@ -275,7 +321,17 @@ def _drain(
         reason = "drain: leases run to their end"
     else:
         reason = "drain now" if now_ else f"drain within {deadline_s:g}s"
-    target_id, live = _change(
+
+    def unchanged(session: Session, found: _Found) -> bool:
+        # Draining already, without a deadline, asked again without one: nothing to do.
+        # A drain with a deadline always writes: it sets (or moves) the deadline.
+        return (
+            deadline is None
+            and found.state == "draining"
+            and _latest_drain_deadline(session, kind, found.id) is None
+        )
+
+    done = _change(
         ledger,
         kind,
         name,
@@ -289,36 +345,50 @@ def _drain(
             # The reaper reads the latest drain's deadline (reaper.drain_deadlines).
             "detail": {"deadline_at": deadline.isoformat()} if deadline is not None else {},
         },
+        unchanged=unchanged,
     )
     revoked: list[str] = []
     if deadline is not None and deadline <= now:
         revoked = revoke_matching(
             ledger,
-            [kind.lease_target == target_id],
+            [kind.lease_target == done.target_id],
             reason=f"{kind.noun} {name} drained",
             actor=actor,
             now=now,
             deadline_s=revoke_deadline_s,
         )
     return DrainResult(
-        target=name, state="draining", deadline_at=deadline, live_leases=live, revoked=revoked
+        target=name,
+        state="draining",
+        deadline_at=deadline,
+        live_leases=done.live,
+        revoked=revoked,
+        changed=done.changed or bool(revoked),
     )
 
 
 def _undrain(ledger: Ledger, kind: _Kind, name: str, actor: str) -> DrainResult:
-    """Put a draining target back in service (leases already revoked stay revoked)."""
-    _target_id, live = _change(
+    """Put a draining target back in service (leases already revoked stay revoked).
+
+    A target that is not draining is left as it is: success, `changed` False, its
+    state as it is (a host `up` or `down`, a device `online`, `missing`...).
+    """
+    done = _change(
         ledger,
         kind,
         name,
         actor,
-        refused=lambda state: ", not draining" if state != "draining" else None,
+        refused=lambda _state: None,
         after=kind.in_service,
         now=utcnow(),
         event={"kind": f"{kind.noun}.undrain"},
+        unchanged=lambda _s, found: found.state != "draining",
     )
     return DrainResult(
-        target=name, state=kind.in_service, live_leases=live if kind.undrain_counts_leases else 0
+        target=name,
+        state=done.state,
+        live_leases=done.live if kind.undrain_counts_leases else 0,
+        changed=done.changed,
     )
 
 
@@ -375,3 +445,349 @@ def drain_host(
         now_=now_,
         revoke_deadline_s=revoke_deadline_s,
     )
+
+
+# --- ending a lease at once -------------------------------------------------------------
+
+# How `end_lease` ends a lease in each live state (see its docstring).
+_END_ACTION: dict[LeaseState, LeaseEndAction] = {
+    LeaseState.GRANTED: "aborted",
+    LeaseState.ACTIVE: "revoked",
+    LeaseState.EXPIRED: "revoked",
+    LeaseState.REVOKING: "revoked",
+    LeaseState.ORPHANED: "reclaimed",
+}
+
+
+def end_lease(ledger: Ledger, lease_id: str, actor: str, reason: str) -> LeaseEnded:
+    """End a lease at once, whatever its live state, without handing out mapped bytes.
+
+    * orphaned (no holder left): reclaimed now (a devdax range goes to scrubbing);
+    * active, expired (a holder may still map it): revoked with a deadline of now,
+      and a revoking lease's deadline is pulled in to now. Its agent learns it in
+      its next heartbeat reply (`revocations`), tears the memory down and confirms
+      (→ reclaimed); a memfd its live holder still maps stays revoking, its bytes
+      used, while the agent reports it (`revoked_held`). Should the agent never
+      answer, the reaper reclaims it as any revocation past its deadline;
+    * granted (never handed to a holder): aborted, as the reaper does a stale grant;
+    * scrubbing: refused (`invalid_transition`): its bytes are being zeroed;
+    * already ended: nothing to do (`changed` False).
+    """
+    for _attempt in range(3):
+        now = utcnow()
+        with ledger.read() as s:
+            row = s.execute(
+                select(Lease.state, Device.kind)
+                .join(Device, Device.id == Lease.device_id)
+                .where(Lease.id == lease_id)
+            ).one_or_none()
+        if row is None:
+            raise UnknownLease(f"no lease {lease_id!r}", lease_id=lease_id)
+        before = LeaseState(row.state)
+        if before in TERMINAL_STATES:
+            return LeaseEnded(
+                lease=lease_views.show(ledger, lease_id), action="none", changed=False
+            )
+        if before is LeaseState.SCRUBBING:
+            raise InvalidTransition(
+                f"lease {lease_id} is scrubbing: its range is being zeroed and ends when "
+                "the agent reports it scrubbed (`poolctl audit --reclaim` re-issues a stuck "
+                "scrub)",
+                state=before.value,
+                lease_id=lease_id,
+            )
+        action = _END_ACTION[before]
+        moved = transitions.retrying(
+            functools.partial(_end_once, ledger, lease_id, before, row.kind, actor, reason, now),
+            what=f"the end of {lease_id}",
+        )
+        if moved is not None:
+            out = lease_views.show(ledger, lease_id)
+            log.info(
+                "lease %s ended by %s: %s -> %s (%s)",
+                lease_id,
+                actor,
+                before.value,
+                out.state,
+                reason,
+            )
+            return LeaseEnded(lease=out, action=action, changed=moved)
+        # Lost a race (the holder released, the reaper moved it): look again.
+    raise GenerationConflict(f"lease {lease_id} kept changing state; retry", lease_id=lease_id)
+
+
+def _end_once(
+    ledger: Ledger,
+    lease_id: str,
+    before: LeaseState,
+    kind: str,
+    actor: str,
+    reason: str,
+    now: datetime,
+) -> bool | None:
+    """One try of `end_lease` from `before`: True moved, False nothing left to do, None lost."""
+    with ledger.write() as s:
+        conn = s.connection()
+        if before is LeaseState.REVOKING:
+            # Already revoked: its deadline (expires_at) comes in to now, journalled.
+            result = conn.execute(
+                update(Lease)
+                .where(
+                    Lease.id == lease_id,
+                    Lease.state == before.value,
+                    Lease.expires_at > now,
+                )
+                .values(expires_at=now)
+            )
+            if result.rowcount != 1:
+                state = conn.execute(select(Lease.state).where(Lease.id == lease_id)).scalar()
+                return False if state == before.value else None  # due already / moved
+            ids = conn.execute(
+                select(Lease.tenant_id, Lease.host_id, Lease.device_id).where(Lease.id == lease_id)
+            ).one()
+            transitions.record(
+                conn,
+                transitions.event_row(
+                    at=now,
+                    actor=actor,
+                    kind="lease.end",
+                    lease_id=lease_id,
+                    tenant_id=ids.tenant_id,
+                    host_id=ids.host_id,
+                    device_id=ids.device_id,
+                    from_state=before.value,
+                    to_state=before.value,
+                    reason=reason,
+                    detail={"deadline_at": now.isoformat()},
+                ),
+            )
+            return True
+        if before is LeaseState.GRANTED:
+            event, values, detail = LeaseEvent.ABORT, None, None
+        elif before is LeaseState.ORPHANED:
+            event, values, detail = reclaim_event(kind), None, None
+        else:  # active, expired: revoked with a deadline of now
+            event = LeaseEvent.REVOKE
+            values, detail = {"expires_at": now}, {"deadline_at": now.isoformat()}
+        moved = transitions.move_if(
+            conn,
+            lease_id,
+            before,
+            event,
+            actor=actor,
+            reason=reason,
+            now=now,
+            values=values,
+            detail=detail,
+        )
+        return True if moved else None
+
+
+# --- deleting a host --------------------------------------------------------------------
+
+
+def delete_host(ledger: Ledger, name: str, actor: str, *, force: bool = False) -> HostDeleted:
+    """Delete a host: refused (`host_busy`) while it holds live leases, unless `force`.
+
+    One transaction. It first bumps the host's generation, so a grant racing it
+    either committed before (and is seen here as a live lease) or loses its swap.
+    With `force` every live lease of the host is ended at once, with an event per
+    move: the host is going away and no agent will confirm anything (granted →
+    aborted; active/expired → revoked → reclaimed; orphaned/revoking → reclaimed).
+    A devdax range nobody zeroed (scrubbing) is quarantined (`scrub_failed`): the
+    bytes may hold the tenant's data, and no agent of this host is left to zero them.
+    Then each device only this host reaches leaves placement (`hosts.remove` takes its
+    paths): deleted when no lease ever used it, else `missing` (as for a device no
+    agent reports; it is online again if a host's agent reports it again). The
+    credential stops matching in the same commit (`hosts.remove`).
+    """
+
+    def attempt() -> HostDeleted:
+        with ledger.write() as s:
+            conn = s.connection()
+            host = hosts.get_by_name(s, name)
+            if not transitions.compare_and_bump(conn, Host, host.id, host.generation):
+                raise transitions.LostRace
+            live = _live_leases(s, _HOST, host.id)
+            if live and not force:
+                raise HostBusy(
+                    f"host {name!r} still holds {live} live lease(s): end them first "
+                    "(`poolctl leases end`, `hosts drain --now`) or delete with --force",
+                    host=name,
+                    live_leases=live,
+                )
+            now = utcnow()
+            ended, quarantined = (
+                _end_host_leases(conn, host.id, name, actor, now) if live else ([], [])
+            )
+            missing, removed = _devices_of_deleted_host(s, host.id, name, actor, now)
+            kept = hosts.remove(
+                s,
+                host,
+                actor,
+                {
+                    "forced": force,
+                    "ended_leases": len(ended),
+                    "devices_missing": missing,
+                    "devices_removed": removed,
+                },
+            )
+            return HostDeleted(
+                name=name,
+                ended_leases=ended,
+                quarantined_leases=quarantined,
+                devices_missing=missing,
+                devices_removed=removed,
+                history_kept=kept,
+            )
+
+    out = transitions.retrying(attempt, what=f"the deletion of host {name!r}")
+    log.info(
+        "host %s deleted by %s: %d lease(s) ended, devices missing %s, removed %s",
+        name,
+        actor,
+        len(out.ended_leases),
+        out.devices_missing,
+        out.devices_removed,
+    )
+    return out
+
+
+# The moves that end a lease of a host that is going away, from each live state (the
+# last one to `scrubbing` for a devdax range is followed by a quarantine).
+def _host_gone_events(state: LeaseState, kind: str) -> list[LeaseEvent]:
+    reclaim = reclaim_event(kind)
+    return {
+        LeaseState.GRANTED: [LeaseEvent.ABORT],
+        LeaseState.ACTIVE: [LeaseEvent.REVOKE, reclaim],
+        LeaseState.EXPIRED: [LeaseEvent.REVOKE, reclaim],
+        LeaseState.ORPHANED: [reclaim],
+        LeaseState.REVOKING: [reclaim],
+        LeaseState.SCRUBBING: [],
+    }[state]
+
+
+def _end_host_leases(
+    conn: Connection, host_id: int, name: str, actor: str, now: datetime
+) -> tuple[list[str], list[str]]:
+    """End every live lease of the host in this transaction; (ended ids, quarantined ids)."""
+    rows = conn.execute(
+        select(
+            Lease.id,
+            Lease.state,
+            Lease.tenant_id,
+            Lease.host_id,
+            Lease.device_id,
+            Lease.offset_bytes,
+            Lease.length_bytes,
+            Device.kind,
+        )
+        .join(Device, Device.id == Lease.device_id)
+        .where(Lease.host_id == host_id, Lease.state.in_(LIVE_STATE_VALUES))
+        .order_by(Lease.id)  # lock order (transitions.py)
+        .with_for_update(of=Lease)
+    ).all()
+    reason = f"host {name} deleted"
+    freed: set[int] = set()
+    ended: list[str] = []
+    quarantined: list[str] = []
+    for row in rows:
+        state = LeaseState(row.state)
+        for event in _host_gone_events(state, row.kind):
+            values = {"expires_at": now} if event is LeaseEvent.REVOKE else None
+            if not transitions.move_if(
+                conn,
+                row.id,
+                state,
+                event,
+                actor=actor,
+                reason=reason,
+                now=now,
+                values=values,
+                lease=row,
+                freed=freed,
+            ):
+                raise transitions.LostRace
+            state = next_state(state, event)
+        if state is LeaseState.SCRUBBING:
+            # No agent of this host will zero the range: never hand it out again.
+            if not transitions.move_if(
+                conn,
+                row.id,
+                state,
+                LeaseEvent.SCRUB_FAILED,
+                actor=actor,
+                reason=f"{reason}: no agent left to zero the range",
+                now=now,
+                lease=row,
+                freed=freed,
+            ):
+                raise transitions.LostRace
+            conn.execute(
+                insert(Quarantine).values(
+                    device_id=row.device_id,
+                    offset_bytes=row.offset_bytes,
+                    length_bytes=row.length_bytes,
+                    created_at=now,
+                    reason=f"lease {row.id} of deleted host {name} was never zeroed",
+                )
+            )
+            quarantined.append(row.id)
+        ended.append(row.id)
+    for device_id in sorted(freed):  # devices after leases (lock order)
+        transitions.bump(conn, Device, device_id)
+    return ended, quarantined
+
+
+def _devices_of_deleted_host(
+    session: Session, host_id: int, name: str, actor: str, now: datetime
+) -> tuple[list[str], list[str]]:
+    """Devices only this host reaches leave placement: (uids now missing, uids deleted)."""
+    mine = list(
+        session.scalars(
+            select(Device)
+            .join(DevicePath, DevicePath.device_id == Device.id)
+            .where(DevicePath.host_id == host_id)
+            .order_by(Device.id)
+        )
+    )
+    missing: list[str] = []
+    removed: list[str] = []
+    for dev in mine:
+        others = session.scalar(
+            select(DevicePath.id)
+            .where(
+                DevicePath.device_id == dev.id,
+                DevicePath.host_id != host_id,
+                DevicePath.present.is_(True),
+            )
+            .limit(1)
+        )
+        if others is not None:
+            continue  # another host still reaches it: only this host's path goes
+        used = session.scalar(select(Lease.id).where(Lease.device_id == dev.id).limit(1))
+        if used is None:
+            hosts.delete_cascading(session, "devices", dev.id)  # paths, quarantine...
+            session.delete(dev)
+            removed.append(dev.uid)
+            kind = "device.remove"
+        else:
+            if dev.state == "online":
+                dev.state = "missing"
+            dev.updated_at = now
+            missing.append(dev.uid)
+            kind = "device.missing"
+        transitions.record(
+            session,
+            transitions.event_row(
+                at=now,
+                actor=actor,
+                kind=kind,
+                device_id=dev.id,
+                host_id=host_id,
+                reason=f"host {name} deleted",
+                detail={"uid": dev.uid},
+            ),
+        )
+    session.flush()
+    return missing, removed

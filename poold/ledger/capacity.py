@@ -16,6 +16,7 @@ from poold.extents import Extent
 from poold.lease_states import LIVE_STATE_VALUES
 from poold.ledger.db import Ledger
 from poold.ledger.devices import admin_annotation, reserved
+from poold.ledger.hosts import DELETED
 from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine
 from poold.wire.admin import DeviceStatus, HostStatus, PoolStatus
 
@@ -23,7 +24,9 @@ from poold.wire.admin import DeviceStatus, HostStatus, PoolStatus
 def pool_status(ledger: Ledger) -> PoolStatus:
     with ledger.read() as session:
         devices = list(session.scalars(select(Device).order_by(Device.id)))
-        hosts = list(session.scalars(select(Host).order_by(Host.name)))
+        hosts = list(
+            session.scalars(select(Host).where(Host.status != DELETED).order_by(Host.name))
+        )
         host_names = {h.id: h.name for h in hosts}
         paths: dict[int, list[DevicePath]] = defaultdict(list)
         for path in session.scalars(select(DevicePath).where(DevicePath.present.is_(True))):
@@ -43,10 +46,12 @@ def pool_status(ledger: Ledger) -> PoolStatus:
             live[device_id] += 1
             host_leased[host_id] += length
             host_live[host_id] += 1
+        quarantined: dict[int, list[Extent]] = defaultdict(list)
         for device_id, offset, length in session.execute(
             select(Quarantine.device_id, Quarantine.offset_bytes, Quarantine.length_bytes)
         ):
             used[device_id].append(Extent(offset, length))
+            quarantined[device_id].append(Extent(offset, length))
 
     device_rows = []
     host_capacity: dict[int, int] = defaultdict(int)
@@ -89,6 +94,11 @@ def pool_status(ledger: Ledger) -> PoolStatus:
                 reserved_extents=[(e.offset, e.length) for e in held],
                 reserved_bytes=sum(
                     e.length for e in extents.normalise_used(dev.capacity_bytes, held)
+                ),
+                quarantined_extents=[(e.offset, e.length) for e in sorted(quarantined[dev.id])],
+                quarantined_bytes=sum(
+                    e.length
+                    for e in extents.normalise_used(dev.capacity_bytes, quarantined[dev.id])
                 ),
             )
         )

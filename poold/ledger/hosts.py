@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from typing import Any
 
-from sqlalchemy import Connection, bindparam, select
+from sqlalchemy import Connection, bindparam, delete, select
 from sqlalchemy.orm import Session
 
 from poold.errors import AlreadyExists, Unauthorized, UnknownHost
 from poold.ledger import transitions
 from poold.ledger.db import Ledger
-from poold.ledger.models import Host
+from poold.ledger.models import Base, Host, Lease
 from poold.ledger.types import utcnow
 from poold.wire.admin import HostCreated, HostOut
 
@@ -58,10 +59,66 @@ def add(session: Session, name: str, actor: str) -> tuple[Host, str]:
 
 
 def get_by_name(session: Session, name: str) -> Host:
-    host = session.scalar(select(Host).where(Host.name == name))
+    # A deleted host's tombstone (`remove`) is no host: it is never found by name.
+    host = session.scalar(select(Host).where(Host.name == name, Host.status != DELETED))
     if host is None:
         raise UnknownHost(f"no host named {name!r}", host=name)
     return host
+
+
+# --- deletion --------------------------------------------------------------------------
+
+# The status of a deleted host's tombstone: kept (renamed, without a credential) only
+# while leases point at it, so their history keeps its host.
+DELETED = "deleted"
+
+
+def delete_cascading(session: Session, parent: str, row_id: int) -> None:
+    """Delete the rows that name `parent`'s row `row_id` in a foreign key ON DELETE CASCADE.
+
+    Explicit, not left to the database: a host kept as a tombstone is not deleted, yet
+    what would cascade with it (device paths, remembered agent requests, which devices
+    it may report) must go; and the models' metadata lists every such table, so one
+    added later goes too.
+    """
+    for table in reversed(Base.metadata.sorted_tables):
+        for fk in table.foreign_keys:
+            if fk.column.table.name == parent and fk.ondelete == "CASCADE":
+                session.execute(delete(table).where(fk.parent == row_id))
+
+
+def remove(session: Session, host: Host, actor: str, detail: dict[str, Any]) -> bool:
+    """Delete a host without live leases: its credential stops matching at once.
+
+    What cascades with it goes (`delete_cascading`). A host that ever held a lease
+    is kept as a tombstone, as a deleted tenant is: renamed `<name>~deleted~<id>` (the
+    name is free for `hosts add` again), status `deleted`, and a credential hash no
+    credential has (the SHA-256 of 256 random bits nobody keeps). True when it was kept.
+    """
+    delete_cascading(session, "hosts", host.id)
+    name = host.name
+    kept = session.scalar(select(Lease.id).where(Lease.host_id == host.id).limit(1)) is not None
+    if kept:
+        suffix = f"~deleted~{host.id}"
+        host.name = name[: Host.name.type.length - len(suffix)] + suffix
+        host.status = DELETED
+        host.credential_hash = hash_credential(secrets.token_urlsafe(32))
+        host.agent_leases = None
+        host.agent_leases_at = None
+        host.inventory_digest = None
+    else:
+        session.delete(host)
+    transitions.record(
+        session,
+        transitions.event_row(
+            actor=actor,
+            kind="host.delete",
+            host_id=host.id,
+            detail={"name": name, "history_kept": kept, **detail},
+        ),
+    )
+    session.flush()
+    return kept
 
 
 _NAME_BY_CREDENTIAL = select(Host.name).where(Host.credential_hash == bindparam("digest"))
@@ -86,7 +143,8 @@ def add_host(ledger: Ledger, name: str, actor: str) -> HostCreated:
 
 def list_hosts(ledger: Ledger) -> list[HostOut]:
     with ledger.read() as session:
-        return [to_out(h) for h in session.scalars(select(Host).order_by(Host.name))]
+        stmt = select(Host).where(Host.status != DELETED).order_by(Host.name)
+        return [to_out(h) for h in session.scalars(stmt)]
 
 
 def authenticate(ledger: Ledger, credential_digest: str) -> str:

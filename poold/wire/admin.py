@@ -8,7 +8,15 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from poold.wire.common import MAX_LEASE_BYTES, MAX_TTL_S, HostName, MediaClass, Model, TenantName
+from poold.wire.common import (
+    MAX_LEASE_BYTES,
+    MAX_TTL_S,
+    HostName,
+    LeaseOut,
+    MediaClass,
+    Model,
+    TenantName,
+)
 
 
 class TenantSpec(Model):
@@ -104,6 +112,11 @@ class DeviceStatus(Model):
     # reserved_bytes is their union inside the device. Neither leased nor free.
     reserved_extents: list[tuple[int, int]] = Field(default_factory=list)
     reserved_bytes: int = 0
+    # [offset, length] ranges never to be allocated again (media poison, a failed scrub,
+    # a devdax range whose host was deleted before it was zeroed); quarantined_bytes is
+    # their union inside the device.
+    quarantined_extents: list[tuple[int, int]] = Field(default_factory=list)
+    quarantined_bytes: int = 0
 
 
 DeviceScope = Literal["host", "shared"]
@@ -167,6 +180,43 @@ class DrainResult(Model):
     deadline_at: datetime | None = None
     live_leases: int = 0
     revoked: list[str] = Field(default_factory=list)
+    # False: the target already was as asked (an undrain of a target not draining, a
+    # drain without a deadline of one already draining without one); nothing written.
+    changed: bool = True
+
+
+class HostDeleted(Model):
+    """`poolctl hosts delete`: what went with the host.
+
+    `ended_leases`: live leases `--force` ended at once; `devices_missing`: devices no
+    other host reaches, kept for their lease history and out of placement (`missing`);
+    `devices_removed`: such devices that never held a lease, deleted; `history_kept`:
+    the host row stays as a tombstone (renamed, no credential) for its leases' history.
+    """
+
+    name: str
+    ended_leases: list[str] = Field(default_factory=list)
+    quarantined_leases: list[str] = Field(default_factory=list)  # devdax, never zeroed
+    devices_missing: list[str] = Field(default_factory=list)
+    devices_removed: list[str] = Field(default_factory=list)
+    history_kept: bool = False
+
+
+class LeaseEndRequest(Model):
+    """`poolctl leases end`: why (journalled)."""
+
+    reason: Annotated[str, Field(min_length=1, max_length=1024)] = "ended by administrator"
+
+
+LeaseEndAction = Literal["revoked", "reclaimed", "aborted", "none"]
+
+
+class LeaseEnded(Model):
+    """What `poolctl leases end` did to one lease (`changed` False: it had ended already)."""
+
+    lease: LeaseOut
+    action: LeaseEndAction
+    changed: bool
 
 
 class AuditItem(Model):

@@ -26,9 +26,12 @@ from poold.wire.admin import (
     DeviceStatus,
     DrainResult,
     HostCreated,
+    HostDeleted,
     HostDrainRequest,
     HostOut,
     HostSpec,
+    LeaseEnded,
+    LeaseEndRequest,
     PoolStatus,
     RevokeRequest,
     TenantOut,
@@ -69,6 +72,12 @@ class LeaseQuery(QueryModel):
     state: list[str] | None = None
     live: bool = False
     limit: int = Field(default=1000, ge=1, le=100_000)
+
+
+class HostDeleteQuery(QueryModel):
+    """`DELETE /v1/hosts/{name}`: with `force`, the host's live leases are ended first."""
+
+    force: bool = False
 
 
 class AuditQuery(QueryModel):
@@ -150,6 +159,9 @@ add_host: Route[HostCreated] = Route(
     "POST", "/v1/hosts", HostCreated, "admin", body=HostSpec, status_code=201
 )
 list_hosts: Route[list[HostOut]] = Route("GET", "/v1/hosts", list[HostOut], "admin")
+delete_host: Route[HostDeleted] = Route(
+    "DELETE", "/v1/hosts/{name}", HostDeleted, "admin", query=HostDeleteQuery
+)
 
 register: Route[HeartbeatReply] = Route(
     "POST", "/v1/agent/register", HeartbeatReply, "agent", body=Heartbeat
@@ -182,6 +194,9 @@ abort: Route[LeaseOut] = Route(
 )
 revoke: Route[LeaseOut] = Route(
     "POST", "/v1/leases/{lease_id}/revoke", LeaseOut, "admin", body=RevokeRequest
+)
+end_lease: Route[LeaseEnded] = Route(
+    "POST", "/v1/leases/{lease_id}/end", LeaseEnded, "admin", body=LeaseEndRequest
 )
 list_leases: Route[list[LeaseOut]] = Route(
     "GET", "/v1/leases", list[LeaseOut], "any", query=LeaseQuery
