@@ -77,6 +77,7 @@ class HostNews:
         self._lock = threading.Lock()
         self._seq: dict[int, int] = {}
         self._waiters: dict[int, set[_Waiter]] = {}
+        self._closed = False
 
     def token(self, host_id: int) -> str:
         with self._lock:
@@ -91,6 +92,13 @@ class HostNews:
         for loop, fut in woken:
             loop.call_soon_threadsafe(_settle, fut)
 
+    def close(self) -> None:
+        """poold is stopping: every wait answers now, and later ones at once, so that
+        no long poll holds up the server's graceful shutdown."""
+        with self._lock:
+            self._closed = True
+        self.signal_all()
+
     def signal_all(self) -> None:
         """Wake every waiter (the listener may have missed notifications)."""
         with self._lock:
@@ -103,6 +111,8 @@ class HostNews:
         fut: asyncio.Future[None] = loop.create_future()
         with self._lock:
             now = f"{self.instance}:{self._seq.get(host_id, 0)}"
+            if self._closed:
+                return False, now
             if since != now:
                 # More news since, another process's token (a failover), or a first
                 # wait: the agent cannot know what it missed, so it looks.
