@@ -108,6 +108,7 @@ class ThreadedServer:
     """poold's app served by a real uvicorn on loopback, inside the test process."""
 
     def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
         self.port = free_port()
         config = uvicorn.Config(
             create_app(ledger, ADMIN_TOKEN),
@@ -134,6 +135,7 @@ class ThreadedServer:
         return self
 
     def __exit__(self, *_exc: object) -> None:
+        self.ledger.news.close()  # as poold serve does: no long poll holds the shutdown
         self.server.should_exit = True
         self.thread.join(timeout=10)
 
