@@ -34,6 +34,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from poold import __version__, pressure
+from poold.api import openapi
 from poold.api.metrics import UNMATCHED_ROUTE, PooldMetrics
 from poold.errors import (
     BadRequest,
@@ -582,7 +583,17 @@ def _threaded(
 def create_app(
     ledger: Ledger, admin_token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 ) -> FastAPI:
-    app = FastAPI(title="poold", version=__version__, docs_url=None, redoc_url=None)
+    # /docs and /redoc are FastAPI's pages: they load Swagger UI and ReDoc from a CDN, so
+    # they render only where the browser reaches it; /openapi.json is whole without it.
+    app = FastAPI(
+        title="poold",
+        version=__version__,
+        description="The far-memory pool's ledger: leases, tenants, hosts, devices.",
+        docs_url="/docs",
+        redoc_url="/redoc",
+    )
+    # The schema is built from the route table (poold/api/openapi.py), not inferred.
+    app.openapi = lambda: openapi.build(app)  # type: ignore[method-assign]
     app.state.ledger = ledger
     app.state.admin_token = admin_token
     app.state.auth_cache = {}
