@@ -1,86 +1,108 @@
-"""The `pool-agent` command: `pool-agent serve` and `pool-agent inventory`."""
+"""The `pool-agent` command: `pool-agent serve`, `config show` and `inventory`."""
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
+from agent.config import DEFAULT_CONFIG_FILE, AgentConfig
+from poold import __version__
+from poold.daemon_config import (
+    config_file,
+    given_flags,
+    load_settings,
+    print_settings,
+    refuse,
+    setting_option,
+)
+from poold.errors import ConfigInvalid
+
+PROG = "pool-agent"
+
+
+def settings_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The options `serve` and `config show` share: one per setting worth a flag, plus --config."""
+    path = click.Path(path_type=Path)
+    options = [
+        click.option(
+            "--config",
+            "config_path",
+            type=click.Path(path_type=Path, dir_okay=False),
+            envvar="POOL_AGENT_CONFIG",
+            default=None,
+            help=f"TOML config file (keys are the setting names) [env POOL_AGENT_CONFIG; "
+            f"default {DEFAULT_CONFIG_FILE} when it exists]",
+        ),
+        setting_option(AgentConfig, "host", "--host"),
+        setting_option(AgentConfig, "poold_url", "--poold-url", multiple=True),
+        setting_option(AgentConfig, "poold_timeout_s", "--poold-timeout", type=float),
+        setting_option(AgentConfig, "credential_file", "--credential-file", type=path),
+        setting_option(AgentConfig, "socket_path", "--socket", type=path),
+        setting_option(AgentConfig, "socket_group", "--socket-group"),
+        setting_option(AgentConfig, "state_dir", "--state-dir", type=path),
+        setting_option(AgentConfig, "sysfs_root", "--sysfs-root", type=path),
+        setting_option(AgentConfig, "heartbeat_interval_s", "--heartbeat-interval", type=float),
+        setting_option(AgentConfig, "emulated", "--emulated/--no-emulated"),
+        setting_option(
+            AgentConfig, "emulated_capacity_bytes", "--emulated-capacity", metavar="SIZE"
+        ),
+        setting_option(AgentConfig, "metrics_listen", "--metrics-listen", metavar="HOST:PORT"),
+        setting_option(AgentConfig, "log_level", "--log-level"),
+        setting_option(
+            AgentConfig, "log_format", "--log-format", type=click.Choice(["text", "json"])
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def config_from(ctx: click.Context, config_path: Path | None) -> tuple[AgentConfig, Path | None]:
+    """The effective config of this command line, or exit 2 naming what was refused."""
+    path = config_file(config_path, DEFAULT_CONFIG_FILE)
+    try:
+        return load_settings(AgentConfig, path, given_flags(ctx, AgentConfig)), path
+    except ConfigInvalid as err:
+        refuse(PROG, err)
+
 
 @click.group()
+@click.version_option(__version__, "--version", prog_name=PROG, message="%(prog)s %(version)s")
 def main() -> None:
     """pool-agent: hands this host's far memory to tenants over a Unix socket."""
 
 
 @main.command()
-@click.option(
-    "--config",
-    "config_path",
-    type=click.Path(path_type=Path, exists=True),
-    envvar="POOL_AGENT_CONFIG",
-    default=None,
-    help="TOML config file",
-)
-@click.option("--host", envvar="POOL_AGENT_HOST", default=None, help="host name known to poold")
-@click.option(
-    "--poold-url",
-    "poold_url",
-    envvar="POOL_AGENT_POOLD_URL",
-    multiple=True,
-    help="a poold URL; repeat it or give a comma list for several (failover, in order)",
-)
-@click.option(
-    "--poold-timeout",
-    "poold_timeout_s",
-    type=float,
-    default=None,
-    help="seconds one request to one poold may take",
-)
-@click.option(
-    "--credential-file",
-    type=click.Path(path_type=Path),
-    default=None,
-    envvar="POOL_AGENT_CREDENTIAL_FILE",
-)
-@click.option(
-    "--socket",
-    "socket_path",
-    type=click.Path(path_type=Path),
-    default=None,
-    envvar="POOL_AGENT_SOCKET",
-)
-@click.option("--socket-group", default=None, help="group owning the socket (mode 0660)")
-@click.option("--state-dir", type=click.Path(path_type=Path), default=None)
-@click.option("--sysfs-root", type=click.Path(path_type=Path), default=None)
-@click.option("--heartbeat-interval", "heartbeat_interval_s", type=float, default=None)
-@click.option(
-    "--emulated/--no-emulated",
-    default=None,
-    help="force the emulated device on or off (default: only without far memory)",
-)
-@click.option(
-    "--emulated-capacity",
-    "emulated_capacity_bytes",
-    type=int,
-    default=None,
-    help="bytes of the emulated device (default: a quarter of RAM)",
-)
-@click.option("--log-level", default="info", envvar="POOL_AGENT_LOG_LEVEL", show_default=True)
-def serve(
-    config_path: Path | None, log_level: str, poold_url: tuple[str, ...], **overrides: object
-) -> None:
+@settings_options
+@click.pass_context
+def serve(ctx: click.Context, /, config_path: Path | None, **_flags: object) -> None:
     """Serve tenants on the agent socket and keep poold informed."""
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
-    from agent import config as config_mod
+    config, _ = config_from(ctx, config_path)
     from agent.run import run
+    from poold.logs import setup_logging
 
-    # Each --poold-url may itself be a comma list (the config splits them); none given
-    # leaves the config file's.
-    urls = list(poold_url) or None
-    raise SystemExit(run(config_mod.load(config_path, poold_url=urls, **overrides)))
+    setup_logging(config.log_level, config.log_format)
+    raise SystemExit(run(config))
+
+
+@main.group()
+def config() -> None:
+    """The effective configuration."""
+
+
+@config.command("show")
+@settings_options
+@click.option("--json", "as_json", is_flag=True, help="one JSON object")
+@click.pass_context
+def config_show(
+    ctx: click.Context, /, config_path: Path | None, as_json: bool, **_flags: object
+) -> None:
+    """Every setting `pool-agent serve` would run with, and where each comes from."""
+    settings, path = config_from(ctx, config_path)
+    print_settings(settings, path, given_flags(ctx, AgentConfig), as_json)
 
 
 try:  # the discovery package adds `pool-agent inventory`

@@ -1,19 +1,29 @@
-"""What the agent is told: its TOML config file, overridden by flags and environment."""
+"""What the agent is told: flag > env (POOL_AGENT_*) > /etc/pool-agent/agent.toml > default.
+
+poold.daemon_config layers the sources (pydantic-settings) and builds the flags from
+these fields; every field reads ``POOL_AGENT_<FIELD>``, and ``POOL_AGENT_SOCKET`` keeps
+working for ``socket_path``. Byte counts take sizes (``64GiB``; poold.sizes).
+"""
 
 from __future__ import annotations
 
 import os
 import re
 import socket
-import tomllib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from agent.paths import default_socket_path
+from poold.daemon_config import DaemonSettings, load_settings, secret
+from poold.logs import LogFormat, LogLevel
 from poold.settings import DEFAULT_PORT
+from poold.sizes import ByteCount
+
+DEFAULT_CONFIG_FILE = Path("/etc/pool-agent/agent.toml")
 
 
 def default_state_dir() -> Path:
@@ -45,41 +55,81 @@ def parse_poold_urls(values: str | Iterable[str]) -> list[str]:
     return urls
 
 
-class AgentConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AgentConfig(DaemonSettings):
+    model_config = SettingsConfigDict(env_prefix="POOL_AGENT_")
 
-    host: str = Field(default_factory=socket.gethostname)
+    host: str = Field(default_factory=socket.gethostname, description="host name known to poold")
     # One or several poold processes sharing a ledger, asked in this order (failover):
-    # a list, or a string of comma-separated URLs, in TOML, flags and environment alike.
-    poold_url: list[str] = Field(default_factory=lambda: [f"http://127.0.0.1:{DEFAULT_PORT}"])
+    # a list, or a string of comma-separated URLs, in TOML, flags and environment alike
+    # (NoDecode: the environment's string is split by the validator, not read as JSON).
+    poold_url: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: [f"http://127.0.0.1:{DEFAULT_PORT}"],
+        description="poold URL(s), asked in order (failover); a comma list or repeated; "
+        f"default http://127.0.0.1:{DEFAULT_PORT}",
+    )
     # One request to one poold; a grant is retried within `grant_patience_s` in all.
-    poold_timeout_s: float = Field(default=10.0, gt=0)
-    grant_patience_s: float = Field(default=20.0, gt=0)
-    credential: str | None = None
-    credential_file: Path | None = None
-    socket_path: Path = Field(default_factory=default_socket_path)
-    socket_mode: int = 0o660
-    socket_group: str | None = None
-    state_dir: Path = Field(default_factory=default_state_dir)
-    sysfs_root: Path = Path("/sys")
-    heartbeat_interval_s: float = Field(default=5.0, gt=0)
+    poold_timeout_s: float = Field(
+        default=10.0, gt=0, description="seconds one request to one poold may take"
+    )
+    grant_patience_s: float = Field(
+        default=20.0, gt=0, description="seconds a grant is retried in all"
+    )
+    credential: str | None = Field(
+        default=None, json_schema_extra=secret(), description="the agent's poold credential"
+    )
+    credential_file: Path | None = Field(
+        default=None, description="file holding the credential (`poolctl hosts add`)"
+    )
+    socket_path: Path = Field(
+        default_factory=default_socket_path,
+        validation_alias=AliasChoices("POOL_AGENT_SOCKET_PATH", "POOL_AGENT_SOCKET"),
+        description="the tenant socket; default /run/poold/agent.sock as root",
+    )
+    socket_mode: int = Field(default=0o660, description="mode of the tenant socket (octal)")
+    socket_group: str | None = Field(default=None, description="group owning the tenant socket")
+    state_dir: Path = Field(
+        default_factory=default_state_dir,
+        description="the lease journal; default /var/lib/pool-agent as root",
+    )
+    sysfs_root: Path = Field(default=Path("/sys"), description="where sysfs is read and written")
+    heartbeat_interval_s: float = Field(
+        default=5.0, gt=0, description="seconds between heartbeats to poold"
+    )
     # The emulated device: used only when discovery finds no far memory, or forced.
-    emulated: bool | None = None  # None: only when the host has no far memory
-    emulated_capacity_bytes: int | None = Field(default=None, gt=0)  # None: 1/4 of RAM
-    emulated_alignment_bytes: int = Field(default=2 << 20, gt=0)
-    # How often the agent checks that each lease's holder process still lives.
-    holder_check_interval_s: float = Field(default=1.0, gt=0)
-    # 2 MiB pages for numa leases: off, prefer (fall back to 4 KiB) or required.
-    hugepages: Literal["off", "prefer", "required"] = "off"
-    # Fresh memfds kept ready for small leases (agent.warm); 0 turns it off.
-    warm_pool_bytes: int = Field(default=64 << 20, ge=0)
-    # Annotations by memdev serial or device uid (media, recycled, provenance, cost).
-    annotations: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    # Hotplug: rescan after udev events on cxl/dax/memory/node settle for this long ...
-    rescan_debounce_s: float = Field(default=0.5, ge=0)
-    # ... and, without udev (containers) or when told not to use it, every this often.
-    rescan_interval_s: float = Field(default=30.0, gt=0)
-    udev: bool = True
+    emulated: bool | None = Field(
+        default=None,
+        description="force the emulated device on or off; default: only without far memory",
+    )
+    emulated_capacity_bytes: ByteCount | None = Field(
+        default=None, gt=0, description="size of the emulated device; default a quarter of RAM"
+    )
+    emulated_alignment_bytes: ByteCount = Field(
+        default=2 << 20, gt=0, description="alignment of emulated leases"
+    )
+    holder_check_interval_s: float = Field(
+        default=1.0, gt=0, description="seconds between checks that lease holders live"
+    )
+    hugepages: Literal["off", "prefer", "required"] = Field(
+        default="off", description="2 MiB pages for numa leases: off, prefer or required"
+    )
+    warm_pool_bytes: ByteCount = Field(
+        default=64 << 20, ge=0, description="fresh memfds kept ready for small leases; 0: off"
+    )
+    annotations: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="per memdev serial or device uid: media, recycled, provenance, cost",
+    )
+    rescan_debounce_s: float = Field(
+        default=0.5, ge=0, description="seconds udev events settle before a rescan"
+    )
+    rescan_interval_s: float = Field(
+        default=30.0, gt=0, description="seconds between rescans without udev"
+    )
+    udev: bool = Field(default=True, description="watch udev for hotplug")
+    # Prometheus metrics over HTTP (agent.metrics), host:port; empty: off.
+    metrics_listen: str = Field(default="", description="host:port serving metrics; empty: off")
+    log_level: LogLevel = Field(default="info", description="least level logged")
+    log_format: LogFormat = Field(default="text", description="log lines as text or json")
 
     @field_validator("poold_url", mode="before")
     @classmethod
@@ -90,12 +140,20 @@ class AgentConfig(BaseModel):
             return parse_poold_urls(value)
         return value
 
+    @field_validator("socket_mode", mode="before")
+    @classmethod
+    def _octal_mode(cls, value: Any) -> Any:
+        # A mode written as text (env, flag) is octal, as chmod reads it: "0660", "660".
+        if isinstance(value, str):
+            try:
+                return int(value.removeprefix("0o"), 8)
+            except ValueError:
+                raise ValueError(f"not an octal mode: {value!r}") from None
+        return value
+
     def resolved_credential(self) -> str:
         if self.credential:
             return self.credential
-        env = os.environ.get("POOL_AGENT_CREDENTIAL")
-        if env:
-            return env
         if self.credential_file is not None:
             return self.credential_file.read_text().strip()
         raise ValueError(
@@ -104,10 +162,6 @@ class AgentConfig(BaseModel):
 
 
 def load(path: Path | None, **overrides: Any) -> AgentConfig:
-    """The config file (if any) with non-None overrides applied on top."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    return AgentConfig.model_validate(data)
+    """The config from every source: non-None ``overrides`` (flags), env, file ``path``."""
+    flags = {key: value for key, value in overrides.items() if value is not None}
+    return load_settings(AgentConfig, path, flags)

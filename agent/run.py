@@ -1,4 +1,9 @@
-"""How `pool-agent serve` runs: inventory, poold link, backends, socket server, signals."""
+"""How `pool-agent serve` runs: inventory, poold link, backends, socket server, signals.
+
+Under systemd (Type=notify) it says READY=1 once the tenant socket listens, and feeds
+the watchdog (WatchdogSec=) only while a real ``hello`` through that socket is answered:
+the accept loop, a connection thread and the service all have to turn for a ping.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from agent.backends import Backend
 from agent.backends.devdax import DevdaxBackend
 from agent.backends.emulated import EmulatedBackend
 from agent.backends.numa import NumaBackend
+from agent.client import PoolClient
 from agent.config import AgentConfig
 from agent.inventory import InventoryWatcher, host_inventory
 from agent.journal import Journal
@@ -20,7 +26,7 @@ from agent.link import PooldLink
 from agent.server import AgentServer
 from agent.service import AgentService
 from agent.warm import WarmPool
-from poold import __version__
+from poold import __version__, notify
 from poold.api.client import PooldClient
 from poold.errors import PoolError
 
@@ -39,6 +45,28 @@ def systemd_listen_socket() -> socket.socket | None:
     for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
         os.environ.pop(var, None)  # not for our children
     return socket.socket(fileno=SD_LISTEN_FDS_START)
+
+
+def feed_watchdog(socket_path: os.PathLike[str], stop: threading.Event) -> threading.Thread | None:
+    """Ping systemd's watchdog each half WATCHDOG_USEC while the agent answers a hello."""
+    interval_s = notify.watchdog_interval_s()
+    if interval_s is None:
+        return None
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                with PoolClient(socket_path, timeout_s=max(interval_s, 1.0)) as probe:
+                    probe.hello(client_name="pool-agent-watchdog")
+            except PoolError as err:
+                log.warning("watchdog: the agent socket did not answer (%s)", err.message)
+            else:
+                notify.notify(notify.WATCHDOG)
+            stop.wait(interval_s)
+
+    thread = threading.Thread(target=loop, name="agent-watchdog", daemon=True)
+    thread.start()
+    return thread
 
 
 def run(config: AgentConfig) -> int:
@@ -99,9 +127,15 @@ def run(config: AgentConfig) -> int:
     signal.signal(signal.SIGINT, on_signal)
     log.info("pool-agent for host %s listening on %s", config.host, server.socket_path)
     print(f"pool-agent ready on {server.socket_path}", flush=True)
+    notify.notify(notify.READY, f"STATUS=serving on {server.socket_path}")
+    watchdog = feed_watchdog(server.socket_path, stop)
     try:
         server.serve_forever()
     finally:
+        stop.set()
+        notify.notify(notify.STOPPING)
+        if watchdog is not None:
+            watchdog.join(timeout=5)
         server.shutdown()
         watcher.stop()
         link.stop()

@@ -175,6 +175,13 @@ class CommandLineError(PoolError):
     http_status = 400
 
 
+class ConfigInvalid(PoolError):
+    """A daemon's flags, environment or config file were refused at start (exit 2)."""
+
+    code = "config_invalid"
+    http_status = 400
+
+
 class Interrupted(PoolError):
     """Ctrl-C stopped a command (poolctl; exit 130). Never sent by a daemon."""
 

@@ -1,12 +1,14 @@
-"""How poold runs: settings in, migrated ledger, API served by uvicorn."""
+"""How poold runs: settings in, migrated ledger, API served by uvicorn, systemd told."""
 
 from __future__ import annotations
 
 import logging
-import time
+import socket
+from collections.abc import Callable
 
 import uvicorn
 
+from poold import notify
 from poold.api.app import create_app
 from poold.ledger import migrate
 from poold.ledger.db import Ledger
@@ -14,6 +16,36 @@ from poold.ledger.reaper import Reaper, ReaperPolicy, ReaperThread
 from poold.settings import PooldSettings
 
 log = logging.getLogger("poold")
+
+
+class NotifyingServer(uvicorn.Server):
+    """uvicorn's server that says READY=1 once its socket listens and pings the watchdog.
+
+    The watchdog is fed from uvicorn's own event-loop tick (every 0.1 s), so a loop
+    that stops turning stops the pings and systemd restarts poold.
+    """
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.watchdog = notify.Watchdog()
+        # Run before uvicorn waits for open requests (ends the agents' long polls).
+        self.before_shutdown: list[Callable[[], None]] = []
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            notify.notify(notify.READY, "STATUS=serving")
+            self.watchdog.tick()
+
+    async def on_tick(self, counter: int) -> bool:
+        self.watchdog.tick()
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        notify.notify(notify.STOPPING)
+        for hook in self.before_shutdown:
+            hook()
+        await super().shutdown(sockets)
 
 
 def serve(settings: PooldSettings) -> None:
@@ -34,18 +66,14 @@ def serve(settings: PooldSettings) -> None:
     # One pass before serving: leases of hosts this poold has not heard yet are
     # held before their agents' first (replayed) heartbeat can arrive, so a
     # lease never expires because poold itself was down (reaper.py, outage rule).
-    started = time.perf_counter()
     first = reaper.run_once()
-    app.state.metrics.reaper_pass("ok", time.perf_counter() - started)
     log.info(
         "reaper: first pass held %d lease(s), %d transition(s); every %gs",
         first.held,
         first.transitions(),
         settings.reap_interval_s,
     )
-    reaper_thread = ReaperThread(
-        reaper, settings.reap_interval_s, on_pass=app.state.metrics.reaper_pass
-    )
+    reaper_thread = ReaperThread(reaper, settings.reap_interval_s)
     if settings.reap_interval_s > 0:  # 0 turns the periodic reaper off (another poold runs it)
         reaper_thread.start()
     log.info(
@@ -54,14 +82,21 @@ def serve(settings: PooldSettings) -> None:
         settings.listen_port,
         ledger.engine.url.render_as_string(hide_password=True),
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.listen_host,
         port=settings.listen_port,
-        log_level="warning",
+        log_config=None,  # poold.logs set up logging; uvicorn's records go through it
         http="httptools",
         access_log=False,
         lifespan="off",
     )
-    reaper_thread.stop()
-    ledger.dispose()
+    server = NotifyingServer(config)
+    server.before_shutdown.append(ledger.news.close)
+    try:
+        server.run()
+    finally:
+        reaper_thread.stop()
+        ledger.dispose()
+    if not server.started:
+        raise SystemExit(1)  # uvicorn logged why (the port taken, say)

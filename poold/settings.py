@@ -1,15 +1,30 @@
-"""Where poold keeps its state and how it is reached: settings from flags and environment."""
+"""Where poold keeps its state and how it is reached: flag > env > /etc/poold/poold.toml > default.
+
+Every field reads ``POOLD_<FIELD>`` from the environment (poold.daemon_config layers
+the sources and builds the flags from these fields); ``POOLD_LISTEN`` and ``POOLD_PORT``
+keep working for the listen address. Byte counts take sizes as people write them
+(``48MiB``; poold.sizes has the rule).
+"""
 
 from __future__ import annotations
 
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, Field
+from pydantic_settings import SettingsConfigDict
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from poold.daemon_config import DaemonSettings, secret
+from poold.logs import LogFormat, LogLevel
+from poold.sizes import ByteCount
 
 DEFAULT_PORT = 7340
 DEFAULT_MAX_BODY_BYTES = 48 * 1024 * 1024  # poold.api.app says why
+DEFAULT_CONFIG_FILE = Path("/etc/poold/poold.toml")
 
 
 def default_state_dir() -> Path:
@@ -20,64 +35,87 @@ def default_state_dir() -> Path:
     return Path(base) / "poold"
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(f"POOLD_{name.upper()}")
-    return float(raw) if raw else default
+class PooldSettings(DaemonSettings):
+    model_config = SettingsConfigDict(env_prefix="POOLD_")
 
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(f"POOLD_{name.upper()}")
-    return int(raw) if raw else default
-
-
-def _env_optional_float(name: str) -> float | None:
-    raw = os.environ.get(f"POOLD_{name.upper()}")
-    return float(raw) if raw else None
-
-
-class PooldSettings(BaseModel):
-    state_dir: Path = Field(default_factory=default_state_dir)
-    database_url: str | None = None  # None: SQLite in state_dir
-    listen_host: str = "127.0.0.1"
-    listen_port: int = DEFAULT_PORT
-    admin_token: str | None = None  # None: read or create state_dir/admin.token
-    upgrade_db: bool = True
+    state_dir: Path = Field(
+        default_factory=default_state_dir,
+        description="ledger (SQLite) and admin token; default /var/lib/poold as root, "
+        "else $XDG_STATE_HOME/poold",
+    )
+    database_url: str | None = Field(
+        default=None, description="SQLAlchemy URL of the ledger; default SQLite in the state dir"
+    )
+    listen_host: str = Field(
+        default="127.0.0.1",
+        validation_alias=AliasChoices("POOLD_LISTEN_HOST", "POOLD_LISTEN"),
+        description="address the HTTP API listens on",
+    )
+    listen_port: int = Field(
+        default=DEFAULT_PORT,
+        ge=0,
+        le=65535,
+        validation_alias=AliasChoices("POOLD_LISTEN_PORT", "POOLD_PORT"),
+        description="TCP port of the HTTP API",
+    )
+    admin_token: str | None = Field(
+        default=None,
+        json_schema_extra=secret(),
+        description="the admin token; default read (or created) at state_dir/admin.token",
+    )
+    upgrade_db: bool = Field(default=True, description="apply pending alembic migrations at start")
     # Request bodies past this are refused unread (413 body_too_large); the default is a
     # little above the biggest legitimate one, a 100,000-lease heartbeat (poold/api/app.py).
-    max_body_bytes: int = Field(
-        default_factory=lambda: _env_int("max_body_bytes", DEFAULT_MAX_BODY_BYTES), gt=0
+    max_body_bytes: ByteCount = Field(
+        default=DEFAULT_MAX_BODY_BYTES,
+        gt=0,
+        description="refuse request bodies past this size (413), unread",
     )
-    host_down_after_s: float = 60.0
+    host_down_after_s: float = Field(default=60.0, description="seconds before a host is down")
     # The reaper (poold/ledger/reaper.py): how often it runs and the clocks it enforces.
-    # Each reads POOLD_<NAME> from the environment when not given, so that a unit file
-    # or a test can tune it without a flag for every knob.
-    reap_interval_s: float = Field(default_factory=lambda: _env_float("reap_interval_s", 1.0))
-    activation_deadline_s: float = Field(
-        default_factory=lambda: _env_float("activation_deadline_s", 30.0)
+    reap_interval_s: float = Field(
+        default=1.0, ge=0, description="seconds between reaper passes; 0 turns it off"
     )
-    expiry_grace_s: float = Field(default_factory=lambda: _env_float("expiry_grace_s", 30.0))
-    revoke_deadline_s: float = Field(default_factory=lambda: _env_float("revoke_deadline_s", 30.0))
+    activation_deadline_s: float = Field(
+        default=30.0, description="seconds a granted lease has to become active"
+    )
+    expiry_grace_s: float = Field(default=30.0, description="seconds past expiry before reaping")
+    revoke_deadline_s: float = Field(
+        default=30.0, description="seconds a revoked lease's holder has to let go"
+    )
     host_silent_after_s: float = Field(
-        default_factory=lambda: _env_float("host_silent_after_s", 10.0)
+        default=10.0, description="seconds without a heartbeat before a host is silent"
     )
     host_silent_grace_s: float = Field(
-        default_factory=lambda: _env_float("host_silent_grace_s", 300.0)
+        default=300.0, description="seconds a silent host's leases are held before reclaim"
     )
     # Pressure (poold/pressure.py): a device whose free bytes fall under this fraction of
     # its capacity makes poold ask tenants, replica bytes first, to give memory back.
-    # 0 turns it off.
     pressure_watermark: float = Field(
-        default_factory=lambda: _env_float("pressure_watermark", 0.05), ge=0, lt=1
+        default=0.05,
+        ge=0,
+        lt=1,
+        description="free fraction of a device under which tenants are asked to give back; "
+        "0 turns it off",
     )
-    # How long a tenant asked to give memory back has before poold revokes the lease.
     shrink_deadline_s: float = Field(
-        default_factory=lambda: _env_float("shrink_deadline_s", 30.0), gt=0
+        default=30.0, gt=0, description="seconds a tenant asked to give back has before revoke"
     )
     # What new DDR5 far memory costs per GiB-month: `poolctl accounting` prices what
     # recycled DDR4 saved against it. None: not configured, no savings shown.
     ddr5_cost_per_gib_month: float | None = Field(
-        default_factory=lambda: _env_optional_float("ddr5_cost_per_gib_month"), ge=0
+        default=None, ge=0, description="price of new DDR5 per GiB-month, for accounting"
     )
+    log_level: LogLevel = Field(default="info", description="least level logged")
+    log_format: LogFormat = Field(default="text", description="log lines as text or json")
+
+    def shown_value(self, name: str, value: Any) -> Any:
+        if name == "database_url" and isinstance(value, str):
+            try:
+                return make_url(value).render_as_string(hide_password=True)
+            except ArgumentError:
+                return value
+        return super().shown_value(name, value)
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{self.state_dir / 'ledger.db'}"

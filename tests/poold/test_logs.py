@@ -1,0 +1,134 @@
+"""One logging setup for both daemons: text or JSON, journald without timestamps, quiet libs."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from poold import procs
+from poold.logs import setup_logging, stderr_is_journal
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    quiet = {name: logging.getLogger(name).level for name in ("httpx", "alembic", "uvicorn")}
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)
+    for name, old in quiet.items():
+        logging.getLogger(name).setLevel(old)
+
+
+def test_text_lines_carry_a_timestamp(restore_logging: None) -> None:
+    out = io.StringIO()
+    setup_logging("info", "text", stream=out)
+    logging.getLogger("poold.x").info("hello %s", "there")
+    line = out.getvalue().strip()
+    assert line.endswith("poold.x INFO hello there")
+    assert line[:4].isdigit()  # 2025-...
+
+
+def test_json_lines_parse(restore_logging: None) -> None:
+    out = io.StringIO()
+    setup_logging("debug", "json", stream=out)
+    logging.getLogger("poold.x").warning("a %d", 1)
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        logging.getLogger("poold.y").exception("failed")
+    first, second = (json.loads(line) for line in out.getvalue().splitlines())
+    assert first["level"] == "warning" and first["logger"] == "poold.x" and first["msg"] == "a 1"
+    assert "ts" in first
+    assert second["msg"] == "failed" and "RuntimeError: boom" in second["exc"]
+
+
+def test_journal_stream_drops_the_timestamp_and_adds_priorities(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_logging: None
+) -> None:
+    with (tmp_path / "stderr").open("w") as stream:
+        st = os.fstat(stream.fileno())
+        monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+        assert stderr_is_journal(stream)
+        setup_logging("info", "text", stream=stream)
+        logging.getLogger("poold.x").warning("disk %s", "full")
+        logging.getLogger("poold.x").info("fine")
+    assert (tmp_path / "stderr").read_text().splitlines() == [
+        "<4>poold.x WARNING disk full",
+        "<6>poold.x INFO fine",
+    ]
+    # Another stream than the journal's (stderr redirected to a file): timestamps stay.
+    with (tmp_path / "other").open("w") as other:
+        assert not stderr_is_journal(other)
+    monkeypatch.setenv("JOURNAL_STREAM", "garbage")
+    assert not stderr_is_journal()
+
+
+def test_library_chatter_is_quiet_unless_debug(restore_logging: None) -> None:
+    out = io.StringIO()
+    setup_logging("info", "text", stream=out)
+    logging.getLogger("httpx").info('HTTP Request: POST http://x/v1/heartbeat "200 OK"')
+    logging.getLogger("alembic.runtime.migration").info("Running upgrade")
+    logging.getLogger("httpx").warning("kept")
+    assert out.getvalue().count("\n") == 1 and "kept" in out.getvalue()
+    setup_logging("debug", "text", stream=out)
+    logging.getLogger("httpx").info("now shown")
+    assert "now shown" in out.getvalue()
+
+
+def test_bad_level_or_format_is_refused() -> None:
+    with pytest.raises(ValueError, match="log level"):
+        setup_logging("loud")
+    with pytest.raises(ValueError, match="log format"):
+        setup_logging("info", "xml")
+
+
+def test_real_daemons_at_info_log_no_library_noise(tmp_path: Path) -> None:
+    """poold's start has no alembic lines; an agent's heartbeats add no line at all."""
+    port = procs.free_port()
+    state = tmp_path / "poold"
+    poold = procs.start_poold(state, port, extra=["--log-level", "info", "--log-format", "json"])
+    sock_dir = Path(f"/tmp/pl-{os.getpid()}")
+    agent: procs.Child | None = None
+    try:
+        with procs.admin_client(state, port) as admin:
+            credential = tmp_path / "credential"
+            credential.write_text(admin.add_host("log-host").credential)
+        agent = procs.start_agent(
+            tmp_path,
+            host="log-host",
+            poold_url=f"http://127.0.0.1:{port}",
+            credential_file=credential,
+            socket_path=sock_dir / "agent.sock",
+            emulated_capacity_bytes=64 << 20,
+            heartbeat_interval_s=0.2,
+            extra=["--log-level", "info"],
+        )
+        time.sleep(2.5)  # a dozen heartbeats
+        assert agent.alive() and poold.alive()
+    finally:
+        if agent is not None:
+            agent.stop()
+        poold.stop()
+        for leftover in sock_dir.glob("*"):
+            leftover.unlink()
+        if sock_dir.exists():
+            sock_dir.rmdir()
+    poold_lines = poold.log_path.read_text().splitlines()
+    records = [json.loads(line) for line in poold_lines]
+    assert not [r for r in records if r["logger"].startswith(("alembic", "uvicorn", "httpx"))]
+    assert any(r["msg"].startswith("poold listening on") for r in records)
+    agent_lines = (tmp_path / "agent-log-host.log").read_text().splitlines()
+    assert not [line for line in agent_lines if "HTTP Request" in line], agent_lines
+    # Start, registration and shutdown: a handful of lines, none per heartbeat.
+    assert len(agent_lines) < 12, agent_lines
