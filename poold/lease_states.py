@@ -19,6 +19,10 @@ class LeaseState(StrEnum):
     ORPHANED = "orphaned"
     REVOKING = "revoking"
     SCRUBBING = "scrubbing"
+    # Ended, but a process still maps or holds the memfd (DESIGN.md "Memory follows the
+    # pages"): its bytes count against the tenant and the device until none does.
+    RELEASED_MAPPED = "released_mapped"
+    REVOKED_MAPPED = "revoked_mapped"
     RELEASED = "released"
     RECLAIMED = "reclaimed"
     ABORTED = "aborted"
@@ -38,6 +42,13 @@ class LeaseEvent(StrEnum):
     RECLAIM_DIRTY = "reclaim_dirty"
     SCRUBBED = "scrubbed"
     SCRUB_FAILED = "scrub_failed"
+    # The holder released, but its memfd is still mapped or held (by it or by any
+    # process it passed the fd to): the agent watches the inode.
+    RELEASE_MAPPED = "release_mapped"
+    # Revoked, orphaned or expired, and reclaimed, but the memfd is still mapped or held.
+    RECLAIM_MAPPED = "reclaim_mapped"
+    # The agent found no process mapping or holding the memfd any more.
+    UNMAPPED = "unmapped"
 
 
 S, E = LeaseState, LeaseEvent
@@ -66,13 +77,35 @@ TRANSITIONS: dict[tuple[LeaseState, LeaseEvent], LeaseState] = {
     (S.SCRUBBING, E.SCRUBBED): S.RECLAIMED,
     # A range that failed to scrub is quarantined by the caller; the lease still ends.
     (S.SCRUBBING, E.SCRUB_FAILED): S.RECLAIMED,
+    # Memory follows the pages: a memfd lease that ends while mapped stays counted.
+    (S.GRANTED, E.RELEASE_MAPPED): S.RELEASED_MAPPED,
+    (S.ACTIVE, E.RELEASE_MAPPED): S.RELEASED_MAPPED,
+    (S.ORPHANED, E.RECLAIM_MAPPED): S.REVOKED_MAPPED,
+    (S.EXPIRED, E.RECLAIM_MAPPED): S.REVOKED_MAPPED,
+    (S.REVOKING, E.RECLAIM_MAPPED): S.REVOKED_MAPPED,
+    # The agent's word again, after poold (the reaper) already moved it: nothing changes.
+    (S.REVOKED_MAPPED, E.RECLAIM_MAPPED): S.REVOKED_MAPPED,
+    (S.RELEASED_MAPPED, E.UNMAPPED): S.RELEASED,
+    (S.REVOKED_MAPPED, E.UNMAPPED): S.RECLAIMED,
 }
 
 # States whose bytes are still taken on the device (and count against quota
 # until the holder is gone or the range is zeroed).
 LIVE_STATES: frozenset[LeaseState] = frozenset(
-    {S.GRANTED, S.ACTIVE, S.EXPIRED, S.ORPHANED, S.REVOKING, S.SCRUBBING}
+    {
+        S.GRANTED,
+        S.ACTIVE,
+        S.EXPIRED,
+        S.ORPHANED,
+        S.REVOKING,
+        S.SCRUBBING,
+        S.RELEASED_MAPPED,
+        S.REVOKED_MAPPED,
+    }
 )
+# Live states whose lease is over for its holder, with its memfd still mapped somewhere.
+MAPPED_STATES: frozenset[LeaseState] = frozenset({S.RELEASED_MAPPED, S.REVOKED_MAPPED})
+MAPPED_STATE_VALUES: tuple[str, ...] = tuple(s.value for s in LeaseState if s in MAPPED_STATES)
 # The same, as the plain strings the ledger stores and compares in SQL (a driver may
 # bind an Enum by its name, so SQL never sees the enum members themselves).
 LIVE_STATE_VALUES: tuple[str, ...] = tuple(s.value for s in LeaseState if s in LIVE_STATES)
@@ -91,7 +124,7 @@ def next_state(state: LeaseState, event: LeaseEvent) -> LeaseState:
     try:
         return TRANSITIONS[(state, event)]
     except KeyError:
-        if event in (E.RENEW, E.RELEASE, E.RELEASE_DIRTY, E.ACTIVATE):
+        if event in (E.RENEW, E.RELEASE, E.RELEASE_DIRTY, E.RELEASE_MAPPED, E.ACTIVATE):
             raise LeaseNotActive(
                 f"lease is {state.value}; cannot {event.value} it",
                 state=state.value,

@@ -24,7 +24,7 @@ from datetime import datetime
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from poold.lease_states import LIVE_STATE_VALUES, LIVE_STATES, LeaseState
+from poold.lease_states import LIVE_STATE_VALUES, LIVE_STATES, MAPPED_STATES, LeaseState
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Host, Lease, Tenant
 from poold.ledger.types import utcnow
@@ -39,8 +39,12 @@ SAVINGS_MEDIA = "ddr4"
 
 # The holder still has the memory (and so its KV blocks): reports are accepted and
 # counted. A scrubbing lease is live (its bytes are taken) but its holder released it,
-# so its last report is history, not usage.
-MEMORY_HELD: frozenset[str] = frozenset(s.value for s in LIVE_STATES - {LeaseState.SCRUBBING})
+# so its last report is history, not usage. So is a lease that ended with its memfd still
+# mapped (released_mapped, revoked_mapped): its bytes count as leased (and accrue
+# GiB-hours) until no process maps them, but nobody reports on it any more.
+MEMORY_HELD: frozenset[str] = frozenset(
+    s.value for s in LIVE_STATES - {LeaseState.SCRUBBING} - MAPPED_STATES
+)
 # Never handed to a tenant: no GiB-hours.
 NOT_SERVED: frozenset[str] = frozenset({LeaseState.ABORTED.value})
 

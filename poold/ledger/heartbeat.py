@@ -448,6 +448,11 @@ def heartbeat(
         host.agent_leases = agent_reports.stored_report(beat)
         host.agent_leases_at = now
         ended = held_but_ended(session, host, held)
+    ended_mapped: list[str] = []
+    if beat.held_leases is not None:
+        # Ended memfd leases still mapped: freed once the agent reports them no more.
+        reported = {x.lease_id: x.state for x in beat.held_leases}
+        ended_mapped = leases.settle_mapped(session.connection(), host.id, host.name, reported, now)
     revoking = session.execute(
         select(Lease.id, Lease.expires_at).where(
             Lease.host_id == host.id, Lease.state == LeaseState.REVOKING.value
@@ -463,6 +468,10 @@ def heartbeat(
     revocations += [
         Revocation(lease_id=lease_id, reason="the ledger ended this lease", deadline_at=now)
         for lease_id in ended
+    ]
+    revocations += [
+        Revocation(lease_id=lease_id, reason="ended while its memfd is mapped", deadline_at=now)
+        for lease_id in ended_mapped
     ]
     if beat.leftovers:
         # Leftover sub-devices `poolctl audit --reclaim` ordered deleted (no query

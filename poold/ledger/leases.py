@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -52,7 +52,13 @@ from poold.errors import (
     UnknownLease,
 )
 from poold.extents import Extent
-from poold.lease_states import LIVE_STATES_SQL, LeaseEvent, LeaseState, next_state
+from poold.lease_states import (
+    LIVE_STATES_SQL,
+    MAPPED_STATE_VALUES,
+    LeaseEvent,
+    LeaseState,
+    next_state,
+)
 from poold.ledger import agent_requests, devices, lease_views, tenants, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine, Tenant
@@ -132,6 +138,9 @@ _OP_EVENTS = {
     "scrubbed": LeaseEvent.SCRUBBED,
     "scrub_failed": LeaseEvent.SCRUB_FAILED,
     "orphan": LeaseEvent.ORPHAN,
+    "release_mapped": LeaseEvent.RELEASE_MAPPED,
+    "reclaim_mapped": LeaseEvent.RECLAIM_MAPPED,
+    "unmapped": LeaseEvent.UNMAPPED,
 }
 
 
@@ -261,18 +270,22 @@ def _grant_once(
         )
     length = choice.extent.length
     if used_leases + 1 > tenant.quota_leases:
+        mapped, why = _still_mapped(conn, tenant.id)
         raise QuotaExceeded(
-            f"tenant {tenant.name!r} holds {used_leases} of {tenant.quota_leases} leases",
+            f"tenant {tenant.name!r} holds {used_leases} of {tenant.quota_leases} leases{why}",
             quota_leases=tenant.quota_leases,
             live_leases=used_leases,
+            **mapped,
         )
     if used_bytes + length > tenant.quota_bytes:
+        mapped, why = _still_mapped(conn, tenant.id)
         raise QuotaExceeded(
             f"tenant {tenant.name!r} would hold {used_bytes + length} bytes, "
-            f"quota is {tenant.quota_bytes}",
+            f"quota is {tenant.quota_bytes}{why}",
             quota_bytes=tenant.quota_bytes,
             leased_bytes=used_bytes,
             requested_bytes=length,
+            **mapped,
         )
     dev = choice.candidate
     path = paths[dev.device_id]
@@ -362,6 +375,36 @@ def _grant_once(
             "local_name": path["local_name"],
         }
     )
+
+
+_MAPPED_OF_TENANT = (
+    select(Lease.id, Lease.state, Lease.length_bytes)
+    .where(Lease.tenant_id == bindparam("tenant_id"), Lease.state.in_(MAPPED_STATE_VALUES))
+    .order_by(Lease.granted_at, Lease.id)
+)
+# How many of them a quota refusal names (the detail carries as many).
+_MAPPED_NAMED = 20
+
+
+def _still_mapped(conn: Connection, tenant_id: int) -> tuple[dict[str, Any], str]:
+    """The tenant's ended leases whose memfd some process still maps (they count against
+    its quota: DESIGN.md "Memory follows the pages"), and the words a refusal adds for
+    them (detail `mapped_leases`, absent when none). Read only on the refusal path."""
+    rows = conn.execute(_MAPPED_OF_TENANT, {"tenant_id": tenant_id}).all()
+    if not rows:
+        return {}, ""
+    mapped = [
+        {"lease_id": r.id, "state": r.state, "length_bytes": int(r.length_bytes)}
+        for r in rows[:_MAPPED_NAMED]
+    ]
+    total = sum(int(r.length_bytes) for r in rows)
+    named = ", ".join(f"{m['lease_id']} ({m['state']})" for m in mapped)
+    more = f" and {len(rows) - len(mapped)} more" if len(rows) > len(mapped) else ""
+    why = (
+        f"; {len(rows)} ended lease(s) of {total} bytes still count because a process "
+        f"still maps or holds their memory: {named}{more} (unmap and close them)"
+    )
+    return {"mapped_leases": mapped, "mapped_bytes": total}, why
 
 
 def _refuse_if_host_draining(conn: Connection, host_id: int, host_name: str) -> int:
@@ -517,9 +560,12 @@ def _apply_op(
         freed.add(lease.device_id)
         return LeaseOpResult(lease_id=op.lease_id, state=lease.state)
     event = _OP_EVENTS[op.op]
-    if event in (LeaseEvent.RELEASE, LeaseEvent.RELEASE_DIRTY):
+    if event in (LeaseEvent.RELEASE, LeaseEvent.RELEASE_DIRTY, LeaseEvent.RELEASE_MAPPED):
         # Past its ttl the holder no longer owns it (the expiry is kept, journalled).
         _expire_if_due(conn, lease, now)
+    if event is LeaseEvent.RELEASE_MAPPED and lease.state == LeaseState.EXPIRED.value:
+        # Released after its ttl, still mapped: the lease is over and its pages are not.
+        event = LeaseEvent.RECLAIM_MAPPED
     after = next_state(LeaseState(lease.state), event)
     _move(conn, lease, event, actor, now, op.reason, freed=freed)
     if event is LeaseEvent.SCRUB_FAILED:
@@ -820,3 +866,51 @@ def end(
         raise refused
 
     return transitions.retrying(attempt, what=f"{event.value} of {lease_id}")
+
+
+# --- memory that follows the pages ----------------------------------------------------------
+
+_MAPPED_OF_HOST = (
+    select(Lease.id, Lease.state, Lease.tenant_id, Lease.host_id, Lease.device_id)
+    .where(Lease.host_id == bindparam("host_id"), Lease.state.in_(MAPPED_STATE_VALUES))
+    .order_by(Lease.id)  # lock order
+)
+
+
+def settle_mapped(
+    conn: Connection, host_id: int, host_name: str, reported: Mapping[str, str], now: datetime
+) -> list[str]:
+    """What a detailed agent report (lease id -> the agent's state of it) says of the host's
+    leases that ended with their memfd still mapped; in the heartbeat's transaction.
+
+    A lease the agent no longer reports at all is mapped and held by nobody: the agent
+    watches every such memfd until none does (agent/mappings.py), so its silence is the
+    word `unmapped` (released_mapped -> released, revoked_mapped -> reclaimed), the same
+    move its own `unmapped` op makes, whichever lands first. A lease the agent still
+    reports as held (the reaper ended an expired or orphaned memfd lease under a live
+    holder) is returned: the reply revokes it, and the agent takes it into its watch.
+    """
+    rows = conn.execute(_MAPPED_OF_HOST, {"host_id": host_id}).all()
+    if not rows:
+        return []
+    held: list[str] = []
+    freed: set[int] = set()
+    for row in rows:
+        agent_state = reported.get(row.id)
+        if agent_state is None:
+            transitions.move_if(
+                conn,
+                row.id,
+                LeaseState(row.state),
+                LeaseEvent.UNMAPPED,
+                actor=f"agent:{host_name}",
+                reason="the agent sees no process mapping or holding its memfd",
+                now=now,
+                lease=row,
+                freed=freed,
+            )
+        elif agent_state in ("held", "revoked_held"):
+            held.append(row.id)
+    for device_id in sorted(freed):
+        transitions.bump(conn, Device, device_id)
+    return held

@@ -56,7 +56,7 @@ from sqlalchemy.orm import Session
 
 from poold.errors import LedgerUnavailable
 from poold.lease_states import LeaseEvent, LeaseState
-from poold.ledger import agent_requests, transitions
+from poold.ledger import agent_reports, agent_requests, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Event, Host, Lease
 from poold.ledger.types import utcnow
@@ -124,6 +124,60 @@ def reclaim_event(device_kind: str) -> LeaseEvent:
     orders the scrub; a failed scrub quarantines the range).
     """
     return LeaseEvent.RECLAIM_DIRTY if device_kind == "devdax" else LeaseEvent.RECLAIM
+
+
+def reclaim_event_seen(
+    device_kind: str,
+    lease_id: str,
+    granted_at: datetime,
+    stored_report: Any,
+    stored_at: datetime | None,
+) -> LeaseEvent:
+    """`reclaim_event`, for a lease whose holder did not release it, given what its
+    agent last reported (`hosts.agent_leases`, at `stored_at`).
+
+    A memfd's pages stay with whoever maps them (DESIGN.md "Memory follows the pages"),
+    so a memfd lease is reclaimed to free bytes only on its agent's word that nothing
+    maps it: the agent's last detailed report, made after the lease was granted, does
+    not list it (the agent lists every lease it holds and every ended memfd it watches,
+    agent/mappings.py). Otherwise it goes to `revoked_mapped` (`reclaim_mapped`) and
+    stays counted until the agent's report or `unmapped` op frees it. An agent that
+    sends no detailed report watches nothing: its leases are reclaimed as before.
+    """
+    event = reclaim_event(device_kind)
+    if event is not LeaseEvent.RECLAIM or stored_report is None:
+        return event
+    parsed = agent_reports.parse_stored(stored_report)
+    if parsed is None:
+        return LeaseEvent.RECLAIM_MAPPED  # unreadable: never taken as "holds nothing"
+    reported, _leftovers, detailed = parsed
+    if not detailed:
+        return event
+    entry = reported.get(lease_id)
+    if entry is not None and entry.state != "scrubbing":
+        return LeaseEvent.RECLAIM_MAPPED
+    if stored_at is None or _aware(stored_at) < _aware(granted_at):
+        return LeaseEvent.RECLAIM_MAPPED  # the agent has said nothing since the grant
+    return event
+
+
+def reclaim_events(conn: Any, leases: Sequence[tuple[str, str]]) -> dict[str, LeaseEvent]:
+    """`reclaim_event_seen` of each (lease id, device kind), reading each host's report
+    once; only memfd leases need a read at all."""
+    out = {lease_id: reclaim_event(kind) for lease_id, kind in leases}
+    memfd = sorted(i for i, e in out.items() if e is LeaseEvent.RECLAIM)
+    kinds = dict(leases)
+    for chunk in transitions.chunks(memfd, 500):
+        rows = conn.execute(
+            select(Lease.id, Lease.granted_at, Host.agent_leases, Host.agent_leases_at)
+            .join(Host, Host.id == Lease.host_id)
+            .where(Lease.id.in_(chunk))
+        ).all()
+        for row in rows:
+            out[row.id] = reclaim_event_seen(
+                kinds[row.id], row.id, row.granted_at, row.agent_leases, row.agent_leases_at
+            )
+    return out
 
 
 @dataclass(frozen=True)
@@ -357,7 +411,7 @@ class Reaper:
                 # Lapsed longer ago than the grace (its host was silent): reclaim it now.
                 row.id,
                 LeaseState.EXPIRED,
-                reclaim_event(row.kind),
+                self._reclaim_events([(row.id, row.kind)])[row.id],
                 f"expired for {self.policy.expiry_grace_s:g}s (grace)",
                 now,
                 where=(Lease.expires_at <= grace_cutoff,),
@@ -412,13 +466,33 @@ class Reaper:
             Lease.shrink_deadline_at <= now,
         )
 
+    def _reclaim_events(self, leases: Sequence[tuple[str, str]]) -> dict[str, LeaseEvent]:
+        if not leases:
+            return {}
+        with self.ledger.read() as s:
+            return reclaim_events(s.connection(), leases)
+
     def _reclaim(self, due: dict[str, list[Any]], now: datetime, result: ReapResult) -> None:
         grace = timedelta(seconds=self.policy.expiry_grace_s)
+        with self.ledger.read() as s:
+            orphaned = [
+                (lease_id, kind, since)
+                for lease_id, kind, since in orphaned_since(s.connection(), limit=BATCH)
+                if since <= now - grace
+            ]
+        events = self._reclaim_events(
+            [
+                (row.id, row.kind)
+                for state in (LeaseState.EXPIRED.value, LeaseState.REVOKING.value)
+                for row in due.get(state, [])
+            ]
+            + [(lease_id, kind) for lease_id, kind, _since in orphaned]
+        )
         for row in due.get(LeaseState.EXPIRED.value, []):
             if self._move(
                 row.id,
                 LeaseState.EXPIRED,
-                reclaim_event(row.kind),
+                events[row.id],
                 f"expired for {self.policy.expiry_grace_s:g}s (grace)",
                 now,
                 where=(Lease.expires_at <= now - grace,),
@@ -428,21 +502,17 @@ class Reaper:
             if self._move(
                 row.id,
                 LeaseState.REVOKING,
-                reclaim_event(row.kind),
+                events[row.id],
                 "revocation deadline passed without the agent's confirmation",
                 now,
                 where=(Lease.expires_at <= now,),
             ):
                 result.reclaimed.append(row.id)
-        with self.ledger.read() as s:
-            orphaned = orphaned_since(s.connection(), limit=BATCH)
-        for lease_id, kind, since in orphaned:
-            if since > now - grace:
-                continue
+        for lease_id, _kind, _since in orphaned:
             if self._move(
                 lease_id,
                 LeaseState.ORPHANED,
-                reclaim_event(kind),
+                events[lease_id],
                 f"orphaned for {self.policy.expiry_grace_s:g}s (grace)",
                 now,
             ):

@@ -96,8 +96,10 @@ class ScrubProgress(Model):
 
 
 # held: the agent has the memory for a live holder; revoked_held: revoked, but a live
-# holder still maps the memfd; scrubbing: the agent is zeroing the lease's range now.
-AgentLeaseState = Literal["held", "revoked_held", "scrubbing"]
+# holder still maps the memfd; scrubbing: the agent is zeroing the lease's range now;
+# mapped: the lease ended for its holder, but processes (`holders`) still map or hold
+# its memfd (agent/mappings.py), since `mapped_since`.
+AgentLeaseState = Literal["held", "revoked_held", "scrubbing", "mapped"]
 
 
 class AgentLease(Model):
@@ -108,6 +110,7 @@ class AgentLease(Model):
     holders: list[LeaseHolder] = Field(default_factory=list, max_length=64)
     sub_device: Annotated[str, Field(max_length=64)] | None = None  # devdax: "dax0.3"
     scrub: ScrubProgress | None = None
+    mapped_since: datetime | None = None  # state "mapped": when the lease ended for its holder
 
 
 class LeftoverSubDevice(Model):
@@ -155,7 +158,7 @@ class Heartbeat(Model):
     def held_ids(self) -> list[str] | None:
         """The ids the agent holds memory for, whichever form it sent (None: not reported)."""
         if self.held_leases is not None:
-            return [x.lease_id for x in self.held_leases if x.state != "scrubbing"]
+            return [x.lease_id for x in self.held_leases if x.state in ("held", "revoked_held")]
         return None if self.held is None else list(self.held)
 
 
@@ -231,7 +234,20 @@ class LeaseOp(Model):
     # orphan: the holder process is gone (the agent saw it exit).
     # shrink: the holder gave back the tail of its memfd lease (ftruncate down);
     # the lease keeps its state and offset, with length_bytes its new length.
-    op: Literal["release", "release_dirty", "abort", "scrubbed", "scrub_failed", "orphan", "shrink"]
+    # release_mapped / reclaim_mapped: the lease ended, but its memfd is still mapped or
+    # held (it stays counted); unmapped: no process maps or holds it any more.
+    op: Literal[
+        "release",
+        "release_dirty",
+        "abort",
+        "scrubbed",
+        "scrub_failed",
+        "orphan",
+        "shrink",
+        "release_mapped",
+        "reclaim_mapped",
+        "unmapped",
+    ]
     reason: Annotated[str, Field(max_length=1024)] = ""
     length_bytes: int | None = Field(default=None, gt=0, le=MAX_LEASE_BYTES)
 

@@ -43,9 +43,18 @@ ALLOWED: dict[tuple[LeaseState, LeaseEvent], LeaseState] = {
     (S.REVOKING, E.RECLAIM_DIRTY): S.SCRUBBING,
     (S.SCRUBBING, E.SCRUBBED): S.RECLAIMED,
     (S.SCRUBBING, E.SCRUB_FAILED): S.RECLAIMED,
+    # DESIGN.md "Memory follows the pages": ended memfd leases still mapped stay counted.
+    (S.GRANTED, E.RELEASE_MAPPED): S.RELEASED_MAPPED,
+    (S.ACTIVE, E.RELEASE_MAPPED): S.RELEASED_MAPPED,
+    (S.ORPHANED, E.RECLAIM_MAPPED): S.REVOKED_MAPPED,
+    (S.EXPIRED, E.RECLAIM_MAPPED): S.REVOKED_MAPPED,
+    (S.REVOKING, E.RECLAIM_MAPPED): S.REVOKED_MAPPED,
+    (S.REVOKED_MAPPED, E.RECLAIM_MAPPED): S.REVOKED_MAPPED,
+    (S.RELEASED_MAPPED, E.UNMAPPED): S.RELEASED,
+    (S.REVOKED_MAPPED, E.UNMAPPED): S.RECLAIMED,
 }
 # Operations a lease holder (through its agent) asks for: refused as lease_not_active.
-HOLDER_EVENTS = {E.ACTIVATE, E.RENEW, E.RELEASE, E.RELEASE_DIRTY}
+HOLDER_EVENTS = {E.ACTIVATE, E.RENEW, E.RELEASE, E.RELEASE_DIRTY, E.RELEASE_MAPPED}
 
 ALL_PAIRS = list(itertools.product(LeaseState, LeaseEvent))
 FORBIDDEN = [pair for pair in ALL_PAIRS if pair not in ALLOWED]
