@@ -43,7 +43,10 @@ BACKEND_KINDS = ("emulated", "devdax", "numa")
 
 
 class AgentMetrics:
-    """One agent's registry, over its service (and socket server, when it has one)."""
+    """One agent's registry, over its service (and socket server, when it has one).
+
+    One per service: it installs itself as the service's memory timing hook.
+    """
 
     def __init__(self, service: AgentService, server: AgentServer | None = None) -> None:
         self.registry = CollectorRegistry()
