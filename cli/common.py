@@ -430,6 +430,8 @@ def emit_drained(out: DrainResult, as_json: bool) -> None:
         line += f"; {out.live_leases} live lease(s)"
     if out.revoked:
         line += f"; revoked now: {len(out.revoked)}"
+    if not out.changed:
+        line += "; nothing changed (it already was)"
     click.echo(line)
 
 

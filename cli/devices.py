@@ -3,9 +3,9 @@
 Lists every device poold knows (kind, media, recycled, capacity, free, NUMA node, health,
 state) from ``GET /v1/status``; ``annotate`` records what sysfs cannot tell (media class,
 recycled DIMMs, provenance, cost), which wins over what agents report; ``drain`` stops
-placing leases on a device and revokes its leases at a deadline, ``undrain`` undoes it;
-``map`` draws where on each device the leases, reserved ranges and free holes lie
-(cli/devmap.py).
+placing leases on a device and revokes its leases at a deadline, ``undrain`` undoes it
+(both succeed when there is nothing to do, and say so); ``map`` draws where on each
+device the leases, quarantined and reserved ranges and free holes lie (cli/devmap.py).
 """
 
 from __future__ import annotations
@@ -51,15 +51,18 @@ def _health(d: DeviceStatus) -> str:
     return d.health if not d.health_reasons else f"{d.health}: {'; '.join(d.health_reasons)}"
 
 
-def _reserved(d: DeviceStatus) -> str:
-    """Reserved bytes, then each range as [start, end) in sizes: "64.0 MiB: [0 B, 64.0 MiB)"."""
-    if not d.reserved_extents:
+def _ranges(total_bytes: int, ranges: list[tuple[int, int]]) -> str:
+    """Their bytes, then each range as [start, end) in sizes: "64.0 MiB: [0 B, 64.0 MiB)"."""
+    if not ranges:
         return "-"
-    ranges = ", ".join(
-        f"[{format_size(offset)}, {format_size(offset + length)})"
-        for offset, length in d.reserved_extents
+    text = ", ".join(
+        f"[{format_size(offset)}, {format_size(offset + length)})" for offset, length in ranges
     )
-    return f"{format_size(d.reserved_bytes)}: {ranges}"
+    return f"{format_size(total_bytes)}: {text}"
+
+
+def _reserved(d: DeviceStatus) -> str:
+    return _ranges(d.reserved_bytes, d.reserved_extents)
 
 
 def device_rows(items: list[DeviceStatus]) -> list[tuple[Any, ...]]:
@@ -150,6 +153,8 @@ def show_one(d: DeviceStatus, as_json: bool) -> None:
         ("leased", format_size(d.leased_bytes)),
         # Held by dax devices poold did not place (the kernel's dax0.0, daxctl): never leased.
         ("reserved", _reserved(d)),
+        # Never allocated again: media poison, a failed scrub, a deleted host's unzeroed range.
+        ("quarantined", _ranges(d.quarantined_bytes, d.quarantined_extents)),
         ("free", format_size(d.free_bytes)),
         ("largest free", format_size(d.largest_free_bytes)),
         ("alignment", format_size(d.alignment_bytes)),
@@ -267,7 +272,7 @@ def devices_drain(
 @json_option
 @pass_ctx
 def devices_undrain(c: Ctx, device: str, as_json: bool) -> None:
-    """Put a draining device back online."""
+    """Put a draining device back online (a device not draining is left as it is)."""
     target = resolve(run(lambda: c.client.status()).devices, device)
     emit_drained(run(lambda: c.client.undrain_device(target.uid)), as_json)
 
@@ -283,7 +288,7 @@ def devices_undrain(c: Ctx, device: str, as_json: bool) -> None:
 @json_option
 @pass_ctx
 def devices_map(c: Ctx, device: str | None, width: int | None, as_json: bool) -> None:
-    """Where leases (per tenant), reserved ranges and free holes lie on each device.
+    """Where leases (per tenant), quarantined and reserved ranges and free holes lie.
 
     One strip per device (or just DEVICE): each cell is the kind holding most of its
     bytes, then free bytes, the largest free extent and its share of the free bytes.

@@ -1,12 +1,12 @@
-"""`poolctl devices map`: where on each device the leases, the reserved ranges and the
-free holes lie, and how fragmented the free memory is.
+"""`poolctl devices map`: where on each device the leases, the quarantined and reserved
+ranges and the free holes lie, and how fragmented the free memory is.
 
-Built from what the API already returns: each device's capacity and reserved extents
-(`GET /v1/status`) and every live lease's device, offset, length and tenant (`GET
-/v1/leases?live=true`). The arithmetic is cli/strip.py's; this module picks glyphs
-and colours. On a terminal leased cells are solid blocks in one colour per tenant;
-in plain text (piped) each tenant is a letter. The ledger's quarantined ranges are
-not in the API, so the map cannot show them.
+Built from what the API already returns: each device's capacity, quarantined extents
+(never to be allocated: poison, a failed scrub) and reserved extents (`GET /v1/status`)
+and every live lease's device, offset, length and tenant (`GET /v1/leases?live=true`).
+The arithmetic is cli/strip.py's; this module picks glyphs and colours. On a terminal
+leased cells are solid blocks in one colour per tenant; in plain text (piped) each
+tenant is a letter, and a quarantined cell is an `X`.
 """
 
 from __future__ import annotations
@@ -43,11 +43,14 @@ PALETTE = (
 # case: it also holds other bytes), then digits, then '*' for the rest.
 TENANT_LETTERS = string.ascii_uppercase + string.digits
 RESERVED = ("#", "+")  # (whole, mixed)
+QUARANTINED = ("X", "x")
 FREE = (".", ":")
 TERMINAL_LEASED = ("█", "▒")
 TERMINAL_RESERVED = ("▓", "▒")
+TERMINAL_QUARANTINED = ("X", "x")
 TERMINAL_FREE = ("·", "░")
 RESERVED_STYLE = "grey50"
+QUARANTINED_STYLE = "bold bright_white on red"
 FREE_STYLE = "grey37"
 
 
@@ -62,12 +65,13 @@ class DeviceMap:
 
 
 def claims_of(device: DeviceStatus, leases: Sequence[LeaseOut]) -> list[Claim]:
-    """The device's live leases and reserved ranges, as strip claims."""
+    """The device's live leases, quarantined and reserved ranges, as strip claims."""
     out = [
         Claim(x.offset_bytes, x.length_bytes, "leased", x.tenant, x.id, x.state)
         for x in leases
         if x.device_uid == device.uid
     ]
+    out += [Claim(offset, length, "quarantined") for offset, length in device.quarantined_extents]
     out += [Claim(offset, length, "reserved") for offset, length in device.reserved_extents]
     return out
 
@@ -94,7 +98,7 @@ class Legend:
         if cell.kind == "leased" and cell.tenant is not None:
             letter = self.letter.get(cell.tenant, "*")
             return letter.lower() if cell.mixed else letter
-        glyphs = RESERVED if cell.kind == "reserved" else FREE
+        glyphs = {"reserved": RESERVED, "quarantined": QUARANTINED}.get(cell.kind, FREE)
         return glyphs[cell.mixed]
 
     def styled(self, cell: Cell) -> tuple[str, str]:
@@ -102,6 +106,8 @@ class Legend:
             return TERMINAL_LEASED[cell.mixed], self.colour.get(cell.tenant, "white")
         if cell.kind == "reserved":
             return TERMINAL_RESERVED[cell.mixed], RESERVED_STYLE
+        if cell.kind == "quarantined":
+            return TERMINAL_QUARANTINED[cell.mixed], QUARANTINED_STYLE
         return TERMINAL_FREE[cell.mixed], FREE_STYLE
 
 
@@ -132,13 +138,14 @@ def heading(m: DeviceMap) -> str:
 
 
 def figures(m: DeviceMap) -> str:
-    """Leased, reserved and free bytes, and how the free bytes are cut up."""
+    """Leased, reserved (quarantined, if any) and free bytes, and how the free bytes lie."""
     held = bytes_by_kind(m.spans)
     leases = len({s.lease_id for s in m.spans if s.kind == "leased"})
     f = m.frag
+    quarantined = f", quarantined {format_size(held['quarantined'])}" if held["quarantined"] else ""
     return (
         f"leased {format_size(held['leased'])} in {leases} lease(s), reserved "
-        f"{format_size(held['reserved'])}, free {format_size(f.free_bytes)} in "
+        f"{format_size(held['reserved'])}{quarantined}, free {format_size(f.free_bytes)} in "
         f"{f.free_extents} extent(s); largest free extent {format_size(f.largest_free_bytes)} "
         f"({_pct(f.largest_free_ratio)} of free); largest lease that fits "
         f"{format_size(m.device.largest_free_bytes)}"
@@ -146,7 +153,8 @@ def figures(m: DeviceMap) -> str:
 
 
 def legend_text(legend: Legend, *, colour: bool, totals: dict[str, int]) -> Text:
-    """Which glyph is which tenant (with its bytes on the devices shown), reserved, free."""
+    """Which glyph is which tenant (with its bytes on the devices shown), reserved,
+    quarantined, free."""
     text = Text("legend: ")
     for t in legend.tenants:
         if colour:
@@ -157,13 +165,18 @@ def legend_text(legend: Legend, *, colour: bool, totals: dict[str, int]) -> Text
     if colour:
         text.append(TERMINAL_RESERVED[0], style=RESERVED_STYLE)
         text.append(" reserved  ")
+        text.append(TERMINAL_QUARANTINED[0], style=QUARANTINED_STYLE)
+        text.append(" quarantined  ")
         text.append(TERMINAL_FREE[0], style=FREE_STYLE)
         text.append(" free;  ")
         text.append(f"{TERMINAL_LEASED[1]} {TERMINAL_FREE[1]}", style="white")
         text.append(" (a lighter glyph)")
     else:
-        text.append(f"{RESERVED[0]} reserved  {FREE[0]} free;  a lower-case letter, ")
-        text.append(f"{RESERVED[1]!r} or {FREE[1]!r}")
+        text.append(
+            f"{RESERVED[0]} reserved  {QUARANTINED[0]} quarantined  {FREE[0]} free;  "
+            "a lower-case letter, "
+        )
+        text.append(f"{RESERVED[1]!r}, {QUARANTINED[1]!r} or {FREE[1]!r}")
     text.append(": the cell also holds bytes of another kind or tenant")
     return text
 
@@ -180,6 +193,7 @@ def tenant_totals(maps: Sequence[DeviceMap]) -> dict[str, int]:
 def as_json(m: DeviceMap) -> dict[str, Any]:
     """The device's extents (offset, length, kind, tenant, lease) and its figures."""
     d = m.device
+    held = bytes_by_kind(m.spans)
     return {
         "uid": d.uid,
         "id": d.id,
@@ -196,8 +210,9 @@ def as_json(m: DeviceMap) -> dict[str, Any]:
             }
             for s in m.spans
         ],
-        "leased_bytes": bytes_by_kind(m.spans)["leased"],
-        "reserved_bytes": bytes_by_kind(m.spans)["reserved"],
+        "leased_bytes": held["leased"],
+        "reserved_bytes": held["reserved"],
+        "quarantined_bytes": held["quarantined"],
         "free_bytes": m.frag.free_bytes,
         "free_extents": m.frag.free_extents,
         "largest_free_extent_bytes": m.frag.largest_free_bytes,

@@ -1,7 +1,9 @@
 """`poolctl hosts`: which hosts run a pool agent, and whether poold places leases on them.
 
-add (issuing the agent's credential), list, and drain/undrain: a draining host takes
-no new leases, and its live leases are revoked at a deadline if one is given.
+add (issuing the agent's credential), list, delete, and drain/undrain: a draining host
+takes no new leases, and its live leases are revoked at a deadline if one is given.
+Draining twice, or undraining a host that is not draining, succeeds and says nothing
+changed.
 """
 
 from __future__ import annotations
@@ -81,6 +83,41 @@ def hosts_list(c: Ctx, as_json: bool) -> None:
         )
 
 
+@hosts.command("delete")
+@click.argument("name", type=HOST_NAME)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="end the host's live leases at once first (no agent will confirm: the host is going away)",
+)
+@json_option
+@pass_ctx
+def hosts_delete(c: Ctx, name: str, force: bool, as_json: bool) -> None:
+    """Delete a host: its agent credential stops working at once.
+
+    Refused (host_busy) while the host holds live leases, unless --force: then each is
+    ended now, one event per move (granted: aborted; active, expired: revoked and
+    reclaimed; orphaned, revoking: reclaimed), and a devdax range no agent zeroed is
+    quarantined. Devices no other host reaches leave placement: removed if no lease ever
+    used them, else kept as `missing` for their history (online again if an agent
+    reports them). The host's name is free for `hosts add` again.
+    """
+    out = run(lambda: c.client.delete_host(name, force=force))
+    if wants_json(as_json):
+        emit_json(out)
+        return
+    line = f"host {name} deleted"
+    if out.ended_leases:
+        line += f"; {len(out.ended_leases)} live lease(s) ended"
+    if out.quarantined_leases:
+        line += f" ({len(out.quarantined_leases)} devdax range(s) quarantined, never zeroed)"
+    if out.devices_missing:
+        line += f"; devices out of placement (missing): {', '.join(out.devices_missing)}"
+    if out.devices_removed:
+        line += f"; devices removed: {', '.join(out.devices_removed)}"
+    click.echo(line)
+
+
 @hosts.command("drain")
 @click.argument("host", type=HOST_NAME)
 @click.option(
@@ -111,5 +148,5 @@ def hosts_drain(
 @json_option
 @pass_ctx
 def hosts_undrain(c: Ctx, host: str, as_json: bool) -> None:
-    """Let a draining host take new leases again."""
+    """Let a draining host take new leases again (a host not draining is left as it is)."""
     emit_drained(run(lambda: c.client.undrain_host(host)), as_json)

@@ -1,7 +1,7 @@
 """`poolctl leases`: which leases of far memory exist, and how an administrator ends one.
 
-list, show, release (ends it in the ledger now) and revoke (the host's agent tears it
-down, or it is reclaimed at the deadline).
+list, show, release (ends it in the ledger now), revoke (the host's agent tears it
+down, or it is reclaimed at the deadline) and end (at once, whatever its live state).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from cli.common import (
     MAX_LEASES_PER_CALL,
     TENANT_NAME,
     Ctx,
+    current_ctx,
     emit_json,
     json_option,
     key_values,
@@ -30,7 +31,9 @@ from cli.common import (
     wants_json,
 )
 from cli.units import format_size
+from poold.errors import PoolError
 from poold.lease_states import LIVE_STATES, LeaseState
+from poold.wire.admin import LeaseEnded
 
 LEASE_STATES = [s.value for s in LeaseState]
 
@@ -174,3 +177,57 @@ def leases_revoke(
             f"lease {lease_id}: {x.state}; reclaimed by "
             f"{x.expires_at.isoformat(timespec='seconds')} at the latest"
         )
+
+
+def _ended_line(lease_id: str, x: LeaseEnded) -> str:
+    if not x.changed:
+        if x.action == "revoked":
+            return f"lease {lease_id}: revoking, due now already; nothing changed"
+        return f"lease {lease_id}: already {x.lease.state}; nothing changed"
+    if x.action == "revoked":
+        return (
+            f"lease {lease_id}: revoking, due now; its agent tears it down at its next "
+            "heartbeat and the range is reclaimed when it confirms"
+        )
+    return f"lease {lease_id}: {x.action} ({x.lease.state})"
+
+
+@leases.command("end")
+@click.argument("lease_ids", metavar="LEASE_ID...", nargs=-1, required=True)
+@click.option("--reason", default="ended by administrator", show_default=True)
+@json_option
+@pass_ctx
+def leases_end(c: Ctx, lease_ids: tuple[str, ...], reason: str, as_json: bool) -> None:
+    """End leases at once, whatever their live state; each on its own.
+
+    An orphaned lease (no holder left) is reclaimed now (a devdax range is zeroed
+    first) and stops counting against its tenant's quota. An active or expired lease,
+    whose holder may still map it, is revoked with a deadline of now (a revoking one has
+    its deadline pulled in): the bytes are not handed out again while its agent may
+    still have them mapped; the agent learns it at its next heartbeat, tears the memory
+    down and confirms, and the range is reclaimed (the reaper reclaims it should the
+    agent not answer). A granted lease is aborted. A scrubbing lease is refused: its
+    range is being zeroed. A lease that already ended is left as it is (exit 0).
+
+    Exit 1 when any lease could not be ended (each failure is one error line).
+    """
+    results: list[dict[str, object]] = []
+    failed = False
+    for lease_id in lease_ids:
+        try:
+            x = c.client.end_lease(lease_id, reason)
+        except PoolError as err:
+            failed = True
+            ctx = current_ctx()
+            err = ctx.explain(err) if ctx is not None else err
+            results.append({"lease_id": lease_id, "error": err.to_dict()})
+            message = " ".join(err.message.split())
+            click.echo(f"poolctl: error[{err.code}]: lease {lease_id}: {message}", err=True)
+            continue
+        results.append({"lease_id": lease_id, **x.model_dump(mode="json")})
+        if not wants_json(as_json):
+            click.echo(_ended_line(lease_id, x))
+    if wants_json(as_json):
+        emit_json(results)
+    if failed:
+        raise SystemExit(1)

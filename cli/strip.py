@@ -1,19 +1,22 @@
 """What does a device's byte range hold, drawn as a strip of cells? Pure arithmetic, no I/O.
 
-`layout` turns what occupies a device (leases, ranges reserved by dax devices poold
-did not place) into a partition of [0, capacity): sorted extents that touch end to
-end, each leased, reserved or free. Where claims overlap (they should not; the audit
-reports it), a lease wins over a reserved range and, among leases, the one starting
-first (then the one listed first) wins, so every byte is counted once.
+`layout` turns what occupies a device (leases, ranges the ledger quarantined, ranges
+reserved by dax devices poold did not place) into a partition of [0, capacity): sorted
+extents that touch end to end, each leased, quarantined, reserved or free. Where claims
+overlap (a quarantine may lie under a live lease; leases should not overlap, the audit
+reports it), a lease wins over a quarantined range, that over a reserved one and, among
+leases, the one starting first (then the one listed first) wins, so every byte is
+counted once.
 
 `cells` cuts that partition into at most `width` cells of (nearly) equal size: cell
 i covers [i*capacity // n, (i+1)*capacity // n) for n = min(width, capacity) cells,
 so the cells cover the device exactly, none is empty, and their lengths differ by at
 most one byte. A cell's kind is the kind holding most of its bytes; a tie goes to
-leased, then reserved, then free, so that a cell half taken shows as taken and the
-strip never hides memory in use. A leased cell is drawn for the tenant holding most
-of its leased bytes (a tie: the tenant whose bytes come first). `mixed` says the cell
-holds bytes of more than one kind or tenant: what the majority rule drew over.
+leased, then quarantined, then reserved, then free, so that a cell half taken shows as
+taken and the strip never hides memory in use (nor memory never to be used again). A
+leased cell is drawn for the tenant holding most of its leased bytes (a tie: the tenant
+whose bytes come first). `mixed` says the cell holds bytes of more than one kind or
+tenant: what the majority rule drew over.
 
 `fragmentation` gives the free bytes, the free extents, the largest one and its share
 of the free bytes (1.0: one hole; near 0: free memory in crumbs; None: nothing free).
@@ -27,19 +30,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["leased", "reserved", "free"]
+Kind = Literal["leased", "quarantined", "reserved", "free"]
 
 # Lower wins: where claims overlap, and where a cell's kinds tie.
-_RANK: dict[Kind, int] = {"leased": 0, "reserved": 1, "free": 2}
+_RANK: dict[Kind, int] = {"leased": 0, "quarantined": 1, "reserved": 2, "free": 3}
 
 
 @dataclass(frozen=True)
 class Claim:
-    """Something occupying [offset, offset + length) of a device: a lease or a reserved range."""
+    """Something occupying [offset, offset + length) of a device: a lease, a quarantined
+    or a reserved range."""
 
     offset: int
     length: int
-    kind: Literal["leased", "reserved"]
+    kind: Literal["leased", "quarantined", "reserved"]
     tenant: str | None = None
     lease_id: str | None = None
     state: str | None = None
@@ -86,10 +90,10 @@ class Fragmentation:
 
 
 def layout(capacity: int, claims: Iterable[Claim]) -> list[Span]:
-    """The partition of [0, capacity) into leased, reserved and free extents.
+    """The partition of [0, capacity) into leased, quarantined, reserved and free extents.
 
-    Claims are clipped to the device; adjacent pieces of one lease (or of reserved
-    ranges, or of free space) are merged.
+    Claims are clipped to the device; adjacent pieces of one lease (or of quarantined,
+    reserved or free space) are merged.
     """
     if capacity < 0:
         raise ValueError(f"capacity must not be negative, got {capacity}")
@@ -190,8 +194,8 @@ def fragmentation(spans: Iterable[Span]) -> Fragmentation:
 
 
 def bytes_by_kind(spans: Iterable[Span]) -> dict[Kind, int]:
-    """Leased, reserved and free bytes of a partition (they sum to the capacity)."""
-    out: dict[Kind, int] = {"leased": 0, "reserved": 0, "free": 0}
+    """Leased, quarantined, reserved and free bytes of a partition (they sum to the capacity)."""
+    out: dict[Kind, int] = {"leased": 0, "quarantined": 0, "reserved": 0, "free": 0}
     for s in spans:
         out[s.kind] += s.length
     return out

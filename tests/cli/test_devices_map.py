@@ -12,7 +12,7 @@ from click.testing import CliRunner, Result
 from cli.poolctl import main
 from poold.api.client import PooldClient
 from poold.wire.admin import TenantSpec
-from poold.wire.agent import GrantRequest, Heartbeat, InventoryDevice
+from poold.wire.agent import GrantRequest, Heartbeat, InventoryDevice, LeaseOp
 from tests.conftest import ADMIN_TOKEN, ThreadedServer
 
 MiB = 1 << 20
@@ -135,3 +135,37 @@ def test_table_mode_draws_blocks(api: ThreadedServer, agent: PooldClient) -> Non
 def test_an_unknown_device(api: ThreadedServer, agent: PooldClient) -> None:
     r = poolctl(api, "devices", "map", "nope")
     assert r.exit_code == 1 and r.stderr.startswith("poolctl: error[unknown_device]: ")
+
+
+def quarantine(agent: PooldClient, mib: int) -> str:
+    """A devdax lease whose scrub failed: its range is quarantined for good."""
+    lease_id = grant(agent, mib, 1000)
+    for op in ("release_dirty", "scrub_failed"):
+        [res] = agent.apply_ops([LeaseOp(lease_id=lease_id, op=op, reason="poisoned")])  # type: ignore[arg-type]
+        assert res.code is None, res
+    return lease_id
+
+
+def test_quarantined_ranges_are_drawn(api: ThreadedServer, agent: PooldClient) -> None:
+    quarantine(agent, 64)  # [64 MiB, 128 MiB), after the reserved 64 MiB
+    grant(agent, 32, 1001)  # beta, placed after the quarantined range
+    r = poolctl(api, "devices", "map", CXL, "--width", "32")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[1] == "|" + "#" * 4 + "X" * 4 + "A" * 2 + "." * 22 + "|"
+    assert "reserved 64.0 MiB, quarantined 64.0 MiB, free 352.0 MiB" in lines[2]
+    assert "# reserved  X quarantined  . free" in lines[-1]
+    r = poolctl(api, "devices", "map", CXL, "--json")
+    (dev,) = json.loads(r.stdout)
+    held = [(e["offset_bytes"], e["length_bytes"]) for e in dev["extents"]]
+    kinds = [e["kind"] for e in dev["extents"]]
+    assert list(zip(kinds, held, strict=True))[:3] == [
+        ("reserved", (0, 64 * MiB)),
+        ("quarantined", (64 * MiB, 64 * MiB)),
+        ("leased", (128 * MiB, 32 * MiB)),
+    ]
+    assert dev["quarantined_bytes"] == 64 * MiB
+    r = poolctl(api, "--format", "table", "devices", "map", CXL, "--width", "32")
+    assert r.output.splitlines()[1] == "|" + "▓" * 4 + "X" * 4 + "█" * 2 + "·" * 22 + "|"
+    r = poolctl(api, "devices", "show", CXL)
+    assert "quarantined: 64.0 MiB: [64.0 MiB, 128.0 MiB)" in r.output

@@ -1,0 +1,80 @@
+"""`poolctl hosts delete [--force]` against a real poold: refused while the host holds live
+leases, its credential dead at once after, its devices out of placement; through click's
+runner and as a real process whose stdout is a pipe."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from poold.api.client import PooldClient
+from poold.errors import Unauthorized
+from poold.wire.agent import Heartbeat
+from tests.cli.test_lifecycle import agent, lease, poolctl
+from tests.conftest import ADMIN_TOKEN, ThreadedServer
+
+__all__ = ["agent"]  # the fixture: host h1 with one NUMA node, tenant t1
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def piped(api: ThreadedServer, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "POOLD_TOKEN")}
+    return subprocess.run(
+        [sys.executable, "-m", "cli", "--url", api.url, "--token", ADMIN_TOKEN, *args],
+        capture_output=True,  # stdout is a pipe
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+
+
+def test_refused_while_leases_live_then_forced(
+    api: ThreadedServer, agent: PooldClient, admin: PooldClient
+) -> None:
+    held = lease(agent)
+    pending = lease(agent, activate=False)
+    r = poolctl(api, "hosts", "delete", "h1")
+    assert r.exit_code == 1
+    assert r.stderr.startswith("poolctl: error[host_busy]: ") and "2 live lease(s)" in r.stderr
+    agent.heartbeat(Heartbeat())  # the credential still works: nothing changed
+
+    r = poolctl(api, "hosts", "delete", "h1", "--force", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert sorted(out["ended_leases"]) == sorted([held, pending])
+    assert out["devices_missing"] == ["h1/numa:node3"] and out["history_kept"] is True
+    assert admin.show_lease(held).state == "reclaimed"
+    assert admin.show_lease(pending).state == "aborted"
+    # The agent's next heartbeat gets what an unknown credential gets, at once.
+    with pytest.raises(Unauthorized):
+        agent.heartbeat(Heartbeat())
+    assert [h.name for h in admin.list_hosts()] == []
+    [dev] = admin.status().devices
+    assert (dev.state, dev.hosts) == ("missing", [])
+    # Deleting it again: unknown_host, exit 1, like `tenants delete`.
+    r = poolctl(api, "hosts", "delete", "h1")
+    assert r.exit_code == 1 and r.stderr.startswith("poolctl: error[unknown_host]: ")
+    # The name is free for a new host.
+    r = poolctl(api, "hosts", "add", "h1", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["name"] == "h1"
+
+
+def test_a_host_without_leases_goes_and_says_so_through_a_pipe(
+    api: ThreadedServer, admin: PooldClient
+) -> None:
+    admin.add_host("idle")
+    out = piped(api, "hosts", "delete", "idle")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "host idle deleted\n" and out.stderr == ""
+    out = piped(api, "hosts", "delete", "idle")
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.startswith("poolctl: error[unknown_host]: ")
+    assert len(out.stderr.splitlines()) == 1
