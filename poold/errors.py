@@ -278,3 +278,10 @@ class FrameTimeout(BadRequest):
     """A socket peer began a frame and did not finish it in time; the agent hung up."""
 
     code = "frame_timeout"
+
+
+class DeadlineTooShort(BadRequest):
+    """A revocation deadline shorter than poold can tell the tenant in (0 is allowed: it
+    means now, and the tenant hears only that the lease is lost)."""
+
+    code = "deadline_too_short"

@@ -36,6 +36,7 @@ from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from poold.errors import (
     BadRequest,
+    DeadlineTooShort,
     GenerationConflict,
     HostBusy,
     InvalidTransition,
@@ -62,10 +63,27 @@ from poold.wire.common import LeaseOut
 log = logging.getLogger(__name__)
 
 
+# The shortest revocation notice poold promises to deliver: the agent hears of it by
+# its wait for news (poold/ledger/news.py) within a round trip, heartbeats, and pushes
+# it to the tenant's session; 2 s covers that with room for a loaded host.
+MIN_NOTICE_S = 2.0
+
+
+def check_notice(deadline_s: float) -> None:
+    """Refuse a revocation deadline poold cannot deliver in time (0: now, allowed)."""
+    if 0 < deadline_s < MIN_NOTICE_S:
+        raise DeadlineTooShort(
+            f"a revocation deadline of {deadline_s:g}s is shorter than poold can tell the "
+            f"tenant in ({MIN_NOTICE_S:g}s); give at least that, or 0 to take it now",
+            min_deadline_s=MIN_NOTICE_S,
+        )
+
+
 def revoke_lease(
     ledger: Ledger, lease_id: str, reason: str, actor: str, *, deadline_s: float
 ) -> LeaseOut:
     """Revoke one lease; the agent has `deadline_s` to give the memory back."""
+    check_notice(deadline_s)
     for _attempt in range(3):
         with ledger.read() as s:
             state = s.scalar(select(Lease.state).where(Lease.id == lease_id))
