@@ -83,6 +83,8 @@ DEFAULT_REPLY_TIMEOUT_S: Final = 30.0
 # Until the agent's settings name them, limits may be set in its environment.
 LIMITS_ENV_PREFIX: Final = "POOL_AGENT_SOCKET_"
 _JOIN_TIMEOUT_S: Final = 5.0
+_REFUSAL_LOG_INTERVAL_S: Final = 10.0
+_REFUSAL_LOG_UIDS: Final = 4096  # uids remembered for that; past it, the table starts over
 # struct ucred from <sys/socket.h>: pid_t pid; uid_t uid; gid_t gid.
 _UCRED = struct.Struct("iII")
 # SO_PEERGROUPS (Linux 4.13) is not exported by Python 3.11's socket module; the value
@@ -339,6 +341,7 @@ class AgentServer:
         self._lock = threading.Lock()
         self._connections: dict[int, _Connection] = {}
         self._connection_ids = itertools.count(1)
+        self._refusals: dict[int, tuple[float, int]] = {}  # uid -> (logged at, refused since)
         self._stopping = threading.Event()
         self._serving_ident: int | None = None  # thread running serve_forever, if any
         self._served = threading.Event()  # serve_forever has returned and cleaned up
@@ -556,7 +559,19 @@ class AgentServer:
 
     def _refuse(self, connection: _Connection, busy: AgentBusy) -> None:
         peer = connection.peer
-        log.warning("refusing connection of uid %d pid %d: %s", peer.uid, peer.pid, busy.message)
+        # One line per uid per interval: a flood of refusals must not become a flood of log.
+        now = time.monotonic()
+        since, unlogged = self._refusals.get(peer.uid, (0.0, 0))
+        if now - since >= _REFUSAL_LOG_INTERVAL_S:
+            more = f" (and {unlogged} more refused since)" if unlogged else ""
+            log.warning(
+                "refusing connection of uid %d pid %d: %s%s", peer.uid, peer.pid, busy.message, more
+            )
+            self._refusals[peer.uid] = (now, 0)
+            if len(self._refusals) > _REFUSAL_LOG_UIDS:
+                self._refusals = {peer.uid: (now, 0)}
+        else:
+            self._refusals[peer.uid] = (since, unlogged + 1)
         with contextlib.suppress(OSError):
             # Never block the accept loop on a peer that does not read.
             connection.sock.send(encode_error(busy), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
