@@ -95,6 +95,15 @@ def own_sub_devices(config: AgentConfig) -> set[str]:
     return own
 
 
+def numa_reserve_bytes(config: AgentConfig) -> int:
+    """The config's ``numa_reserve_bytes`` (bytes of each far node never offered), where
+    the config has it; else discovery's default."""
+    from agent.discovery.model import DEFAULT_NUMA_RESERVE_BYTES
+
+    value = getattr(config, "numa_reserve_bytes", None)
+    return DEFAULT_NUMA_RESERVE_BYTES if value is None else int(value)
+
+
 # Discovery runs again when the agent carved or deleted a sub-device during it; after this
 # many tries the scan fails (a rescan keeps the last inventory and tries at the next one).
 SCAN_ATTEMPTS = 3
@@ -118,7 +127,11 @@ def scan(config: AgentConfig, kinds: set[str]) -> Scan:
 
     for _ in range(SCAN_ATTEMPTS):
         changes = carved_changes()
-        inv = discover(config.sysfs_root, annotations=config_annotations(config))
+        inv = discover(
+            config.sysfs_root,
+            annotations=config_annotations(config),
+            numa_reserve_bytes=numa_reserve_bytes(config),
+        )
         own = own_sub_devices(config)
         if carved_changes() == changes:
             break

@@ -61,7 +61,9 @@ def udev_source() -> UdevEventSource | None:
 
 
 class RescanScheduler:
-    """Calls ``rescan`` after device events settle, or periodically without events.
+    """Calls ``rescan`` after device events settle, and every ``fallback_interval_s``
+    without one (with or without udev: a numa device's capacity is what its node can give
+    now, which moves without any uevent).
 
     Time comes from ``clock`` so tests drive it; :meth:`step` does one wait-and-decide
     round and :meth:`run` loops it until stopped.
@@ -132,6 +134,8 @@ class RescanScheduler:
         due_at = self._due_at()
         if due_at is not None and now >= due_at:
             self._fire()
+        elif due_at is None and now >= self.last_rescan_at + self.fallback_interval_s:
+            self._fire()  # quiet for an interval: rescan anyway (class docstring)
 
     def run(self, stop: threading.Event) -> None:
         """Loop until ``stop`` is set (checked between events)."""

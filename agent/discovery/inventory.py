@@ -16,7 +16,7 @@ from agent.discovery.annotations import Annotations
 from agent.discovery.cxl import CxlInventory, read_cxl
 from agent.discovery.dax import DaxInventory, read_dax
 from agent.discovery.health import CommandRunner, HealthReport, read_health, system_runner
-from agent.discovery.model import PoolDevice, build_pool_devices
+from agent.discovery.model import DEFAULT_NUMA_RESERVE_BYTES, PoolDevice, build_pool_devices
 from agent.discovery.numa import NumaInventory, read_numa
 from agent.discovery.sysfs import SysfsReader
 from agent.discovery.tiers import TierInventory, read_tiers
@@ -42,6 +42,7 @@ def discover(
     sysfs_root: Path = LIVE_SYSFS,
     annotations: Annotations | None = None,
     run_cxl: CommandRunner | None = None,
+    numa_reserve_bytes: int = DEFAULT_NUMA_RESERVE_BYTES,
 ) -> Inventory:
     """Read everything under ``sysfs_root`` and build the pool devices.
 
@@ -56,7 +57,7 @@ def discover(
     if run_cxl is None and Path(sysfs_root) == LIVE_SYSFS and cxl.present:
         run_cxl = system_runner
     health = read_health(run_cxl) if run_cxl is not None else HealthReport(tool="skipped")
-    devices = build_pool_devices(cxl, dax, numa, tiers, health, annotations)
+    devices = build_pool_devices(cxl, dax, numa, tiers, health, annotations, numa_reserve_bytes)
     return Inventory(
         sysfs_root=str(sysfs_root),
         cxl=cxl,

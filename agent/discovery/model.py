@@ -35,6 +35,40 @@ from agent.discovery.tiers import TierInventory
 
 PoolKind = Literal["devdax", "numa"]
 DEFAULT_ALIGN_BYTES = 2 << 20  # device-dax's default (PMD) alignment
+# Left out of a numa device's capacity: the node's watermarks, the kernel's allocations
+# that come and go there (page-cache xarrays, slab), and the slack between rescans.
+DEFAULT_NUMA_RESERVE_BYTES = 64 << 20
+# A numa device's capacity moves with the node's free memory: in steps this coarse, so
+# that a few pages more or less do not make every rescan a new inventory.
+NUMA_CAPACITY_STEP_BYTES = 16 << 20
+
+
+def numa_capacity_bytes(
+    node: Node, reserve_bytes: int = DEFAULT_NUMA_RESERVE_BYTES, fallback_bytes: int = 0
+) -> int:
+    """What a CPU-less node can really give leases, less ``reserve_bytes`` (pure).
+
+    Not MemTotal: the kernel holds part of every node (its struct pages, unreclaimable
+    slab and page tables, whatever fell back there), measured in the QEMU guest at ~50 MiB
+    of a 512 MiB node, and a lease poold places on bytes the node cannot give fails in the
+    backend. What it can give is what is free, plus what reclaim gives back (file pages,
+    reclaimable kernel memory), plus what leases already hold (memfd pages are shmem, and
+    the ledger counts them as leased, not as gone): MemTotal less what the kernel keeps.
+    Without MemFree (an old or partial meminfo), MemTotal; in whole
+    :data:`NUMA_CAPACITY_STEP_BYTES` steps.
+    """
+    total = node.mem_total_bytes or fallback_bytes
+    giveable = total
+    if node.mem_free_bytes is not None:
+        giveable = min(
+            total,
+            node.mem_free_bytes
+            + (node.file_lru_bytes or 0)
+            + (node.kreclaimable_bytes or 0)
+            + (node.shmem_bytes or 0),
+        )
+    usable = max(0, giveable - reserve_bytes)
+    return usable - usable % NUMA_CAPACITY_STEP_BYTES
 
 
 class DaxOccupant(BaseModel):
@@ -189,8 +223,10 @@ def build_pool_devices(
     tiers: TierInventory,
     health: HealthReport | None = None,
     annotations: Annotations | None = None,
+    numa_reserve_bytes: int = DEFAULT_NUMA_RESERVE_BYTES,
 ) -> list[PoolDevice]:
-    """Every pool device on this host, annotated, in a stable order."""
+    """Every pool device on this host, annotated, in a stable order; a numa device's
+    capacity is what its node can give now, less ``numa_reserve_bytes``."""
     idents = region_identities(cxl.regions)
     devices: list[PoolDevice] = []
     # node id -> CXL regions whose dax devices are onlined there
@@ -256,7 +292,9 @@ def build_pool_devices(
     for node in numa.nodes:
         if not node.cpu_less or node.online is False:
             continue
-        capacity = node.mem_total_bytes or kmem_bytes_by_node.get(node.node, 0)
+        capacity = numa_capacity_bytes(
+            node, numa_reserve_bytes, kmem_bytes_by_node.get(node.node, 0)
+        )
         if capacity <= 0:
             continue
         backing = kmem_regions.get(node.node, [])

@@ -33,6 +33,11 @@ class Node(BaseModel):
     cpulist: list[int] | None = None
     mem_total_bytes: int | None = None
     mem_free_bytes: int | None = None
+    # What reclaim can give back, and what leases (memfds: shmem) hold: with MemFree,
+    # what the node can give (agent/discovery/model.py numa_capacity_bytes).
+    file_lru_bytes: int | None = None  # Active(file) + Inactive(file)
+    kreclaimable_bytes: int | None = None  # KReclaimable (SReclaimable before 4.20)
+    shmem_bytes: int | None = None
     distance: list[int] | None = None  # row of the SLIT, indexed by node id
     # access0: nearest initiators of any kind; access1: nearest CPU initiators
     # (access1 appeared in Linux 5.10 with generic initiators).
@@ -56,22 +61,34 @@ class NumaInventory(BaseModel):
         return next((n for n in self.nodes if n.node == node_id), None)
 
 
-def _meminfo(r: SysfsReader, path: Path) -> tuple[int | None, int | None]:
-    """(MemTotal, MemFree) in bytes from a per-node meminfo ("Node 2 MemTotal:  524288 kB")."""
+_MEMINFO_FIELDS = (
+    "MemTotal:",
+    "MemFree:",
+    "Active(file):",
+    "Inactive(file):",
+    "KReclaimable:",
+    "SReclaimable:",
+    "Shmem:",
+)
+
+
+def _meminfo(r: SysfsReader, path: Path) -> dict[str, int]:
+    """{field: bytes} of a per-node meminfo ("Node 2 MemTotal:  524288 kB"), the fields
+    discovery uses; {} when unreadable."""
     text = r.read_str(path)
     if text is None:
-        return None, None
+        return {}
     values: dict[str, int] = {}
     for line in text.splitlines():
         fields = line.split()
-        if len(fields) >= 4 and fields[2] in ("MemTotal:", "MemFree:"):
+        if len(fields) >= 4 and fields[2] in _MEMINFO_FIELDS:
             try:
-                values[fields[2]] = int(fields[3]) * (1024 if fields[-1] == "kB" else 1)
+                values[fields[2][:-1]] = int(fields[3]) * (1024 if fields[-1] == "kB" else 1)
             except ValueError:
                 r.warn(f"{r.rel(path)}: bad line {line[:40]!r}")
-    if "MemTotal:" not in values:
+    if "MemTotal" not in values:
         r.warn(f"{r.rel(path)}: no MemTotal")
-    return values.get("MemTotal:"), values.get("MemFree:")
+    return values
 
 
 def read_access(r: SysfsReader, path: Path) -> NodeAccess | None:
@@ -115,7 +132,12 @@ def read_numa(r: SysfsReader) -> NumaInventory:
         if not path.is_dir():
             r.warn(f"{r.rel(path)}: vanished during scan")
             continue
-        total, free = _meminfo(r, path / "meminfo")
+        info = _meminfo(r, path / "meminfo")
+        file_lru = (
+            info.get("Active(file)", 0) + info.get("Inactive(file)", 0)
+            if "Active(file)" in info or "Inactive(file)" in info
+            else None
+        )
         nodes.append(
             Node(
                 node=node_id,
@@ -123,8 +145,11 @@ def read_numa(r: SysfsReader) -> NumaInventory:
                 has_cpu=None if has_cpu is None else node_id in has_cpu,
                 has_memory=None if has_memory is None else node_id in has_memory,
                 cpulist=r.read_list(path / "cpulist"),
-                mem_total_bytes=total,
-                mem_free_bytes=free,
+                mem_total_bytes=info.get("MemTotal"),
+                mem_free_bytes=info.get("MemFree"),
+                file_lru_bytes=file_lru,
+                kreclaimable_bytes=info.get("KReclaimable", info.get("SReclaimable")),
+                shmem_bytes=info.get("Shmem"),
                 distance=_distance(r, path / "distance"),
                 access0=read_access(r, path / "access0"),
                 access1=read_access(r, path / "access1"),

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from agent.discovery.cli import inventory_command
 from agent.discovery.inventory import Inventory, discover, to_wire
+from agent.discovery.model import DEFAULT_NUMA_RESERVE_BYTES, numa_capacity_bytes
 from tests.fixtures.machines.loader import Machine, machine_names
 
 MACHINES = machine_names("qemu-")
@@ -189,7 +190,10 @@ def test_pool_devices_follow_the_dax_modes(recorded: tuple[Machine, Inventory]) 
         node = inv.numa.node(node_id)
         assert node is not None
         assert node.has_cpu is False
-        assert device.capacity_bytes == node.mem_total_bytes
+        # What the node can give less the reserve, never its MemTotal (issue 13).
+        assert device.capacity_bytes == numa_capacity_bytes(node)
+        assert node.mem_total_bytes is not None
+        assert 0 < device.capacity_bytes <= node.mem_total_bytes - DEFAULT_NUMA_RESERVE_BYTES
         assert device.memory_tier == inv.tiers.tier_of(node_id)
         assert device.distance is not None
 
