@@ -189,6 +189,11 @@ def _ended_line(lease_id: str, x: LeaseEnded) -> str:
             f"lease {lease_id}: revoking, due now; its agent tears it down at its next "
             "heartbeat and the range is reclaimed when it confirms"
         )
+    if x.lease.state == "revoked_mapped":
+        return (
+            f"lease {lease_id}: {x.action} (revoked_mapped): its agent last reported it "
+            "mapped, so its bytes stay counted until the agent reports it unmapped"
+        )
     return f"lease {lease_id}: {x.action} ({x.lease.state})"
 
 

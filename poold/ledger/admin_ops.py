@@ -54,7 +54,7 @@ from poold.lease_states import (
 from poold.ledger import devices, hosts, lease_views, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, DevicePath, Event, Host, Lease, Quarantine
-from poold.ledger.reaper import reclaim_event, revoke_in, revoke_matching
+from poold.ledger.reaper import reclaim_event, reclaim_events, revoke_in, revoke_matching
 from poold.ledger.types import utcnow
 from poold.wire.admin import DrainResult, HostDeleted, LeaseEndAction, LeaseEnded
 from poold.wire.agent import LeaseOpResult
@@ -477,18 +477,34 @@ _END_ACTION: dict[LeaseState, LeaseEndAction] = {
 }
 
 
+# Live states an administrator cannot end at once, and why.
+_NOT_ENDED_NOW: dict[LeaseState, str] = {
+    LeaseState.SCRUBBING: "its range is being zeroed and ends when the agent reports it "
+    "scrubbed (`poolctl audit --reclaim` re-issues a stuck scrub)",
+    LeaseState.RELEASED_MAPPED: "it ended, but a live holder still maps its memory; it "
+    "ends when its agent reports it unmapped",
+    LeaseState.REVOKED_MAPPED: "it was revoked, but a live holder still maps its memory; "
+    "it ends when its agent reports it unmapped",
+}
+
+
 def end_lease(ledger: Ledger, lease_id: str, actor: str, reason: str) -> LeaseEnded:
     """End a lease at once, whatever its live state, without handing out mapped bytes.
 
-    * orphaned (no holder left): reclaimed now (a devdax range goes to scrubbing);
+    * orphaned (no holder left): reclaimed now, as the reaper would after the grace
+      (`reclaim_events`: a devdax range goes to scrubbing; a memfd its agent last
+      reported still mapped goes to `revoked_mapped`, counted until it is unmapped);
     * active, expired (a holder may still map it): revoked with a deadline of now,
       and a revoking lease's deadline is pulled in to now. Its agent learns it in
       its next heartbeat reply (`revocations`), tears the memory down and confirms
       (→ reclaimed); a memfd its live holder still maps stays revoking, its bytes
       used, while the agent reports it (`revoked_held`). Should the agent never
-      answer, the reaper reclaims it as any revocation past its deadline;
+      answer, the reaper reclaims it as any revocation past its deadline, and then
+      only as far as the agent's last report allows (`reclaim_events`);
     * granted (never handed to a holder): aborted, as the reaper does a stale grant;
-    * scrubbing: refused (`invalid_transition`): its bytes are being zeroed;
+    * scrubbing, released_mapped, revoked_mapped: refused (`invalid_transition`): the
+      bytes are being zeroed, or a live holder still maps them (they end when the
+      agent reports them unmapped);
     * already ended: nothing to do (`changed` False).
     """
     for _attempt in range(3):
@@ -506,13 +522,10 @@ def end_lease(ledger: Ledger, lease_id: str, actor: str, reason: str) -> LeaseEn
             return LeaseEnded(
                 lease=lease_views.show(ledger, lease_id), action="none", changed=False
             )
-        if before is LeaseState.SCRUBBING:
+        why = _NOT_ENDED_NOW.get(before)
+        if why is not None:
             raise InvalidTransition(
-                f"lease {lease_id} is scrubbing: its range is being zeroed and ends when "
-                "the agent reports it scrubbed (`poolctl audit --reclaim` re-issues a stuck "
-                "scrub)",
-                state=before.value,
-                lease_id=lease_id,
+                f"lease {lease_id} is {before.value}: {why}", state=before.value, lease_id=lease_id
             )
         action = _END_ACTION[before]
         moved = transitions.retrying(
@@ -583,7 +596,8 @@ def _end_once(
         if before is LeaseState.GRANTED:
             event, values, detail = LeaseEvent.ABORT, None, None
         elif before is LeaseState.ORPHANED:
-            event, values, detail = reclaim_event(kind), None, None
+            event = reclaim_events(conn, [(lease_id, kind)])[lease_id]
+            values, detail = None, None
         else:  # active, expired: revoked with a deadline of now
             event = LeaseEvent.REVOKE
             values, detail = {"expires_at": now}, {"deadline_at": now.isoformat()}
@@ -610,8 +624,10 @@ def delete_host(ledger: Ledger, name: str, actor: str, *, force: bool = False) -
     One transaction. It first bumps the host's generation, so a grant racing it
     either committed before (and is seen here as a live lease) or loses its swap.
     With `force` every live lease of the host is ended at once, with an event per
-    move: the host is going away and no agent will confirm anything (granted →
-    aborted; active/expired → revoked → reclaimed; orphaned/revoking → reclaimed).
+    move: the host is going away and no agent will confirm or report anything, so the
+    memory of a memfd lease goes with the host (granted → aborted; active/expired →
+    revoked → reclaimed; orphaned/revoking → reclaimed; released_mapped /
+    revoked_mapped → unmapped).
     A devdax range nobody zeroed (scrubbing) is quarantined (`scrub_failed`): the
     bytes may hold the tenant's data, and no agent of this host is left to zero them.
     Then each device only this host reaches leaves placement (`hosts.remove` takes its
@@ -682,6 +698,9 @@ def _host_gone_events(state: LeaseState, kind: str) -> list[LeaseEvent]:
         LeaseState.ORPHANED: [reclaim],
         LeaseState.REVOKING: [reclaim],
         LeaseState.SCRUBBING: [],
+        # A memfd still mapped on the host: its pages go with the host.
+        LeaseState.RELEASED_MAPPED: [LeaseEvent.UNMAPPED],
+        LeaseState.REVOKED_MAPPED: [LeaseEvent.UNMAPPED],
     }[state]
 
 

@@ -247,3 +247,15 @@ def test_a_forced_delete_quarantines_devdax_ranges_nobody_zeroed(ledger: Ledger)
     assert sorted(status.quarantined_extents) == expected
     assert status.quarantined_bytes == 12 * MiB and status.hosts == ["h2"]
     assert status.free_bytes == status.capacity_bytes - 12 * MiB
+
+
+def test_a_still_mapped_lease_is_not_ended_but_goes_with_its_host(ledger: Ledger) -> None:
+    seed(ledger)
+    lease = grant(ledger)
+    op(ledger, lease.id, "release_mapped")  # released, but its holder still maps the memfd
+    with pytest.raises(InvalidTransition) as err:
+        admin_ops.end_lease(ledger, lease.id, "admin", "x")
+    assert "still maps" in err.value.message
+    out = admin_ops.delete_host(ledger, "h1", "admin", force=True)
+    assert out.ended_leases == [lease.id]
+    assert lease_views.show(ledger, lease.id).state == "released"  # its pages left with the host
