@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Callable
 
 import uvicorn
@@ -66,14 +67,18 @@ def serve(settings: PooldSettings) -> None:
     # One pass before serving: leases of hosts this poold has not heard yet are
     # held before their agents' first (replayed) heartbeat can arrive, so a
     # lease never expires because poold itself was down (reaper.py, outage rule).
+    started = time.perf_counter()
     first = reaper.run_once()
+    app.state.metrics.reaper_pass("ok", time.perf_counter() - started)
     log.info(
         "reaper: first pass held %d lease(s), %d transition(s); every %gs",
         first.held,
         first.transitions(),
         settings.reap_interval_s,
     )
-    reaper_thread = ReaperThread(reaper, settings.reap_interval_s)
+    reaper_thread = ReaperThread(
+        reaper, settings.reap_interval_s, on_pass=app.state.metrics.reaper_pass
+    )
     if settings.reap_interval_s > 0:  # 0 turns the periodic reaper off (another poold runs it)
         reaper_thread.start()
     log.info(

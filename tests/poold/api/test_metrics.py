@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.client import PoolClient
 from agent.metrics import start_metrics_server
 from agent.server import AgentServer
+from poold import procs
 from poold.api.client import PooldClient
 from poold.ledger.db import Ledger
 from poold.wire.agent import GrantRequest, Heartbeat, LeaseReport
@@ -285,3 +287,20 @@ def test_names_follow_prometheus_conventions(after_a_cycle: tuple[Samples, Sampl
     for name in names({**poold, **agent}):
         assert re.fullmatch(r"[a-z_][a-z0-9_]*", name), name
         assert not name.endswith(("_ms", "_milliseconds", "_kb", "_mib")), name
+
+
+def test_a_real_poold_serve_counts_its_reaper_passes(tmp_path: Path) -> None:
+    """server.py wires the reaper to the metrics: the first pass and the thread's."""
+    port = procs.free_port()
+    child = procs.start_poold(tmp_path / "state", port, env={"POOLD_REAP_INTERVAL_S": "0.1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 10
+        while value(scrape(url), "poold_reaper_runs_total", result="ok") < 3:
+            assert time.monotonic() < deadline, "the reaper passes were never counted"
+            time.sleep(0.1)
+        samples = scrape(url)
+        assert value(samples, "poold_reaper_run_duration_seconds_count") >= 3
+        assert value(samples, "poold_ledger_up") == 1
+    finally:
+        child.stop()
