@@ -266,12 +266,13 @@ class Lease:
                 return
             self._released = True
         self._client._forget(self)
+        # Closed first: the agent frees the bytes only once no process maps or holds the
+        # memfd (DESIGN.md "Memory follows the pages"); this fd must not be one of them.
+        os.close(self._fd)
         try:
             self._client.release(self.lease_id)
         except (LeaseNotActive, UnknownLease):
             pass  # already over (expired, revoked, reclaimed): nothing left to give back
-        finally:
-            os.close(self._fd)
 
     def _mark_lost(self, err: PoolError) -> None:
         if self._released or self.lost:

@@ -9,16 +9,19 @@ the lease ends (agent/journal.py), so that a restarted agent can re-adopt it.
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from agent.backends import Materialised
 from agent.holders import Holder
 from agent.journal import Entry as JournalEntry
-from agent.journal import Journal
+from agent.journal import Journal, Watched
+from agent.mappings import Inode
 from poold.errors import LeaseNotActive, NotOwner, UnknownLease
 from poold.wire.common import LeaseOut
 
@@ -51,6 +54,34 @@ class HeldLease:
     # A memfd left unsealed against shrinking (LeaseArgs.shrinkable): `shrink` may cut it.
     shrinkable: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # The memfd's inode (taken from the fd when the lease is journalled): how the agent
+    # finds who still maps it after the lease ends. None for a dax sub-device.
+    inode: Inode | None = None
+
+
+@dataclass
+class MappedLease:
+    """A memfd lease that ended (released, revoked, orphaned) while some process still
+    mapped or held its memfd: watched by inode until none does (DESIGN.md "Memory
+    follows the pages"); ``pids`` are the processes the last scan found."""
+
+    lease_id: str
+    inode: Inode
+    length_bytes: int
+    holder_uid: int
+    why: str
+    since: datetime
+    pids: set[int] = field(default_factory=set)
+
+
+def memfd_inode(memory: Materialised) -> Inode | None:
+    """The inode of a lease's memory when it is a memfd (a regular shmem file); None for
+    a dax device (a character device the kernel unmaps itself) or a closed fd."""
+    try:
+        st = os.fstat(memory.fd)
+    except OSError:
+        return None
+    return Inode(st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
 
 
 class HeldLeases:
@@ -64,6 +95,7 @@ class HeldLeases:
         self.lock = threading.Lock()
         self._held: dict[str, HeldLease] = {}
         self._ended: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (state, uid)
+        self._mapped: dict[str, MappedLease] = {}  # ended, memfd still mapped: by lease id
         # Set by agent/run.py (None: an agent that keeps no journal, as in most tests).
         self.journal: Journal | None = None
 
@@ -94,9 +126,19 @@ class HeldLeases:
             return [h for h in self._held.values() if h.holder_pid == pid]
 
     def revoked_held_ids(self) -> list[str]:
-        """Revoked leases still mapped by their live holders."""
+        """Revoked leases whose memfd is still mapped (by their holder or anyone)."""
         with self.lock:
-            return [h.lease.id for h in self._held.values() if h.revoked_held]
+            held = [h.lease.id for h in self._held.values() if h.revoked_held]
+            return held + [m.lease_id for m in self._mapped.values() if m.why == "revoked"]
+
+    def mapped(self) -> list[MappedLease]:
+        """The ended memfd leases still mapped somewhere (their last scan's pids)."""
+        with self.lock:
+            return list(self._mapped.values())
+
+    def mapped_visible_to(self, uid: int) -> list[MappedLease]:
+        with self.lock:
+            return [m for m in self._mapped.values() if m.holder_uid == uid or uid == 0]
 
     def owned(self, uid: int, lease_id: str, op: str) -> HeldLease:
         """The held lease, if a peer of ``uid`` may ``op`` it; otherwise a coded refusal."""
@@ -121,6 +163,8 @@ class HeldLeases:
     # --- changing -----------------------------------------------------------------
     def add(self, held: HeldLease) -> None:
         """Hold a lease (journal it first with :meth:`record`, unless it came from there)."""
+        if held.inode is None and held.memory is not None:
+            held.inode = memfd_inode(held.memory)
         with self.lock:
             self._held[held.lease.id] = held
 
@@ -136,6 +180,62 @@ class HeldLeases:
             self.journal.remove(lease_id)
         return held
 
+    def watch(self, held: HeldLease, why: str, pids: set[int]) -> MappedLease | None:
+        """The lease ended (``why``: released, revoked, orphaned) with its memfd still mapped
+        by ``pids``: stop holding it and watch its inode instead, in one step, so that no
+        heartbeat sees it in neither table (poold frees what the agent reports neither
+        holding nor watching). None for a lease without an inode (nothing to watch)."""
+        if held.inode is None:
+            return None
+        watched = MappedLease(
+            lease_id=held.lease.id,
+            inode=held.inode,
+            length_bytes=held.lease.length_bytes,
+            holder_uid=held.holder_uid,
+            why=why,
+            since=datetime.now(UTC),
+            pids=set(pids),
+        )
+        with self.lock:
+            self._mapped[watched.lease_id] = watched
+            self._held.pop(watched.lease_id, None)  # a release forgot it already
+            self._ended[watched.lease_id] = (f"{why}_mapped", held.holder_uid)
+            while len(self._ended) > ENDED_MEMORY:
+                self._ended.popitem(last=False)
+        if self.journal is not None:
+            self.journal.watch(
+                Watched(
+                    lease_id=watched.lease_id,
+                    st_dev=watched.inode.dev,
+                    st_ino=watched.inode.ino,
+                    length_bytes=watched.length_bytes,
+                    holder_uid=watched.holder_uid,
+                    why=why,
+                    since=watched.since.timestamp(),
+                )
+            )
+        return watched
+
+    def unwatch(self, lease_id: str) -> MappedLease | None:
+        """No process maps or holds the memfd any more; None when it was not watched."""
+        with self.lock:
+            gone = self._mapped.pop(lease_id, None)
+        if gone is not None and self.journal is not None:
+            self.journal.unwatch(lease_id)
+        return gone
+
+    def rewatch(self, entry: Watched) -> None:
+        """Watch again what the journal says was still mapped (agent restart)."""
+        with self.lock:
+            self._mapped[entry.lease_id] = MappedLease(
+                lease_id=entry.lease_id,
+                inode=Inode(entry.st_dev, entry.st_ino),
+                length_bytes=entry.length_bytes,
+                holder_uid=entry.holder_uid,
+                why=entry.why,
+                since=datetime.fromtimestamp(entry.since, UTC),
+            )
+
     def take_all(self) -> list[HeldLease]:
         """Empty the table (the agent shuts down); the journal keeps the leases."""
         with self.lock:
@@ -144,6 +244,8 @@ class HeldLeases:
 
     def record(self, held: HeldLease) -> None:
         """Write the lease's journal entry (where its memory is, who holds it)."""
+        if held.inode is None and held.memory is not None:
+            held.inode = memfd_inode(held.memory)  # before the fd leaves the agent
         if self.journal is None:
             return
         lease = held.lease
@@ -162,5 +264,7 @@ class HeldLeases:
                 sub_device=held.sub_device,
                 region_id=held.region_id,
                 lease_json=lease.model_dump_json(),
+                st_dev=held.inode.dev if held.inode is not None else None,
+                st_ino=held.inode.ino if held.inode is not None else None,
             )
         )

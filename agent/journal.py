@@ -5,6 +5,10 @@ holds it (pid + start time) and for how long. Written before the fd leaves the
 agent and deleted when the lease ends, so after a crash or restart the agent
 can re-adopt leases whose holders are alive and clean up the rest.
 
+A third table, ``mapped``, keeps the memfd leases that ended while some process still
+mapped or held the memfd, by inode, until none does (agent/mappings.py), so that a
+restarted agent keeps watching them and their bytes stay counted.
+
 A second table keeps every dax sub-device the agent made for a lease, and the
 temporary one a scrub makes over a released lease's range (under that lease's
 id, written before the sub-device is sized, deleted with it). A row outlives
@@ -36,7 +40,25 @@ CREATE TABLE IF NOT EXISTS leases (
     ttl_s INTEGER NOT NULL,
     sub_device TEXT,
     region_id INTEGER,
-    lease_json TEXT NOT NULL
+    lease_json TEXT NOT NULL,
+    st_dev INTEGER,
+    st_ino INTEGER
+)
+"""
+# Columns added after the first journals were written: (name, SQL type).
+LEASE_COLUMNS_ADDED = (("st_dev", "INTEGER"), ("st_ino", "INTEGER"))
+
+# Ended memfd leases whose memfd some process still maps or holds (agent/mappings.py):
+# watched by inode (no fd needed) until none does, across agent restarts.
+MAPPED_SCHEMA = """
+CREATE TABLE IF NOT EXISTS mapped (
+    lease_id TEXT PRIMARY KEY,
+    st_dev INTEGER NOT NULL,
+    st_ino INTEGER NOT NULL,
+    length_bytes INTEGER NOT NULL,
+    holder_uid INTEGER NOT NULL,
+    why TEXT NOT NULL,
+    since REAL NOT NULL
 )
 """
 
@@ -67,6 +89,22 @@ class Entry:
     sub_device: str | None
     region_id: int | None
     lease_json: str
+    # The memfd's inode (agent/mappings.py), for memfd leases; None for a dax sub-device.
+    st_dev: int | None = None
+    st_ino: int | None = None
+
+
+@dataclass(frozen=True)
+class Watched:
+    """An ended memfd lease still mapped or held by some process, watched by its inode."""
+
+    lease_id: str
+    st_dev: int
+    st_ino: int
+    length_bytes: int
+    holder_uid: int
+    why: str  # how it ended: released, revoked, orphaned
+    since: float  # seconds since the epoch: when it ended for its holder
 
 
 @dataclass(frozen=True)
@@ -93,6 +131,11 @@ class Journal:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute(SCHEMA)
         self._db.execute(SUB_DEVICES_SCHEMA)  # journals made before it get it here
+        self._db.execute(MAPPED_SCHEMA)  # likewise
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(leases)")}
+        for name, sql_type in LEASE_COLUMNS_ADDED:
+            if name not in have:
+                self._db.execute(f"ALTER TABLE leases ADD COLUMN {name} {sql_type}")
 
     def add(self, entry: Entry) -> None:
         """Journal a lease, and its sub-device (if any) in the same transaction."""
@@ -117,7 +160,9 @@ class Journal:
 
     def _insert(self, entry: Entry) -> None:
         self._db.execute(
-            "INSERT OR REPLACE INTO leases VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO leases (lease_id, device_uid, backend, offset_bytes, "
+            "length_bytes, epoch, holder_pid, holder_uid, holder_start, ttl_s, sub_device, "
+            "region_id, lease_json, st_dev, st_ino) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 entry.lease_id,
                 entry.device_uid,
@@ -132,6 +177,8 @@ class Journal:
                 entry.sub_device,
                 entry.region_id,
                 entry.lease_json,
+                entry.st_dev,
+                entry.st_ino,
             ),
         )
 
@@ -171,8 +218,50 @@ class Journal:
 
     def entries(self) -> list[Entry]:
         with self._lock:
-            rows = self._db.execute("SELECT * FROM leases ORDER BY lease_id").fetchall()
+            rows = self._db.execute(
+                "SELECT lease_id, device_uid, backend, offset_bytes, length_bytes, epoch, "
+                "holder_pid, holder_uid, holder_start, ttl_s, sub_device, region_id, "
+                "lease_json, st_dev, st_ino FROM leases ORDER BY lease_id"
+            ).fetchall()
         return [Entry(*row) for row in rows]
+
+    # --- ended memfd leases still mapped -------------------------------------------------
+    def watch(self, watched: Watched) -> None:
+        """The lease ended but its memfd is still mapped: its journal row becomes a watch
+        row, in one transaction (a crash leaves one or the other, never neither)."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute("DELETE FROM leases WHERE lease_id = ?", (watched.lease_id,))
+                self._db.execute(
+                    "INSERT OR REPLACE INTO mapped VALUES (?,?,?,?,?,?,?)",
+                    (
+                        watched.lease_id,
+                        watched.st_dev,
+                        watched.st_ino,
+                        watched.length_bytes,
+                        watched.holder_uid,
+                        watched.why,
+                        watched.since,
+                    ),
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def unwatch(self, lease_id: str) -> None:
+        """No process maps or holds the memfd any more."""
+        with self._lock:
+            self._db.execute("DELETE FROM mapped WHERE lease_id = ?", (lease_id,))
+
+    def watched(self) -> list[Watched]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT lease_id, st_dev, st_ino, length_bytes, holder_uid, why, since "
+                "FROM mapped ORDER BY lease_id"
+            ).fetchall()
+        return [Watched(*row) for row in rows]
 
     def close(self) -> None:
         with self._lock:

@@ -3,9 +3,10 @@ think it holds?
 
 :func:`adopt` reads the journal (before the agent serves): a lease whose holder lives is
 held again, its renewals work at once, and its memory stays with the holder, which never
-noticed the restart; the others are orphaned. :func:`reconcile` then asks poold for the
-host's live leases and ends those the agent has no memory for (it was killed between grant
-and journal, or before a release reached poold).
+noticed the restart; the others are orphaned (unless another process still maps their memfd:
+then watched, agent/revocation.py), and ended memfd leases still mapped are watched again.
+:func:`reconcile` then asks poold for the host's live leases and ends those the agent has
+no memory for (it was killed between grant and journal, or before a release reached poold).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from agent.held import HeldLease, HeldLeases
 from agent.holders import Holder
 from agent.holders import alive as holder_alive
 from agent.link import PooldLink
+from agent.mappings import Inode
 from agent.memory import LeaseMemory
 from agent.revocation import Revocations
 from poold.errors import PoolError
@@ -39,6 +41,10 @@ def adopt(
     journal = held.journal
     if journal is None:
         return 0, 0
+    # Ended memfd leases still mapped when the agent stopped: watched again (the next
+    # holder check rescans them; their bytes stay counted meanwhile).
+    for watched in journal.watched():
+        held.rewatch(watched)
     adopted = orphaned = 0
     for entry in journal.entries():
         lease = LeaseOut.model_validate_json(entry.lease_json)
@@ -55,6 +61,9 @@ def adopt(
             holder=holder,
             sub_device=entry.sub_device,
             region_id=entry.region_id,
+            inode=Inode(entry.st_dev, entry.st_ino)
+            if entry.st_dev is not None and entry.st_ino is not None
+            else None,
         )
         held.add(again)
         if holder_alive(holder):

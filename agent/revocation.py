@@ -10,16 +10,22 @@ extended, revocations, shrink hints, scrub orders.
 
 A revoked lease is torn down at its deadline, not at once, so that its tenant (told in
 its renew replies) can move its blocks away first. devdax memory is taken back by the
-kernel; a memfd a live holder maps cannot be, so the lease stays *revoked_held* (its bytes
-used) until that process exits. The holder watch orphans the leases whose holder is gone.
+kernel; a memfd cannot be taken from whoever maps or holds it (its holder, or any process
+it passed the fd to). So every memfd lease that ends (released, revoked, orphaned) is
+checked by inode across /proc (agent/mappings.py): one still mapped is *watched* (its
+bytes stay counted: `release_mapped`, `reclaim_mapped`, and reported in every heartbeat
+with the pids that map it) until a scan finds nobody, then `unmapped`. The holder watch
+orphans the leases whose holder is gone, and rescans the watched memfds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from datetime import UTC, datetime, timedelta
 
+from agent import mappings
 from agent.admission import Admission
 from agent.held import HeldLease, HeldLeases
 from agent.holders import alive as holder_alive
@@ -60,6 +66,9 @@ class Revocations:
         # poold's shrink hints (pressure) per held lease, handed out once in `renew`.
         self._shrink: dict[str, ShrinkHint] = {}
         self._stop = threading.Event()
+        # Where processes are looked for (tests point it at a fixture tree).
+        self.proc_root: str = str(mappings.PROC)
+        self._warned_unreadable = False
 
     # --- what the link asks ---------------------------------------------------------
     def held_ids(self) -> list[str]:
@@ -106,6 +115,17 @@ class Revocations:
                     scrub=ScrubProgress.model_construct(started_at=scrub[0], bytes_done=scrub[1])
                     if scrub is not None
                     else None,
+                )
+            )
+        for m in self.held.mapped():
+            report.append(
+                AgentLease.model_construct(
+                    lease_id=m.lease_id,
+                    state="mapped",
+                    holders=[LeaseHolder.model_construct(pid=pid) for pid in sorted(m.pids)],
+                    sub_device=None,
+                    scrub=None,
+                    mapped_since=m.since,
                 )
             )
         for lease_id, (started_at, bytes_done) in sorted(running.items()):
@@ -225,7 +245,10 @@ class Revocations:
         confirm: list[str] = []
         for lease_id in lease_ids:
             held = self.held.get(lease_id)
-            if held is not None and self._pages_stay_with_holder(held):
+            if held is not None and self.ended_mapped(held, "revoked"):
+                continue
+            if held is not None and held.inode is None and self._pages_stay_with_holder(held):
+                # Re-adopted from a journal older than inodes: only the holder is known.
                 if not held.revoked_held:
                     log.warning(
                         "lease %s revoked, but holder pid %d still maps its memfd: "
@@ -256,6 +279,92 @@ class Revocations:
             return False
         return holder_alive(held.holder)
 
+    # --- memory that follows the pages ----------------------------------------------
+    def scan(self, inodes: set[mappings.Inode]) -> mappings.Scan:
+        """Who maps or holds these memfds now (one pass over /proc)."""
+        found = mappings.scan(inodes, proc_root=self.proc_root)
+        if found.unreadable and not self._warned_unreadable:
+            self._warned_unreadable = True
+            log.warning(
+                "%d process(es) could not be read under %s: memfds they map are not seen "
+                "(the agent needs root, or CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH)",
+                found.unreadable,
+                self.proc_root,
+            )
+        return found
+
+    def ended_mapped(self, held: HeldLease, why: str, found: mappings.Scan | None = None) -> bool:
+        """A memfd lease ends (``why``: released, revoked, orphaned): the agent's own copy
+        goes, and if any process still maps or holds the memfd the lease is watched and
+        poold told its bytes stay counted; True then. False (nothing maps it, or it is no
+        memfd) leaves the ending to the caller.
+
+        ``found``: a scan the caller made after closing the agent's copies.
+        """
+        inode = held.inode
+        backend = self.memory.backend_of(held)
+        if inode is None or (backend is not None and backend.revoke_unmaps):
+            return False
+        self._close_copy(held)  # the agent's own fd is no reason to wait
+        if found is None:
+            found = self.scan({inode})
+        pids = found.pids.get(inode)
+        if not pids:
+            return False
+        if self.held.watch(held, why, pids) is None:
+            return False
+        log.warning(
+            "lease %s %s, but pid(s) %s still map or hold its memfd: its %d bytes stay "
+            "counted until none does",
+            held.lease.id,
+            why,
+            ",".join(str(p) for p in sorted(pids)),
+            held.lease.length_bytes,
+        )
+        # An orphan stays orphaned (the reaper reads the watch in the next report).
+        op = {"released": "release_mapped", "revoked": "reclaim_mapped"}.get(why)
+        if op is not None:
+            self.link.enqueue(
+                LeaseOp(
+                    lease_id=held.lease.id,
+                    op=op,
+                    reason=f"memfd still mapped by pid(s) {','.join(map(str, sorted(pids)))}",
+                )
+            )
+        return True
+
+    def _close_copy(self, held: HeldLease) -> None:
+        """Close the agent's fd of an ending memfd lease, once whoever calls (a holder
+        check and a disconnect may race)."""
+        with self._lock:
+            memory, held.memory = held.memory, None
+        if memory is not None:
+            self.memory.close_copy(dataclasses.replace(held, memory=memory))
+
+    def check_mapped(self) -> int:
+        """Rescan the watched memfds (one pass); those nobody maps or holds any more are
+        `unmapped` (their bytes free again). Returns how many."""
+        watched = self.held.mapped()
+        if not watched:
+            return 0
+        found = self.scan({m.inode for m in watched})
+        freed = 0
+        for m in watched:
+            pids = found.pids.get(m.inode)
+            if pids:
+                m.pids = set(pids)
+                continue
+            if self.held.unwatch(m.lease_id) is None:
+                continue
+            log.info("lease %s: no process maps its memfd any more; its bytes are free", m.lease_id)
+            self.link.enqueue(
+                LeaseOp(lease_id=m.lease_id, op="unmapped", reason="no process maps its memfd")
+            )
+            freed += 1
+        if freed:
+            self.admission.capacity_changed()
+        return freed
+
     def check_holders(self, candidates: list[HeldLease] | None = None) -> int:
         """Orphan the leases whose holder process is gone (pid + start time); return how many.
 
@@ -264,21 +373,30 @@ class Revocations:
         """
         if candidates is None:
             candidates = self.held.all()
+        dead = [h for h in candidates if h.holder is not None and not holder_alive(h.holder)]
+        found: mappings.Scan | None = None
+        memfds = {h.inode for h in dead if h.inode is not None}
+        if memfds:
+            # Their holders are gone: the agent's copies go first, then one scan for all.
+            for h in dead:
+                if h.inode is not None:
+                    self._close_copy(h)
+            found = self.scan(memfds)
         orphaned = 0
-        for held in candidates:
-            if held.holder is None or holder_alive(held.holder):
-                continue
+        for held in dead:
             if held.revoked_held:
                 # The revoked holder is gone at last: its pages are free; confirm.
                 if self.held.forget(held.lease.id, "revoked") is not None:
                     self.revoke([held.lease.id])
                 continue
-            if self.held.forget(held.lease.id, "orphaned") is None:
+            mapped_elsewhere = found is not None and self.ended_mapped(held, "orphaned", found)
+            if not mapped_elsewhere and self.held.forget(held.lease.id, "orphaned") is None:
                 continue
             log.warning(
                 "holder pid %d of lease %s is gone: orphaned", held.holder_pid, held.lease.id
             )
-            self.memory.drop(held)
+            if not mapped_elsewhere:
+                self.memory.drop(held)
             self.link.enqueue(
                 LeaseOp(
                     lease_id=held.lease.id,
@@ -297,6 +415,7 @@ class Revocations:
                 try:
                     self.check_holders()
                     self.revoke_due()
+                    self.check_mapped()
                 except Exception:
                     log.exception("holder check failed")
 

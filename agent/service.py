@@ -279,6 +279,11 @@ class AgentService:
         held = self.held.forget(args.lease_id, "released")
         if held is None:  # a concurrent release won
             raise LeaseNotActive(f"lease {args.lease_id} is released", lease_id=args.lease_id)
+        revoked = held.revoke_deadline_at is not None
+        if self.revocations.ended_mapped(held, "revoked" if revoked else "released"):
+            # A memfd some process still maps or holds: counted until none does.
+            state = "revoked_mapped" if revoked else "released_mapped"
+            return p.ReleaseResult(lease_id=held.lease.id, state=state)
         if held.revoke_deadline_at is not None:
             # The holder let go of a revoked lease: that is the revocation done.
             self.memory.drop(held)
@@ -371,12 +376,15 @@ class AgentService:
         everything = self.held.visible_to(peer.uid)
         held = [h for h in everything if not h.revoked_held]
         revoked = [h for h in everything if h.revoked_held]
+        # Revoked memfds still mapped by anyone, watched by inode (agent/revocation.py).
+        watched = [m for m in self.held.mapped_visible_to(peer.uid) if m.why == "revoked"]
         return p.StatsResult(
             scope="host" if peer.uid == 0 else "caller",
             leases_held=len(held),
             bytes_held=sum(h.lease.length_bytes for h in held),
-            revoked_held_leases=len(revoked),
-            revoked_held_bytes=sum(h.lease.length_bytes for h in revoked),
+            revoked_held_leases=len(revoked) + len(watched),
+            revoked_held_bytes=sum(h.lease.length_bytes for h in revoked)
+            + sum(m.length_bytes for m in watched),
             uptime_s=time.monotonic() - self.started_at,
             poold_reachable=self.link.reachable,
             last_heartbeat_at=self.link.last_heartbeat_at,

@@ -64,7 +64,7 @@ def test_revoked_memfd_still_mapped_counts_as_used_until_its_holder_exits(
         cluster.admin.revoke(lease_id, reason="drain")
         time.sleep(6)  # past the 4 s revocation deadline
         # The pages are still mapped by a live process: not reclaimed, still used.
-        assert cluster.admin.show_lease(lease_id).state == "revoking"
+        assert cluster.admin.show_lease(lease_id).state == "revoked_mapped"
         assert cluster.admin.status().leased_bytes == 2 << 20
         with PoolClient(cluster.socket_path) as observer:
             stats = observer.stats()
