@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.text import Text
 
-from cli import devmap
+from cli import device_hosts, devmap
 from cli.common import (
     MAX_LEASES_PER_CALL,
     MEDIA_CLASS,
@@ -326,3 +326,7 @@ def devices_map(c: Ctx, device: str | None, width: int | None, as_json: bool) ->
         say(devmap.figures(m))
         say("")
     say(devmap.legend_text(legend, colour=colour, totals=devmap.tenant_totals(maps)))
+
+
+for _command in device_hosts.COMMANDS:  # allow-host, disallow-host (cli/device_hosts.py)
+    devices.add_command(_command)

@@ -49,7 +49,16 @@ from poold.errors import (
 )
 from poold.lease_states import LeaseEvent
 from poold.ledger import accounting as ledger_accounting
-from poold.ledger import admin_ops, capacity, devices, hosts, lease_views, leases, tenants
+from poold.ledger import (
+    admin_ops,
+    capacity,
+    device_hosts,
+    devices,
+    hosts,
+    lease_views,
+    leases,
+    tenants,
+)
 from poold.ledger import audit as ledger_audit
 from poold.ledger import heartbeat as ledger_heartbeat
 from poold.ledger.db import Ledger
@@ -60,6 +69,7 @@ from poold.wire.admin import (
     AuditReport,
     DeviceAnnotate,
     DeviceDrainRequest,
+    DeviceHosts,
     DeviceStatus,
     DrainResult,
     HostCreated,
@@ -827,6 +837,15 @@ def create_app(
     @bind
     def undrain_device(uid: str, p: Caller) -> DrainResult:
         return admin_ops.undrain_device(ledger, uid, p.actor)
+
+    # --- which hosts may report a device (poold/ledger/device_hosts.py) -------
+    @bind
+    def allow_device_host(uid: str, host: str, p: Caller) -> DeviceHosts:
+        return device_hosts.allow_host(ledger, uid, host, p.actor)
+
+    @bind
+    def disallow_device_host(uid: str, host: str, p: Caller) -> DeviceHosts:
+        return device_hosts.disallow_host(ledger, uid, host, p.actor)
 
     @bind
     def drain_host(name: str, p: Caller, body: HostDrainRequest | None = None) -> DrainResult:

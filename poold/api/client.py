@@ -37,6 +37,7 @@ from poold.wire.admin import (
     AuditReport,
     DeviceAnnotate,
     DeviceDrainRequest,
+    DeviceHosts,
     DeviceStatus,
     DrainResult,
     HostCreated,
@@ -336,6 +337,13 @@ class PooldClient:
 
     def undrain_device(self, uid: str) -> DrainResult:
         return self._send(routes.undrain_device, uid=uid)
+
+    # which hosts may report a device
+    def allow_device_host(self, uid: str, host: str) -> DeviceHosts:
+        return self._send(routes.allow_device_host, uid=uid, host=host)
+
+    def disallow_device_host(self, uid: str, host: str) -> DeviceHosts:
+        return self._send(routes.disallow_device_host, uid=uid, host=host)
 
     def drain_host(
         self, name: str, *, deadline_s: float | None = None, now: bool = False

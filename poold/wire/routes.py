@@ -23,6 +23,7 @@ from poold.wire.admin import (
     AuditReport,
     DeviceAnnotate,
     DeviceDrainRequest,
+    DeviceHosts,
     DeviceStatus,
     DrainResult,
     HostCreated,
@@ -213,6 +214,13 @@ drain_device: Route[DrainResult] = Route(
 )
 undrain_device: Route[DrainResult] = Route(
     "POST", "/v1/devices/{uid:path}/undrain", DrainResult, "admin"
+)
+# Which hosts may report a device (poold/ledger/device_hosts.py).
+allow_device_host: Route[DeviceHosts] = Route(
+    "POST", "/v1/devices/{uid:path}/hosts/{host}", DeviceHosts, "admin"
+)
+disallow_device_host: Route[DeviceHosts] = Route(
+    "DELETE", "/v1/devices/{uid:path}/hosts/{host}", DeviceHosts, "admin"
 )
 drain_host: Route[DrainResult] = Route(
     "POST",

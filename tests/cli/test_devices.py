@@ -119,6 +119,7 @@ def test_annotate_survives_agent_reinventory(api: ThreadedServer, admin: PooldCl
     assert poolctl(api, "devices", "annotate", CXL, "--media", "ddr4").exit_code == 0
     # The agent re-registers with its own view (ddr5): the admin's word stays.
     credential = admin.add_host("h2").credential
+    admin.allow_device_host(CXL, "h2")  # a second head of a shared device (device_hosts.py)
     with PooldClient(api.url, credential) as agent:
         agent.register(
             Heartbeat(
