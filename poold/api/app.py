@@ -546,6 +546,25 @@ def _parse_body(route: Route[Any], raw: bytes) -> BaseModel | None:
         raise RequestValidationError(errors) from None
 
 
+# One INFO line per administrative change, whatever the route (poold.logs says why);
+# these ledger operations log their own outcome (what ended, what was removed) instead.
+admin_log = logging.getLogger("poold.admin")
+_CHANGES_LOGGED_BY_THE_LEDGER = frozenset({"end_lease", "delete_host"})
+
+
+def _log_admin_change(route: Route[Any], kwargs: dict[str, Any]) -> None:
+    """`admin: update_tenant name=llm-a {"quota_bytes": 68719476736}` after it succeeded."""
+    if route.auth != "admin" or route.method == "GET":
+        return
+    if route.name in _CHANGES_LOGGED_BY_THE_LEDGER:
+        return
+    words = [f"{k}={v}" for k, v in kwargs.items() if f"{{{k}" in route.path]
+    for value in kwargs.values():
+        if isinstance(value, BaseModel):
+            words.append(value.model_dump_json(exclude_none=True)[:300])
+    admin_log.info("admin: %s %s", route.name, " ".join(words))
+
+
 def _threaded(
     route: Route[Any],
     fn: Callable[..., Any],
@@ -574,6 +593,7 @@ def _threaded(
             kwargs[body_param] = _parse_body(route, kwargs.pop(_RAW_BODY))
         value = fn(**kwargs)
         outage.reachable()
+        _log_admin_change(route, kwargs)
         if isinstance(value, Response):
             return value
         assert adapter is not None, f"{route.name} returns no body"
