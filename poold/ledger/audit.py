@@ -35,7 +35,7 @@ from poold.ledger.audit_agents import (
 from poold.ledger.audit_ledger import ACTOR, Findings, Progress, check, load
 from poold.ledger.db import Ledger
 from poold.ledger.models import AuditRun, Device, Lease
-from poold.ledger.reaper import ReaperPolicy, reclaim_event
+from poold.ledger.reaper import ReaperPolicy, reclaim_event, reclaim_events
 from poold.ledger.types import utcnow
 from poold.wire.admin import AgentFindings, AuditItem, AuditReport
 
@@ -73,7 +73,11 @@ def reclaim(
             event = LeaseEvent.ABORT
             where = (Lease.granted_at <= now - activation,)
         else:
-            event = reclaim_event(kinds.get(it.device_id or -1, ""))
+            kind = kinds.get(it.device_id or -1, "")
+            event = reclaim_event(kind)
+            if event is LeaseEvent.RECLAIM:  # a memfd: free only on its agent's word
+                with ledger.read() as s:
+                    event = reclaim_events(s.connection(), [(it.lease_id, kind)])[it.lease_id]
             if expected is LeaseState.EXPIRED:
                 where = (Lease.expires_at <= now - grace,)
             elif expected is LeaseState.REVOKING:

@@ -81,8 +81,13 @@ class AgentReport:
         )
 
     def held(self) -> set[str]:
-        """The ids the agent holds memory for (a running scrub is not holding)."""
-        return {i for i, x in self.leases.items() if x.state != "scrubbing"}
+        """The ids the agent holds memory for (a running scrub is not holding, nor is a
+        watched memfd that other processes map: see `mapped`)."""
+        return {i for i, x in self.leases.items() if x.state not in ("scrubbing", "mapped")}
+
+    def mapped(self) -> dict[str, AgentLease]:
+        """Ended memfd leases some process still maps or holds (the agent watches them)."""
+        return {i: x for i, x in self.leases.items() if x.state == "mapped"}
 
 
 def check_agents(
@@ -153,6 +158,8 @@ def check_agents(
                     )
                 )
             continue
+        if entry.state == "mapped":
+            continue  # listed below, with every mapping the agent watches
         pids = {h.pid for h in entry.holders}
         if lease.holder_pid is not None and pids and lease.holder_pid not in pids:
             agent_says = ", ".join(
@@ -183,6 +190,12 @@ def check_agents(
         for lease_id in sorted(report.held() - live_by_host[host_id])
     ]
     for host_id, report in fresh.items():
+        for lease_id, entry in sorted(report.mapped().items()):
+            leaked.append(
+                _leaked_mapping(
+                    lease_id, entry, state_of.get(lease_id), host_names.get(host_id), now
+                )
+            )
         for left in report.leftovers:
             state = state_of.get(left.lease_id)
             what = (
@@ -225,6 +238,31 @@ def check_agents(
         unfinished_scrubs=scrubs,
         holder_mismatches=mismatches,
         note=note,
+    )
+
+
+def _leaked_mapping(
+    lease_id: str, entry: AgentLease, state: str | None, host: str | None, now: datetime
+) -> AuditItem:
+    """A memfd lease that ended while processes still map or hold it: its bytes stay
+    counted (DESIGN.md "Memory follows the pages"), and only those processes can give
+    them back, so a human must see which (nothing to reclaim)."""
+    pids = ", ".join(str(h.pid) for h in entry.holders) or "unknown"
+    how_long = ""
+    if entry.mapped_since is not None:
+        since = entry.mapped_since
+        age_s = (now - (since if since.tzinfo else since.replace(tzinfo=UTC))).total_seconds()
+        how_long = f" for {max(0.0, age_s):.0f}s (since {since.isoformat(timespec='seconds')})"
+    if state is None or state not in LIVE_STATES:
+        counted = f"the ledger has it {state or 'unknown'}: those bytes are counted free"
+    else:
+        counted = "its bytes stay counted against the tenant and the device"
+    return AuditItem(
+        kind="leaked_mapping",
+        lease_id=lease_id,
+        host=host,
+        state=state,
+        message=f"ended, but pid(s) {pids} still map or hold its memfd{how_long}; {counted}",
     )
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from sqlalchemy import case, func, or_, select
 
-from poold.lease_states import LIVE_STATES, LeaseState
+from poold.lease_states import LIVE_STATES, MAPPED_STATE_VALUES, LeaseState
 from poold.ledger import transitions
 from poold.ledger.agent_reports import SCRUB_REISSUE
 from poold.ledger.db import Ledger
@@ -167,6 +167,19 @@ def check(snap: Snapshot, policy: ReaperPolicy, now: datetime) -> Findings:
             )
         elif lease.state == LeaseState.SCRUBBING.value:
             out.pending.append(item("scrubbing", lease, "waiting for the agent's scrub"))
+        elif lease.state in MAPPED_STATE_VALUES:
+            # Memory follows the pages: nothing to reclaim until no process maps it (the
+            # agent's report names the pids: audit_agents' leaked_mapping).
+            ended = snap.state_since.get(lease.id)
+            when = f" since {ended.isoformat(timespec='seconds')}" if ended is not None else ""
+            out.pending.append(
+                item(
+                    "ended_mapped",
+                    lease,
+                    f"ended{when}, but its memfd is still mapped or held: its bytes stay "
+                    "counted until no process has it",
+                )
+            )
 
     for device_id, live in by_device.items():
         dev = snap.devices[device_id]

@@ -35,7 +35,9 @@ def grant(ledger: Ledger, size: int = 16 * MiB) -> LeaseOut:
 
 
 def op(ledger: Ledger, lease_id: str, name: str) -> str | None:
-    (result,) = leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=lease_id, op=name)], "agent:h1")  # type: ignore[arg-type]
+    (result,) = leases.apply_ops(
+        ledger, "h1", [LeaseOp.model_validate({"lease_id": lease_id, "op": name})], "agent:h1"
+    )
     return result.code or result.state
 
 
@@ -143,7 +145,7 @@ def test_heartbeat_frees_what_the_agent_no_longer_reports(ledger: Ledger) -> Non
     for lease in (kept, gone):
         assert op(ledger, lease.id, "release_mapped") == "released_mapped"
     with ledger.read() as s:
-        generation = s.scalar(select(Device.generation))
+        generation = s.scalar(select(Device.generation)) or 0
     assert beat(ledger, mapped(kept.id, 4242)) == []
     assert state(ledger, kept.id) == "released_mapped"
     assert state(ledger, gone.id) == "released"
@@ -264,7 +266,10 @@ def test_0009_up_and_down_with_mapped_leases(empty_url: str) -> None:
                 conn.execute(text(_lease("over", "active", 0)), {"now": NOW})
         migrate.downgrade(empty_url, "0007")
         with engine.connect() as conn:
-            rows = dict(conn.execute(text("SELECT id, state FROM leases ORDER BY id")).all())
+            rows: dict[str, str] = {
+                str(k): str(v)
+                for k, v in conn.execute(text("SELECT id, state FROM leases ORDER BY id"))
+            }
             ended = conn.execute(text("SELECT ended_at FROM leases WHERE id = 'rm'")).scalar()
         assert rows == {"rm": "released", "vm": "revoking"}
         assert ended is not None
