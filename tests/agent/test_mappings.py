@@ -129,3 +129,34 @@ def test_live_proc_ignores_only_the_fd_about_to_close() -> None:
             os.close(second)
     finally:
         os.close(fd)
+
+
+# --- the watch survives an agent restart (agent/journal.py) --------------------------------
+
+
+def test_journal_keeps_watched_memfds_and_upgrades_old_journals(tmp_path: Path) -> None:
+    import sqlite3
+
+    from agent.journal import SCHEMA, Entry, Journal, Watched
+
+    path = tmp_path / "journal.db"
+    old = sqlite3.connect(path)  # a journal from before inodes: no st_dev/st_ino columns
+    old.execute(SCHEMA.replace(",\n    st_dev INTEGER,\n    st_ino INTEGER", ""))
+    old.execute(
+        "INSERT INTO leases VALUES ('old', 'd', 'emulated', 0, 2, 1, 7, 0, NULL, 60, "
+        "NULL, NULL, '{}')"
+    )
+    old.commit()
+    old.close()
+    journal = Journal(path)
+    (entry,) = journal.entries()
+    assert (entry.lease_id, entry.st_dev, entry.st_ino) == ("old", None, None)
+    journal.add(Entry("l1", "d", "emulated", 0, 2, 1, 7, 0, None, 60, None, None, "{}", 1, 131280))
+    journal.watch(Watched("l1", 1, 131280, 2, 0, "released", 1.5))
+    assert [e.lease_id for e in journal.entries()] == ["old"]  # moved, in one transaction
+    journal.close()
+    again = Journal(path)
+    assert again.watched() == [Watched("l1", 1, 131280, 2, 0, "released", 1.5)]
+    again.unwatch("l1")
+    assert again.watched() == []
+    again.close()
