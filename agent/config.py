@@ -131,6 +131,13 @@ class AgentConfig(DaemonSettings):
     log_level: LogLevel = Field(default="info", description="least level logged")
     log_format: LogFormat = Field(default="text", description="log lines as text or json")
 
+    @field_validator("metrics_listen")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        if value:
+            metrics_address(value)  # refuses what it cannot split
+        return value
+
     @field_validator("poold_url", mode="before")
     @classmethod
     def _split_urls(cls, value: Any) -> Any:
@@ -165,3 +172,12 @@ def load(path: Path | None, **overrides: Any) -> AgentConfig:
     """The config from every source: non-None ``overrides`` (flags), env, file ``path``."""
     flags = {key: value for key, value in overrides.items() if value is not None}
     return load_settings(AgentConfig, path, flags)
+
+
+def metrics_address(value: str) -> tuple[str, int]:
+    """`host:port` (IPv6 in brackets; a bare `:port` is loopback) for the metrics server."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not host:port (e.g. 127.0.0.1:9465)")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)

@@ -19,10 +19,11 @@ from agent.backends.devdax import DevdaxBackend
 from agent.backends.emulated import EmulatedBackend
 from agent.backends.numa import NumaBackend
 from agent.client import PoolClient
-from agent.config import AgentConfig
+from agent.config import AgentConfig, metrics_address
 from agent.inventory import InventoryWatcher, host_inventory
 from agent.journal import Journal
 from agent.link import PooldLink
+from agent.metrics import start_metrics_server
 from agent.server import AgentServer
 from agent.service import AgentService
 from agent.warm import WarmPool
@@ -112,6 +113,18 @@ def run(config: AgentConfig) -> int:
         group=config.socket_group,
         listen_socket=systemd_listen_socket(),
     )
+    metrics = None
+    if config.metrics_listen:
+        host, port = metrics_address(config.metrics_listen)
+        try:
+            metrics = start_metrics_server(service, host, port, server=server)
+        except OSError as exc:
+            log.error("cannot serve metrics on %s: %s", config.metrics_listen, exc)
+            server.shutdown()
+            service.close()
+            client.close()
+            return 2
+        log.info("metrics on %s", metrics.url)
     link.start(config.heartbeat_interval_s)
     service.start_holder_watch(config.holder_check_interval_s)
     watcher = InventoryWatcher(config, set(backends), link)
@@ -137,6 +150,8 @@ def run(config: AgentConfig) -> int:
         if watchdog is not None:
             watchdog.join(timeout=5)
         server.shutdown()
+        if metrics is not None:
+            metrics.close()
         watcher.stop()
         link.stop()
         service.close()
