@@ -211,3 +211,68 @@ def test_a_waiting_request_is_served_by_a_store_giving_memory_back(stack: Stack)
             store.close()
         for lease in holders:
             lease.release()
+
+
+# --- in flight: what concurrent lease requests may make together ----------------------
+
+
+def test_in_flight_bytes_bound_what_is_made_together() -> None:
+    from agent.admission import InFlight, InFlightLimits
+    from poold.errors import InFlightLimit
+
+    gib = 1 << 30
+    budget = InFlight(
+        InFlightLimits(max_bytes=2 * gib, max_bytes_per_uid=gib, max_requests_per_uid=2, wait_s=0.2)
+    )
+    with budget.making(1000, gib):
+        # The uid's budget is spent: its next request waits, then is refused, retryably.
+        start = time.monotonic()
+        with pytest.raises(InFlightLimit) as refused, budget.making(1000, 1):
+            pass
+        assert 0.15 < time.monotonic() - start < 2
+        assert refused.value.detail["limit"] == "bytes_per_uid"
+        with budget.making(1001, gib):  # another uid fits the host's budget
+            with pytest.raises(InFlightLimit) as host, budget.making(1002, 1):
+                pass
+            assert host.value.detail["limit"] == "bytes"
+            assert budget.bytes_in_flight() == 2 * gib
+    assert budget.bytes_in_flight() == 0
+    # A lone request larger than every budget still runs: nothing else is being made.
+    with budget.making(1000, 8 * gib):
+        assert budget.bytes_in_flight(1000) == 8 * gib
+    # What the host has free counts too, against what others are making.
+    with budget.making(1000, gib // 2):
+        with (
+            pytest.raises(InFlightLimit),
+            budget.making(1001, gib // 2, available=lambda: gib // 2),
+        ):
+            pass
+        with budget.making(1001, gib // 4, available=lambda: gib):
+            pass
+
+
+def test_in_flight_requests_per_uid_wait_for_a_slot() -> None:
+    from agent.admission import InFlight, InFlightLimits
+    from poold.errors import InFlightLimit
+
+    budget = InFlight(InFlightLimits(max_requests_per_uid=2, wait_s=5))
+    with budget.request(7), budget.request(7):
+        with pytest.raises(InFlightLimit) as refused, budget.request(7, wait_s=0.1):
+            pass
+        assert refused.value.detail["limit"] == "requests_per_uid"
+        with budget.request(8):  # other uids are not held up
+            pass
+        # A slot freed while one waits is taken by the waiter.
+        got = threading.Event()
+
+        def waiter() -> None:
+            with budget.request(7):
+                got.set()
+
+        thread = threading.Thread(target=waiter)
+        outer = budget._requests  # the table the waiter waits on
+        thread.start()
+        time.sleep(0.2)
+        assert not got.is_set() and outer[7] == 2
+    thread.join(5)
+    assert got.is_set() and budget.requests_in_flight(7) == 0
