@@ -162,6 +162,7 @@ class Lease:
         self.expires_at: datetime = granted.expires_at
         self.ttl_s: int = granted.ttl_s
         self.shrinkable: bool = granted.shrinkable
+        self.populated: bool = granted.populated  # every page faulted in (pin-ready)
         # What it was asked with, so a smaller one can be asked alike (KVStore.relet).
         self.tenant: str | None = None
         self.labels: dict[str, str] = {}
@@ -429,6 +430,9 @@ class PoolClient:
         on_revoke: RevokeCallback | None = None,
         wait_s: float = 0,
         shrinkable: bool = False,
+        populate: bool = False,
+        hugepages: str | None = None,
+        numa_node: int | None = None,
     ) -> Lease:
         """Lease ``size_bytes`` of far memory; renewed in the background unless ``renew=False``.
 
@@ -447,6 +451,12 @@ class PoolClient:
         ``shrinkable=True`` (memfd-backed leases) lets the holder give memory back in
         place with :meth:`Lease.shrink`, as the KV store does under pool pressure.
 
+        Pin-ready leases (for ``cudaHostRegister`` / ``ibv_reg_mr``): ``populate=True``
+        has every page faulted in before the reply (``lease.populated`` says it was),
+        ``hugepages`` ``"off"|"prefer"|"required"`` asks for 2 MiB pages
+        (``lease.page_size_bytes`` says what was got), ``numa_node`` the node the memory
+        must be on (``lease.numa_node``).
+
         Never retried: a dropped connection mid-request may have granted a lease whose
         fd was lost; the agent sees the disconnect and poold reclaims it.
         """
@@ -460,6 +470,9 @@ class PoolClient:
             labels=dict(labels or {}),
             wait_s=wait_s,
             shrinkable=shrinkable,
+            populate=populate,
+            hugepages=hugepages,
+            numa_node=numa_node,
         )
         timeout_s = self.timeout_s + size_bytes / _PREFAULT_BYTES_PER_S + args.wait_s
         granted, fd = self._call(OPERATIONS["lease"], args, LeaseResult, timeout_s=timeout_s)

@@ -21,7 +21,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from agent.backends import Backend, Materialised, Placement
@@ -60,6 +60,16 @@ def local_device(device: InventoryDevice) -> LocalDevice:
     match = _DAX_REGION_NAME.match(device.local_name)
     region = next((int(g) for g in match.groups() if g is not None), None) if match else None
     return LocalDevice(device.kind, dax_region_id=region, numa_node=device.numa_node)
+
+
+@dataclass(frozen=True)
+class Pin:
+    """What a tenant asked of a lease's pages (pin-ready leases, agent/protocol.py
+    LeaseArgs): the default asks nothing."""
+
+    populate: bool = False
+    hugepages: str | None = None
+    numa_node: int | None = None
 
 
 @dataclass
@@ -117,15 +127,21 @@ class LeaseMemory:
         return self.backends.get(kind)
 
     # --- made after placement -------------------------------------------------------
-    def _make(self, backend: Backend, lease: LeaseOut, *, shrinkable: bool = False) -> Materialised:
+    def _make(
+        self, backend: Backend, lease: LeaseOut, *, shrinkable: bool = False, pin: Pin | None = None
+    ) -> Materialised:
         """Memory for a placed lease, where this host has its device."""
         local = self.locate(lease.device_uid)
+        pin = pin or Pin()
         placement = Placement(
             device_uid=lease.device_uid,
             offset_bytes=lease.offset_bytes,
             length_bytes=lease.length_bytes,
             dax_region_id=local.dax_region_id if local is not None else None,
             numa_node=local.numa_node if local is not None else lease.numa_node,
+            hugepages=pin.hugepages,
+            populate=pin.populate,
+            wanted_node=pin.numa_node if lease.device_kind == "emulated" else None,
         )
 
         def carved(device: str) -> None:
@@ -148,16 +164,33 @@ class LeaseMemory:
         finally:
             if self.timed is not None:
                 self.timed("materialise", lease.device_kind, ok, time.perf_counter() - started)
+        if pin.numa_node is not None and memory.numa_node != pin.numa_node:
+            backend.release(memory)
+            raise BackendFailed(
+                f"lease {lease.id} was placed on {lease.device_uid}, whose memory is on node "
+                f"{memory.numa_node}, not the node {pin.numa_node} asked for",
+                numa_node=memory.numa_node,
+                wanted_node=pin.numa_node,
+            )
+        if memory.backend == "devdax" and not memory.populated:
+            memory = replace(memory, populated=True)  # device memory: nothing to allocate
         return memory
 
-    def _warm(self, lease: LeaseOut, *, shrinkable: bool) -> Materialised | None:
+    def _warm(
+        self, lease: LeaseOut, *, shrinkable: bool, pin: Pin | None = None
+    ) -> Materialised | None:
         """A fresh warm memfd of the lease's length (emulated; warm ones are sealed
-        against shrinking, so not for a shrinkable lease), taken only once it is granted."""
+        against shrinking, so not for a shrinkable lease, and made with base pages,
+        unpopulated, unbound: not for a pin-ready one), taken only once it is granted."""
         if self.warm is None or shrinkable or lease.device_kind != "emulated":
+            return None
+        if pin is not None and pin != Pin():
             return None
         return self.warm.take(lease.length_bytes)
 
-    def materialise_placed(self, lease: LeaseOut, *, shrinkable: bool = False) -> Materialised:
+    def materialise_placed(
+        self, lease: LeaseOut, *, shrinkable: bool = False, pin: Pin | None = None
+    ) -> Materialised:
         """Memory for a granted lease, then its activation in the ledger.
 
         Only ever after poold granted the lease: the agent makes no memory for a request
@@ -167,8 +200,8 @@ class LeaseMemory:
         try:
             if backend is None:
                 raise BackendFailed(f"no backend for device kind {lease.device_kind}")
-            memory = self._warm(lease, shrinkable=shrinkable) or self._make(
-                backend, lease, shrinkable=shrinkable
+            memory = self._warm(lease, shrinkable=shrinkable, pin=pin) or self._make(
+                backend, lease, shrinkable=shrinkable, pin=pin
             )
         except BaseException as exc:
             self.link.abort_now(lease.id, f"materialise failed: {exc}")

@@ -10,6 +10,7 @@ releases the lease when CMD exits, exiting with CMD's status::
     POOLD_LEASE_FD     N, the inherited fd
     POOLD_LEASE_BYTES  the length CMD may map (MAP_SHARED)
     POOLD_LEASE_NODE   the NUMA node of the memory, when the agent knows it
+    POOLD_LEASE_POPULATED  1 when every page was faulted in before CMD started (--populate)
     POOLD_LEASE_ID, POOLD_LEASE_MEDIA, POOLD_LEASE_BACKEND, POOLD_LEASE_PAGE_BYTES
 
 Exit status: CMD's; 128 + N when CMD died of signal N (as a shell reports it); 125 when
@@ -99,9 +100,7 @@ def lease_environment(lease: Lease) -> dict[str, str]:
     }
     if lease.numa_node is not None:
         env["POOLD_LEASE_NODE"] = str(lease.numa_node)
-    populated = getattr(lease, "populated", None)
-    if populated is not None:
-        env["POOLD_LEASE_POPULATED"] = "1" if populated else "0"
+    env["POOLD_LEASE_POPULATED"] = "1" if lease.populated else "0"
     return env
 
 
@@ -135,6 +134,9 @@ class LeaseRequest:
     tenant: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
     wait_s: float = 0
+    numa_node: int | None = None
+    hugepages: str | None = None
+    populate: bool = False
 
 
 class _Runner:
@@ -232,6 +234,9 @@ def run(
                 wait_s=request.wait_s,
                 on_revoke=runner.on_revoke,
                 on_lost=runner.on_lost,
+                populate=request.populate,
+                hugepages=request.hugepages,
+                numa_node=request.numa_node,
             )
         except PoolError as err:
             click.echo(f"poolrun: cannot lease: {err.code}: {err.message}", err=True)
@@ -283,6 +288,14 @@ def _labels(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]
 )
 @click.option("--size", required=True, callback=_size, help="lease size: 64GiB, 512M, bytes")
 @click.option("--media", default=None, help="media class (ddr5, ddr4, emulated...)")
+@click.option("--node", "numa_node", type=click.IntRange(min=0), default=None, help="NUMA node")
+@click.option(
+    "--hugepages",
+    type=click.Choice(["off", "prefer", "required"]),
+    default=None,
+    help="2 MiB pages (prefer falls back to base pages) [default: the agent's]",
+)
+@click.option("--populate", is_flag=True, help="every page faulted in before CMD starts")
 @click.option("--tenant", default=None, help="tenant to lease for (default: the one uid's)")
 @click.option("--ttl", "ttl_s", type=click.IntRange(min=1), default=60, show_default=True)
 @click.option("--label", "labels", multiple=True, callback=_labels, metavar="KEY=VALUE")
@@ -309,6 +322,9 @@ def _labels(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]
 def main(
     size: int,
     media: str | None,
+    numa_node: int | None,
+    hugepages: str | None,
+    populate: bool,
     tenant: str | None,
     ttl_s: int,
     labels: dict[str, str],
@@ -327,6 +343,9 @@ def main(
         tenant=tenant,
         labels=labels,
         wait_s=wait_s,
+        numa_node=numa_node,
+        hugepages=hugepages,
+        populate=populate,
     )
     sys.exit(run(command, request, socket_path=socket_path, revoke_signal=revoke_signal))
 

@@ -98,6 +98,14 @@ class LeaseArgs(Model):
     # holder can give its tail back under pressure (`shrink`). A tenant that maps
     # it must then never touch past a length it shrank to (SIGBUS).
     shrinkable: bool = False
+    # Pin-ready leases (memfd backends; devdax memory is always present): every page
+    # allocated, zeroed and faulted in before the reply; 2 MiB pages (off | prefer, which
+    # falls back to base pages | required, which fails without them; None: the agent's
+    # own mode); the NUMA node the memory must be on (emulated memory is bound there, a
+    # lease placed on another node's device is refused with backend_failed).
+    populate: bool = False
+    hugepages: Literal["off", "prefer", "required"] | None = None
+    numa_node: int | None = Field(default=None, ge=0, lt=1 << 16)
 
 
 class LeaseResult(Model):
@@ -118,6 +126,9 @@ class LeaseResult(Model):
     ttl_s: int
     # The memory can be cut down in place with `shrink` (a memfd asked shrinkable).
     shrinkable: bool = False
+    # Every page was allocated and faulted in before this reply (asked `populate`, or
+    # device memory): pinning it (cudaHostRegister, ibv_reg_mr) allocates nothing.
+    populated: bool = False
 
 
 class RenewArgs(Model):

@@ -31,7 +31,7 @@ from agent.held import HeldLease, HeldLeases
 from agent.holders import Holder
 from agent.journal import Journal
 from agent.link import Holdings, PooldLink
-from agent.memory import LeaseMemory, LocalDevice
+from agent.memory import LeaseMemory, LocalDevice, Pin
 from agent.resync import Resync
 from agent.revocation import Revocations
 from agent.server import Peer
@@ -145,6 +145,7 @@ class AgentService:
             expires_at=held.expires_at,
             ttl_s=held.ttl_s,
             shrinkable=held.shrinkable,
+            populated=held.memory is not None and held.memory.populated,
         )
 
     def hello(self, peer: Peer, args: p.HelloArgs) -> p.HelloResult:
@@ -215,7 +216,8 @@ class AgentService:
                 available=ram,
             ):
                 making = True  # from here on, materialise_placed aborts its own failures
-                memory = self.memory.materialise_placed(lease, shrinkable=args.shrinkable)
+                pin = Pin(args.populate, args.hugepages, args.numa_node)
+                memory = self.memory.materialise_placed(lease, shrinkable=args.shrinkable, pin=pin)
         except BaseException as err:
             if not making:
                 self.link.abort_now(lease.id, f"not materialised: {err}")

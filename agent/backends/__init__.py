@@ -34,6 +34,9 @@ class Materialised:
     length_bytes: int
     page_size_bytes: int
     numa_node: int | None = None
+    # Every page allocated, zeroed and faulted in before the reply (a pin-ready lease:
+    # cudaHostRegister / ibv_reg_mr then pin without allocating); device memory always is.
+    populated: bool = False
 
     @property
     def sub_device(self) -> str | None:
@@ -62,6 +65,12 @@ class Placement:
     length_bytes: int
     dax_region_id: int | None = None
     numa_node: int | None = None
+    # What the tenant asked for (pin-ready leases), for the memfd backends: a page size
+    # mode (off|prefer|required; None: the backend's own), every page faulted in before
+    # the reply, and the node the memory must be on (emulated memory is bound there).
+    hugepages: str | None = None
+    populate: bool = False
+    wanted_node: int | None = None
 
 
 class Backend(Protocol):

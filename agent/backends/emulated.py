@@ -18,7 +18,8 @@ import fcntl
 import mmap
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 from agent.backends import Materialised, OnCarve, Placement
 from poold.errors import BackendFailed, InvalidSize
@@ -31,6 +32,8 @@ F_GET_SEALS: int = getattr(fcntl, "F_GET_SEALS", 1034)
 F_SEAL_SEAL: int = getattr(fcntl, "F_SEAL_SEAL", 1)
 F_SEAL_SHRINK: int = getattr(fcntl, "F_SEAL_SHRINK", 2)
 F_SEAL_GROW: int = getattr(fcntl, "F_SEAL_GROW", 4)
+_MFD_HUGETLB = 0x0004  # include/uapi/linux/memfd.h
+_MFD_HUGE_2MB = 21 << 26
 
 # Growth and shrink are what the tenant must never do (shrinking would SIGBUS other
 # mappings, growing would take memory poold never granted). F_SEAL_SEAL freezes the seal
@@ -68,6 +71,53 @@ def available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     return None
 
 
+# Populating a large lease in parallel: one thread per this many bytes, up to the CPUs.
+# madvise through ctypes releases the GIL, and page zeroing scales with cores.
+_POPULATE_BYTES_PER_THREAD = 1 << 30
+HUGE_2M = 2 << 20
+_HOST_HUGEPAGES = "/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages"
+
+
+def populate(fd: int, length_bytes: int, page_bytes: int = mmap.PAGESIZE) -> bool:
+    """Fault every page of the memfd in (allocated and zeroed) before a tenant sees it,
+    with ``MADV_POPULATE_WRITE`` (Linux 5.14) through throwaway shared mappings, one per
+    thread over contiguous slices for a large lease. False when the kernel lacks it
+    (EINVAL): the lease is then only prefaulted, and says so."""
+    from agent.backends import numa_sys  # ctypes: releases the GIL during madvise
+
+    threads = max(1, min(os.cpu_count() or 1, length_bytes // _POPULATE_BYTES_PER_THREAD))
+    step = -(-length_bytes // threads // page_bytes) * page_bytes
+    slices = [(start, min(step, length_bytes - start)) for start in range(0, length_bytes, step)]
+    address = numa_sys.map_shared(fd, length_bytes)
+
+    def one(start: int, length: int) -> None:
+        numa_sys.madvise(address + start, length, numa_sys.MADV_POPULATE_WRITE)
+
+    try:
+        if len(slices) == 1:
+            one(*slices[0])
+        else:
+            with ThreadPoolExecutor(len(slices), thread_name_prefix="populate") as pool:
+                for done in [pool.submit(one, start, length) for start, length in slices]:
+                    done.result()
+    except OSError as err:
+        if err.errno == errno.EINVAL:
+            return False
+        raise
+    finally:
+        numa_sys.unmap(address, length_bytes)
+    return True
+
+
+def host_free_hugepages(path: str = _HOST_HUGEPAGES) -> int:
+    """Free 2 MiB pages in the host's hugetlb pool (0 when the kernel has none)."""
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
 def materialise(length_bytes: int, name: str, *, shrinkable: bool = False) -> int:
     """A prefaulted, sealed memfd of exactly ``length_bytes``; the caller owns the fd.
 
@@ -77,6 +127,23 @@ def materialise(length_bytes: int, name: str, *, shrinkable: bool = False) -> in
     shmem pages and builds no page tables the agent would throw away. The tenant's
     first touch then costs a minor fault, never an allocation, and an out-of-memory
     host fails here (ENOSPC/ENOMEM -> ``backend_failed``) rather than SIGBUS in the tenant.
+    """
+    return make_memfd(length_bytes, name, shrinkable=shrinkable)[0]
+
+
+def make_memfd(
+    length_bytes: int,
+    name: str,
+    *,
+    shrinkable: bool = False,
+    populate_pages: bool = False,
+    huge: bool = False,
+) -> tuple[int, bool]:
+    """:func:`materialise`, and whether every page was populated; the caller owns the fd.
+
+    ``populate_pages``: every page faulted in (:func:`populate`) instead of fallocate'd,
+    for pin-ready leases (one pass, not a fallocate and then a populate). ``huge``: 2 MiB
+    pages from the host's hugetlb pool (``MFD_HUGETLB``); the caller checked the pool.
     """
     if length_bytes <= 0:
         raise InvalidSize(
@@ -93,13 +160,20 @@ def materialise(length_bytes: int, name: str, *, shrinkable: bool = False) -> in
             length_bytes=length_bytes,
             available_bytes=available,
         )
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+    if huge:
+        flags |= _MFD_HUGETLB | _MFD_HUGE_2MB
     try:
-        fd = os.memfd_create(_memfd_name(name), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = os.memfd_create(_memfd_name(name), flags)
     except OSError as err:
         raise BackendFailed(f"memfd_create failed: {err.strerror}", errno=err.errno) from err
+    populated = False
     try:
         os.ftruncate(fd, length_bytes)
-        os.posix_fallocate(fd, 0, length_bytes)
+        if populate_pages:
+            populated = populate(fd, length_bytes, HUGE_2M if huge else mmap.PAGESIZE)
+        if not populated:
+            os.posix_fallocate(fd, 0, length_bytes)
         fcntl.fcntl(fd, F_ADD_SEALS, lease_seals(shrinkable))
     except OSError as err:
         os.close(fd)
@@ -109,7 +183,7 @@ def materialise(length_bytes: int, name: str, *, shrinkable: bool = False) -> in
             errno=err.errno,
             length_bytes=length_bytes,
         ) from err
-    return fd
+    return fd, populated
 
 
 def release(fd: int) -> None:
@@ -171,19 +245,58 @@ class EmulatedBackend(NoSubDevices):
         shrinkable: bool = False,
         on_carve: OnCarve | None = None,
     ) -> Materialised:
-        """Ordinary RAM is the same wherever the ledger placed the lease: only its length."""
-        return self.materialise(placement.length_bytes, name, shrinkable=shrinkable)
+        """Ordinary RAM is the same wherever the ledger placed the lease: only its length,
+        and what the tenant asked of it (page size, populated, a node to bind it to)."""
+        length_bytes = placement.length_bytes
+        mode = placement.hugepages or "off"
+        if mode not in ("off", "prefer", "required"):
+            raise InvalidSize(f"unknown hugepages mode {mode!r}")
+        if placement.wanted_node is not None:
+            from agent.backends.numa import NumaBackend  # numa builds on this module
+
+            bound = NumaBackend().materialise_on(
+                placement.wanted_node,
+                length_bytes,
+                name,
+                mode,  # type: ignore[arg-type]  # checked above
+                shrinkable=shrinkable,
+                populate_pages=placement.populate,
+            )
+            return replace(bound, backend="emulated")
+        huge = mode != "off" and length_bytes % HUGE_2M == 0
+        huge = huge and host_free_hugepages() * HUGE_2M >= length_bytes
+        if mode == "required" and not huge:
+            raise BackendFailed(
+                f"no {length_bytes} bytes of 2 MiB pages free on this host "
+                f"({host_free_hugepages()} free; a hugepage lease is a multiple of 2 MiB)",
+                length_bytes=length_bytes,
+            )
+        try:
+            return self._memfd(length_bytes, name, shrinkable, placement.populate, huge)
+        except BackendFailed:
+            if mode != "prefer" or not huge:
+                raise
+            return self._memfd(length_bytes, name, shrinkable, placement.populate, False)
 
     def materialise(
         self, length_bytes: int, name: str, *, shrinkable: bool = False
     ) -> Materialised:
-        fd = materialise(length_bytes, name, shrinkable=shrinkable)
+        return self._memfd(length_bytes, name, shrinkable, False, False)
+
+    @staticmethod
+    def _memfd(
+        length_bytes: int, name: str, shrinkable: bool, populate_pages: bool, huge: bool
+    ) -> Materialised:
+        fd, populated = make_memfd(
+            length_bytes, name, shrinkable=shrinkable, populate_pages=populate_pages, huge=huge
+        )
         return MemfdMaterialised(
             fd=fd,
             backend="emulated",
             length_bytes=length_bytes,
-            page_size_bytes=mmap.PAGESIZE,
+            page_size_bytes=HUGE_2M if huge else mmap.PAGESIZE,
             numa_node=None,
+            populated=populated,
         )
 
     def release(self, materialised: Materialised) -> None:

@@ -91,7 +91,13 @@ from typing import Literal
 
 from agent.backends import Materialised, OnCarve, Placement
 from agent.backends import numa_sys as sys_numa
-from agent.backends.emulated import MemfdMaterialised, NoSubDevices, _memfd_name, lease_seals
+from agent.backends.emulated import (
+    MemfdMaterialised,
+    NoSubDevices,
+    _memfd_name,
+    lease_seals,
+    populate,
+)
 from agent.discovery.sysfs import SysfsReader
 from poold.errors import BackendFailed, InvalidSize
 from poold.wire.common import DeviceKind
@@ -295,15 +301,20 @@ class NumaBackend(NoSubDevices):
         shrinkable: bool = False,
         on_carve: OnCarve | None = None,
     ) -> Materialised:
-        """On the placement's node, in the backend's hugepage mode."""
+        """On the placement's node, in the hugepage mode the tenant asked (else the
+        backend's), populated when asked."""
         if placement.numa_node is None:
             raise BackendFailed(f"device {placement.device_uid} has no NUMA node on this host")
+        mode = placement.hugepages or self.hugepages
+        if mode not in ("off", "prefer", "required"):
+            raise InvalidSize(f"unknown hugepages mode {mode!r}")
         return self.materialise_on(
             placement.numa_node,
             placement.length_bytes,
             name,
-            self.hugepages,
+            mode,  # type: ignore[arg-type]  # checked above
             shrinkable=shrinkable,
+            populate_pages=placement.populate,
         )
 
     def materialise_on(
@@ -314,11 +325,13 @@ class NumaBackend(NoSubDevices):
         hugepages: HugepageMode = "off",
         *,
         shrinkable: bool = False,
+        populate_pages: bool = False,
     ) -> Materialised:
         """A prefaulted, sealed memfd of exactly ``length_bytes``, every page on ``node``.
 
         ``shrinkable``: not sealed against shrinking (the agent's ``shrink`` may cut it;
-        the pages given back return to the node)."""
+        the pages given back return to the node). ``populate_pages``: every page also
+        zeroed and faulted in before the tenant sees it (a pin-ready lease)."""
         if length_bytes <= 0:
             raise InvalidSize(f"lease length must be positive, got {length_bytes}")
         if hugepages == "required" and length_bytes % HUGE_2M:
@@ -329,7 +342,10 @@ class NumaBackend(NoSubDevices):
         if not (self.sysfs_root / f"devices/system/node/node{node}").is_dir():
             raise BackendFailed(f"NUMA node {node} does not exist on this host", node=node)
         fd, page_bytes = self._allocate(node, length_bytes, name, hugepages)
+        populated = False
         try:
+            if populate_pages:  # the pages exist (bound fallocate): this zeroes them
+                populated = populate(fd, length_bytes, page_bytes)
             self._verify(fd, node, length_bytes, page_bytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, lease_seals(shrinkable))
         except OSError as err:
@@ -344,6 +360,7 @@ class NumaBackend(NoSubDevices):
             length_bytes=length_bytes,
             page_size_bytes=page_bytes,
             numa_node=node,
+            populated=populated,
         )
 
     def _verify(self, fd: int, node: int, length_bytes: int, page_bytes: int) -> None:

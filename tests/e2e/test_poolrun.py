@@ -11,6 +11,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
+
 from agent import poolrun
 from tests.e2e.conftest import Cluster
 
@@ -193,3 +195,109 @@ def test_signal_names_and_statuses() -> None:
     assert poolrun.parse_signal("10") is signal.Signals(10)
     assert poolrun.exit_status(-9) == 137 and poolrun.exit_status(3) == 3
     assert os.environ.get("POOLD_LEASE_PATH") is None  # the tests' own env is untouched
+
+
+PINS_THE_MAPPING = """
+    import ctypes, mmap, os, sys
+    env = os.environ
+    length = int(env["POOLD_LEASE_BYTES"])
+    with open(env["POOLD_LEASE_PATH"], "r+b") as f:
+        mm = mmap.mmap(f.fileno(), length, flags=mmap.MAP_SHARED)
+    buf = (ctypes.c_char * length).from_buffer(mm)
+    libc = ctypes.CDLL(None, use_errno=True)
+    # What cudaHostRegister / ibv_reg_mr do first: pin every page of the shared mapping.
+    assert libc.mlock(buf, ctypes.c_size_t(length)) == 0, os.strerror(ctypes.get_errno())
+    smaps = open("/proc/self/smaps").read().split("\\n")
+    for i, line in enumerate(smaps):
+        if line.startswith(f"{ctypes.addressof(buf):x}-"):
+            fields = dict(l.split(":", 1) for l in smaps[i + 1 : i + 24] if ":" in l)
+            break
+    print(env["POOLD_LEASE_POPULATED"], env["POOLD_LEASE_PAGE_BYTES"],
+          env.get("POOLD_LEASE_NODE", "-"), fields["Locked"].split()[0],
+          fields["KernelPageSize"].split()[0], "s" in line.split()[1], flush=True)
+    libc.munlock(buf, ctypes.c_size_t(length))
+    del buf
+    mm.close()
+"""
+
+
+def test_populated_lease_on_a_node_maps_shared_and_pins(cluster: Cluster) -> None:
+    out = subprocess.run(
+        poolrun_argv(
+            cluster,
+            "--size",
+            "8MiB",
+            "--populate",
+            "--hugepages",
+            "prefer",
+            "--node",
+            "0",
+            "--",
+            *cmd(PINS_THE_MAPPING),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    populated, page_bytes, node, locked_kib, kernel_page_kib, shared = out.stdout.split()
+    assert populated == "1" and node == "0" and shared == "True"
+    assert int(locked_kib) == 8 * 1024  # every page pinned
+    assert int(page_bytes) == int(kernel_page_kib) * 1024  # the page size reported is real
+
+
+def test_unpopulated_lease_says_so_and_an_absent_node_is_refused(cluster: Cluster) -> None:
+    from agent.client import PoolClient
+    from poold.errors import BackendFailed
+
+    with PoolClient(cluster.socket_path) as client:
+        plain = client.lease("2MiB")
+        assert not plain.populated and plain.page_size_bytes == os.sysconf("SC_PAGE_SIZE")
+        plain.release()
+        populated = client.lease("2MiB", populate=True, hugepages="off")
+        assert populated.populated
+        populated.release()
+        with pytest.raises(BackendFailed):  # a node this host lacks
+            client.lease("2MiB", numa_node=999)
+    assert cluster.admin.status().leased_bytes == 0
+
+
+def hugepages_pool(pages: int) -> int | None:
+    """Grow the host's 2 MiB pool by ``pages``; the old size, or None when not allowed."""
+    path = Path("/proc/sys/vm/nr_hugepages")
+    try:
+        old = int(path.read_text())
+        path.write_text(str(old + pages))
+    except OSError:
+        return None
+    if int(path.read_text()) < old + pages:
+        path.write_text(str(old))
+        return None
+    return old
+
+
+def test_required_hugepages_come_from_the_pool_or_fail(cluster: Cluster) -> None:
+    from agent.client import PoolClient
+    from poold.errors import BackendFailed
+
+    with PoolClient(cluster.socket_path) as client:
+        old = hugepages_pool(4)
+        if old is None:
+            # Without a pool: required fails, prefer falls back to base pages.
+            with pytest.raises(BackendFailed):
+                client.lease("8MiB", hugepages="required")
+            lease = client.lease("8MiB", hugepages="prefer")
+            assert lease.page_size_bytes == os.sysconf("SC_PAGE_SIZE")
+            lease.release()
+            return
+        try:
+            lease = client.lease("8MiB", hugepages="required", populate=True)
+            assert lease.page_size_bytes == 2 << 20 and lease.populated
+            mm = lease.mmap()
+            mm[:4] = b"huge"
+            assert mm[:4] == b"huge"
+            mm.close()
+            lease.release()
+        finally:
+            Path("/proc/sys/vm/nr_hugepages").write_text(str(old))
