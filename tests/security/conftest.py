@@ -216,14 +216,26 @@ def code(reply: dict[str, Any] | None) -> str | None:
 # --- what the agent holds ---------------------------------------------------------------
 
 
+def _tcp_inodes(pid: int) -> set[str]:
+    inodes: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/net/{table}") as rows:
+            next(rows, None)
+            inodes.update(row.split()[9] for row in rows)
+    return inodes
+
+
 def agent_fds(pid: int) -> int:
-    """The agent's open fds but its memfds (the warm pool refills those on its own)."""
+    """The agent's open fds but its memfds (the warm pool refills those on its own) and
+    its TCP connections to poold (its HTTP pool keeps as many as grants ran at once)."""
+    tcp = {f"socket:[{inode}]" for inode in _tcp_inodes(pid)}
     count = 0
     for name in os.listdir(f"/proc/{pid}/fd"):
         try:
-            count += not os.readlink(f"/proc/{pid}/fd/{name}").startswith("/memfd:")
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
         except FileNotFoundError:
             continue
+        count += not target.startswith("/memfd:") and target not in tcp
     return count
 
 
