@@ -270,10 +270,9 @@ class Lease:
         # Closed first: the agent frees the bytes only once no process maps or holds the
         # memfd (DESIGN.md "Memory follows the pages"); this fd must not be one of them.
         os.close(self._fd)
-        try:
+        # Already over (expired, revoked, reclaimed): nothing left to give back.
+        with contextlib.suppress(LeaseNotActive, UnknownLease):
             self._client.release(self.lease_id)
-        except (LeaseNotActive, UnknownLease):
-            pass  # already over (expired, revoked, reclaimed): nothing left to give back
 
     def _mark_lost(self, err: PoolError) -> None:
         if self._released or self.lost:
