@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from agent.backends import Backend, Materialised, Placement
+from agent.backends.numa import NumaBackend
 from agent.held import HeldLease, HeldLeases
 from agent.journal import SubDevice
 from agent.leftovers import LeftoverSweep, Tied
@@ -157,9 +158,12 @@ class LeaseMemory:
         started = time.perf_counter()
         ok = False
         try:
-            memory = backend.materialise_placed(
-                placement, f"poold-lease-{lease.id}", shrinkable=shrinkable, on_carve=carved
-            )
+            if placement.wanted_node is not None:
+                memory = self._bound_emulated(placement, f"poold-lease-{lease.id}", shrinkable)
+            else:
+                memory = backend.materialise_placed(
+                    placement, f"poold-lease-{lease.id}", shrinkable=shrinkable, on_carve=carved
+                )
             ok = True
         finally:
             if self.timed is not None:
@@ -175,6 +179,24 @@ class LeaseMemory:
         if memory.backend == "devdax" and not memory.populated:
             memory = replace(memory, populated=True)  # device memory: nothing to allocate
         return memory
+
+    @staticmethod
+    def _bound_emulated(placement: Placement, name: str, shrinkable: bool) -> Materialised:
+        """Emulated memory a tenant asked on a node: a memfd bound there, as the numa
+        backend makes them (node check, MPOL_BIND, placement check), reported emulated."""
+        mode = placement.hugepages or "off"
+        if mode not in ("off", "prefer", "required"):
+            raise BackendFailed(f"unknown hugepages mode {mode!r}")
+        assert placement.wanted_node is not None
+        bound = NumaBackend().materialise_on(
+            placement.wanted_node,
+            placement.length_bytes,
+            name,
+            mode,  # type: ignore[arg-type]  # checked above
+            shrinkable=shrinkable,
+            populate_pages=placement.populate,
+        )
+        return replace(bound, backend="emulated")
 
     def _warm(
         self, lease: LeaseOut, *, shrinkable: bool, pin: Pin | None = None

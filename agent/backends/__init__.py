@@ -67,7 +67,8 @@ class Placement:
     numa_node: int | None = None
     # What the tenant asked for (pin-ready leases), for the memfd backends: a page size
     # mode (off|prefer|required; None: the backend's own), every page faulted in before
-    # the reply, and the node the memory must be on (emulated memory is bound there).
+    # the reply, and the node the memory must be on (agent/memory.py binds emulated
+    # memory there through the numa backend).
     hugepages: str | None = None
     populate: bool = False
     wanted_node: int | None = None

@@ -19,7 +19,7 @@ import mmap
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from agent.backends import Materialised, OnCarve, Placement
 from poold.errors import BackendFailed, InvalidSize
@@ -252,17 +252,8 @@ class EmulatedBackend(NoSubDevices):
         if mode not in ("off", "prefer", "required"):
             raise InvalidSize(f"unknown hugepages mode {mode!r}")
         if placement.wanted_node is not None:
-            from agent.backends.numa import NumaBackend  # numa builds on this module
-
-            bound = NumaBackend().materialise_on(
-                placement.wanted_node,
-                length_bytes,
-                name,
-                mode,  # type: ignore[arg-type]  # checked above
-                shrinkable=shrinkable,
-                populate_pages=placement.populate,
-            )
-            return replace(bound, backend="emulated")
+            # Bound emulated memory is the numa backend's (agent/memory.py makes it there).
+            raise BackendFailed("emulated memory bound to a node is made by the numa backend")
         huge = mode != "off" and length_bytes % HUGE_2M == 0
         huge = huge and host_free_hugepages() * HUGE_2M >= length_bytes
         if mode == "required" and not huge:
