@@ -23,7 +23,7 @@ T0=$(date +%s)
 need_apt=0
 qemu_major=$( (qemu-system-x86_64 --version 2>/dev/null || true) | sed -n "s/.*version \([0-9]*\)\..*/\1/p" | head -1)
 [ "${qemu_major:-0}" -ge 8 ] || need_apt=1
-for tool in /bin/busybox /usr/bin/cxl /usr/bin/daxctl /usr/bin/kmod /usr/bin/cpio /usr/bin/xz /usr/bin/python3.11; do
+for tool in /bin/busybox /usr/bin/cxl /usr/bin/daxctl /usr/bin/ndctl /usr/bin/kmod /usr/bin/cpio /usr/bin/xz /usr/bin/python3.11; do
   [ -x "$tool" ] || need_apt=1
 done
 if [ "$need_apt" = 1 ]; then
@@ -69,7 +69,8 @@ copy_with_libs() {  # binary or .so plus its ldd closure, at the same paths
     done
   done
 }
-copy_with_libs /usr/bin/cxl /usr/bin/daxctl /usr/bin/kmod /usr/bin/python3.11
+# ndctl: the pmem namespace in devdax mode (a static dax region) of tests/hw
+copy_with_libs /usr/bin/cxl /usr/bin/daxctl /usr/bin/ndctl /usr/bin/kmod /usr/bin/python3.11
 cp -L /lib64/ld-linux-x86-64.so.2 "$R/lib/x86_64-linux-gnu/"
 mkdir -p "$R/lib64"; ln -sf ../lib/x86_64-linux-gnu/ld-linux-x86-64.so.2 "$R/lib64/ld-linux-x86-64.so.2"
 for m in modprobe insmod rmmod lsmod modinfo depmod; do rm -f "$R/bin/$m"; ln -sf /usr/bin/kmod "$R/sbin/$m"; done
@@ -90,7 +91,7 @@ printf 'root:x:0:0:root:/root:/bin/sh\ntenant:x:1000:1000::/tmp:/bin/sh\n' > "$R
 printf 'root:x:0:\ntenant:x:1000:\n' > "$R/etc/group"
 
 # --- kernel modules: closure of the CXL/DAX/9p stack, decompressed ---
-WANT="cxl_acpi cxl_pci cxl_mem cxl_pmem dax_cxl device_dax kmem libnvdimm 9p 9pnet_virtio"
+WANT="cxl_acpi cxl_pci cxl_mem cxl_pmem dax_cxl device_dax kmem libnvdimm nd_pmem dax_pmem 9p 9pnet_virtio"
 MD="$K/lib/modules/$KVER"
 python3 - "$MD" $WANT > "$W/modlist" <<'PY'
 import os, sys

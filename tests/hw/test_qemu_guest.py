@@ -24,6 +24,8 @@ IN_GUEST = [
     "test_failing_steps_leave_no_sub_device",
     "test_numa_lease_pages_are_on_the_cpu_less_node",
     "test_numa_hugepage_lease_on_the_cpu_less_node",
+    # a pmem namespace's static daxN.0, leased whole, released and leased again; issue #13
+    "test_static_pmem_dax_is_leased_released_and_leased_again_three_times",
     # test_stack_in_guest.py: the same facts through poold, pool-agent and agent.client
     "test_stack_devdax_lease_maps_writes_and_reads_back",
     "test_stack_two_tenants_get_separate_sub_devices",
@@ -41,7 +43,9 @@ IN_GUEST = [
 # Known product bugs, shown by strict-xfail tests in the guest: they must fail there until
 # the fix lands (then the guest reports XPASS(strict) as a failure: drop the entry).
 XFAIL_IN_GUEST: dict[str, str] = {}
-BOOT_TIMEOUT_S = 480
+# The chaos test alone ends past 420 s under TCG on this 2-core machine when others run
+# tests too; the static devdax test adds ~40 s.
+BOOT_TIMEOUT_S = 720
 
 
 def _unavailable(reason: str) -> None:

@@ -36,6 +36,7 @@ BUILD_SCRIPT = REPO / "scripts" / "hw" / "build-guest.sh"
 GUEST_PACKAGES = (
     "pytest",
     "pydantic",
+    "pydantic-settings",
     "click",
     "rich",
     "sqlalchemy",
@@ -145,6 +146,9 @@ class GuestRun:
 def boot(cache: Path, pylib: Path, out: Path, run: str, timeout_s: float) -> GuestRun:
     """Boot the guest, run ``run`` (a path inside the guest), wait for poweroff."""
     out.mkdir(parents=True, exist_ok=True)
+    backing = out.with_name(out.name + "-pmem")  # the pmem device's media and label area
+    shutil.rmtree(backing, ignore_errors=True)  # a fresh, empty device for every boot
+    backing.mkdir()
     args = [
         "qemu-system-x86_64",
         "-M", "q35,cxl=on", "-m", "2G,maxmem=8G,slots=8", "-smp", "2",
@@ -155,14 +159,20 @@ def boot(cache: Path, pylib: Path, out: Path, run: str, timeout_s: float) -> Gue
         "-accel", "tcg,thread=multi", "-cpu", "max,-hypervisor",
         "-kernel", str(cache / "vmlinuz"), "-initrd", str(cache / "initramfs.cpio"),
         "-append", f"console=ttyS0 loglevel=4 panic=-1 poold.run={run}",
-        # two volatile Type-3 devices (serials 1 and 2) behind one host bridge
+        # two volatile Type-3 devices (serials 1 and 2) and a persistent one with a label
+        # area (serial 3: a pmem region, a devdax namespace, a static dax region) behind
+        # one host bridge
         "-object", "memory-backend-ram,id=vmem0,share=on,size=256M",
         "-object", "memory-backend-ram,id=vmem1,share=on,size=256M",
+        "-object", f"memory-backend-file,id=pmem0,share=on,mem-path={backing}/pmem0.raw,size=256M",
+        "-object", f"memory-backend-file,id=lsa0,share=on,mem-path={backing}/lsa0.raw,size=1M",
         "-device", "pxb-cxl,bus_nr=12,bus=pcie.0,id=cxl.1",
         "-device", "cxl-rp,port=0,bus=cxl.1,id=rp0,chassis=0,slot=2",
         "-device", "cxl-rp,port=1,bus=cxl.1,id=rp1,chassis=0,slot=3",
+        "-device", "cxl-rp,port=2,bus=cxl.1,id=rp2,chassis=0,slot=4",
         "-device", "cxl-type3,bus=rp0,volatile-memdev=vmem0,id=cxl-vmem0,sn=0x1",
         "-device", "cxl-type3,bus=rp1,volatile-memdev=vmem1,id=cxl-vmem1,sn=0x2",
+        "-device", "cxl-type3,bus=rp2,persistent-memdev=pmem0,lsa=lsa0,id=cxl-pmem0,sn=0x3",
         "-M", "cxl-fmw.0.targets.0=cxl.1,cxl-fmw.0.size=4G",
     ]  # fmt: skip
     # 9p must sit on pcie.0 explicitly: -virtfs would land on the pxb-cxl bus and fail.
@@ -195,4 +205,5 @@ def boot(cache: Path, pylib: Path, out: Path, run: str, timeout_s: float) -> Gue
     rc_file = out / "guest-rc"
     rc = int(rc_file.read_text()) if rc_file.exists() else 99
     (out / "console.log").write_text(console)
+    shutil.rmtree(backing, ignore_errors=True)
     return GuestRun(rc=rc, console=console, wall_s=wall, out=out)

@@ -17,6 +17,7 @@ And ``poold serve`` for test_stack_in_guest.py, started before the first test (s
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -236,3 +237,47 @@ def poold_process() -> Iterator[PooldProcess]:
         yield process
     finally:
         process.child.stop()  # a chaos test may have replaced the first one
+
+
+# The pmem namespace of the static dax tests: small, so that a scrub of it takes seconds.
+STATIC_NAMESPACE_BYTES = 16 << 20
+
+
+def _sh(*argv: str) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: rc {done.returncode}: {done.stderr[-2000:]}")
+    return done.stdout
+
+
+@pytest.fixture
+def static_dax_region() -> Iterator[int]:
+    """A static dax region: a CXL pmem region over the persistent memdev (serial 3), a
+    devdax namespace in it (what ``ndctl create-namespace -m devdax`` makes); its id.
+    Destroyed again afterwards, so that the stack's tests never see it."""
+    memdev = memdev_by_serial(3)
+    root = next(
+        d for d in sorted(glob.glob(f"{CXL}/root0/decoder0.*")) if rd(f"{d}/cap_pmem") == "1"
+    )
+    region = json.loads(
+        _sh("cxl", "create-region", "-m", "-t", "pmem", "-d", os.path.basename(root), "-w",
+            "1", memdev)
+    )["region"]  # fmt: skip
+    try:
+        nd = ""
+        deadline = time.monotonic() + 20
+        while not nd and time.monotonic() < deadline:
+            nd = next(iter(sorted(glob.glob("/sys/bus/nd/devices/region*"))), "")
+            time.sleep(0.2)
+        namespace = json.loads(
+            _sh("ndctl", "create-namespace", "-m", "devdax", "-r", os.path.basename(nd),
+                "-s", str(STATIC_NAMESPACE_BYTES))
+        )  # fmt: skip
+        dax_id = int(namespace["daxregion"]["id"])
+        try:
+            wait_for(f"{DAX}/dax{dax_id}.0/driver")
+            yield dax_id
+        finally:
+            _sh("ndctl", "destroy-namespace", "-f", namespace["dev"])
+    finally:
+        _sh("cxl", "destroy-region", "-f", region)

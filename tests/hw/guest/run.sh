@@ -5,7 +5,7 @@
 T0=$(cut -d' ' -f1 /proc/uptime)
 # kmem is loaded later, by the tests' setup: a dax device created before it stays unbound,
 # so the devdax region is never onlined as system-ram first.
-for m in cxl_acpi cxl_pci cxl_mem cxl_pmem libnvdimm device_dax dax_cxl; do modprobe $m || echo "modprobe $m failed"; done
+for m in cxl_acpi cxl_pci cxl_mem cxl_pmem libnvdimm nd_pmem dax_pmem device_dax dax_cxl; do modprobe $m || echo "modprobe $m failed"; done
 NPCI=$(grep -l 0x050210 /sys/bus/pci/devices/*/class 2>/dev/null | wc -l)
 i=0; while [ $i -lt 120 ]; do
   n=$(ls -d /sys/bus/cxl/devices/endpoint* 2>/dev/null | wc -l); [ "$n" -ge "$NPCI" ] && break

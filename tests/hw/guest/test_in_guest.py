@@ -10,6 +10,7 @@ Every lease here is 2 MiB and touches a few bytes: emulated CXL memory runs at 1
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
 import mmap
@@ -17,6 +18,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -323,3 +325,74 @@ def test_numa_hugepage_lease_on_the_cpu_less_node(machine: GuestMachine) -> None
             backend.release(m)
     finally:
         (pool / "nr_hugepages").write_text("0")
+
+
+def _static_tenant(fd: int, round_: int, ready_w: int, go_r: int) -> int:
+    """A tenant of a whole static lease: checks it reads zero, writes, keeps only the
+    mapping (closes its fd), and touches it again once revoked (SIGBUS)."""
+    with mmap.mmap(fd, LEASE, mmap.MAP_SHARED, RW) as view:
+        if view[:8] != bytes(8):
+            return 5  # the last round's bytes: not scrubbed
+        view[:8] = b"round-%d\0" % round_
+        os.close(fd)  # Python's mmap keeps a dup: the device stays held
+        os.write(ready_w, b"r")
+        os.read(go_r, 1)  # revoked, and the scrub waiting, meanwhile
+        view[0] = 1  # unbound: SIGBUS
+    return 4
+
+
+def test_static_pmem_dax_is_leased_released_and_leased_again_three_times(
+    static_dax_region: int,
+) -> None:
+    """Issue 13 point 8: the kernel breaks a static ``daxN.0`` rebound while a file of it
+    is open (every later open ENXIO). Revoking only unbinds, and the scrub binds it again
+    only once the tenant has let go: three rounds of lease, tenant, revoke, scrub."""
+    region_id = static_dax_region
+    backend = DevdaxBackend(holder_wait_s=120)
+    region = backend.region(region_id)
+    assert region.static
+    device = f"dax{region_id}.0"
+    for round_ in range(3):
+        m = backend.materialise_at(region_id, 0, region.size_bytes, f"static-{round_}")
+        assert isinstance(m, DevdaxMaterialised) and m.device == device
+        ready_r, ready_w = os.pipe()
+        go_r, go_w = os.pipe()
+
+        pid = os.fork()
+        if pid == 0:
+            code = 101
+            try:
+                os.setgroups([])
+                os.setgid(TENANT_UID)
+                os.setuid(TENANT_UID)
+                faulthandler.disable()  # its SIGBUS is the test's point, not a crash
+                code = _static_tenant(os.dup(m.fd), round_, ready_w, go_r)
+            finally:
+                os._exit(code)
+        assert os.read(ready_r, 1) == b"r"
+        backend.release(m)  # unbind only; the agent's fd is closed
+        assert dax_device_state(device).driver is None
+        result: list[bool] = []
+        scrub = threading.Thread(
+            target=lambda out=result: out.append(backend.scrub(region_id, 0, region.size_bytes))
+        )
+        scrub.start()
+        scrub.join(timeout=1)
+        # The tenant still maps it: the scrub waits, the device stays unbound.
+        assert scrub.is_alive() and dax_device_state(device).driver is None
+        os.write(go_w, b"g")
+        _, status = os.waitpid(pid, 0)
+        assert killed_by(status) == signal.SIGBUS, (
+            f"round {round_}: tenant exit {exit_code(status)}"
+        )
+        scrub.join(timeout=120)
+        assert result == [True], f"round {round_}: scrub {result}"
+        for fd in (ready_r, ready_w, go_r, go_w):
+            os.close(fd)
+    # A fourth lease opens (no ENXIO) and reads zero where every tenant wrote.
+    last = backend.materialise_at(region_id, 0, region.size_bytes, "static-last")
+    try:
+        with mmap.mmap(last.fd, LEASE, mmap.MAP_SHARED, mmap.PROT_READ) as view:
+            assert view[:8] == bytes(8)
+    finally:
+        backend.release(last)
