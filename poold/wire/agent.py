@@ -19,6 +19,7 @@ from poold.wire.common import (
     RequestId,
     TenantName,
 )
+from poold.wire.delegation import Delegation, LocalGrant
 
 
 class InventoryDevice(Model):
@@ -223,6 +224,9 @@ class HeartbeatReply(Model):
     want_inventory: bool = False
     # Pressure: this host's leases whose tenants are asked to give memory back.
     shrink: list[ShrinkHint] = Field(default_factory=list)
+    # The host's delegation now (reservations, budgets; their TTLs renewed by this
+    # heartbeat), when it has any: clawbacks and drains reach the agent here.
+    delegation: Delegation | None = None
 
 
 class LeaseOp(Model):
@@ -247,14 +251,21 @@ class LeaseOp(Model):
         "release_mapped",
         "reclaim_mapped",
         "unmapped",
+        # local_grant: a lease the agent granted inside its delegation (`grant`).
+        "local_grant",
     ]
     reason: Annotated[str, Field(max_length=1024)] = ""
     length_bytes: int | None = Field(default=None, gt=0, le=MAX_LEASE_BYTES)
+    grant: LocalGrant | None = None
 
     @model_validator(mode="after")
     def _length_only_for_shrink(self) -> LeaseOp:
         if (self.op == "shrink") != (self.length_bytes is not None):
             raise ValueError("length_bytes is required for shrink and only for shrink")
+        if (self.op == "local_grant") != (self.grant is not None):
+            raise ValueError("grant is required for local_grant and only for local_grant")
+        if self.grant is not None and self.grant.lease_id != self.lease_id:
+            raise ValueError("a local_grant's lease_id is its grant's")
         return self
 
 
