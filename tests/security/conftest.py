@@ -225,9 +225,21 @@ def _tcp_inodes(pid: int) -> set[str]:
     return inodes
 
 
+def _own_fd(target: str, tcp: set[str]) -> bool:
+    """An fd the agent opens on its own, whatever its peers do: its memfds (the warm pool
+    refills them), its TCP connections to poold (its HTTP pool keeps as many as grants
+    ran at once), its journal (SQLite may reopen it)."""
+    return (
+        target.startswith("/memfd:poold-")
+        or target in tcp
+        or os.path.basename(target).startswith("journal.db")
+    )
+
+
 def agent_fds(pid: int) -> int:
-    """The agent's open fds but its memfds (the warm pool refills those on its own) and
-    its TCP connections to poold (its HTTP pool keeps as many as grants ran at once)."""
+    """The agent's open fds that a socket peer could have made it keep (see _own_fd):
+    its connections and pipes, and any fd it received and kept (a fuzzer's memfds,
+    pipes and /dev/null among them)."""
     tcp = {f"socket:[{inode}]" for inode in _tcp_inodes(pid)}
     count = 0
     for name in os.listdir(f"/proc/{pid}/fd"):
@@ -235,8 +247,17 @@ def agent_fds(pid: int) -> int:
             target = os.readlink(f"/proc/{pid}/fd/{name}")
         except FileNotFoundError:
             continue
-        count += not target.startswith("/memfd:") and target not in tcp
+        count += not _own_fd(target, tcp)
     return count
+
+
+def fd_targets(pid: int) -> list[str]:
+    """What each of the agent's fds is (for a failure message)."""
+    out = []
+    for name in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+        with contextlib.suppress(FileNotFoundError):
+            out.append(f"{name}={os.readlink(f'/proc/{pid}/fd/{name}')}")
+    return out
 
 
 def agent_threads(pid: int) -> int:

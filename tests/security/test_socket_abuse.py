@@ -32,6 +32,7 @@ from tests.security.conftest import (
     as_uid,
     baseline,
     code,
+    fd_targets,
     raw_connect,
     read_reply,
     request,
@@ -48,8 +49,9 @@ def assert_up(cluster: Cluster, fds: int, threads: int) -> None:
     assert cluster.agent.alive(), cluster.agent.log_tail()
     with PoolClient(cluster.socket_path) as client:
         assert client.hello().host == "e2e-host"
-    now = settle(cluster.agent.proc.pid, fds, threads)
-    assert now <= (fds, threads), (now, (fds, threads))
+    pid = cluster.agent.proc.pid
+    now = settle(pid, fds, threads)
+    assert now <= (fds, threads), f"{now} > {(fds, threads)}: " + " ".join(fd_targets(pid))
 
 
 # --- point 3: memory before authorisation ----------------------------------------------
