@@ -112,6 +112,44 @@ class AgentConfig(DaemonSettings):
     hugepages: Literal["off", "prefer", "required"] = Field(
         default="off", description="2 MiB pages for numa leases: off, prefer or required"
     )
+    # The socket against hostile local users (agent/server.py SocketLimits).
+    socket_max_connections: int = Field(default=1024, gt=0, description="connections at once")
+    socket_max_connections_per_uid: int = Field(
+        default=64, gt=0, description="connections at once from one uid"
+    )
+    socket_frame_timeout_s: float = Field(
+        default=10.0, gt=0, description="seconds a started frame may take to arrive whole"
+    )
+    socket_idle_timeout_s: float = Field(
+        default=300.0, gt=0, description="seconds an idle connection holding no lease is kept"
+    )
+    socket_reply_timeout_s: float = Field(
+        default=30.0, gt=0, description="seconds a reply the peer does not read is kept"
+    )
+    socket_max_frame_bytes: ByteCount = Field(
+        default=64 << 10, gt=0, description="largest request frame"
+    )
+    # Lease work in flight (agent/admission.py InFlightLimits).
+    in_flight_max_requests_per_uid: int = Field(
+        default=16, gt=0, description="lease requests at once from one uid"
+    )
+    in_flight_max_bytes: ByteCount = Field(
+        default=8 << 30, gt=0, description="bytes of lease memory being made at once"
+    )
+    in_flight_max_bytes_per_uid: ByteCount = Field(
+        default=4 << 30, gt=0, description="bytes being made at once for one uid"
+    )
+    in_flight_wait_s: float = Field(
+        default=5.0, ge=0, description="seconds a request past a limit waits before in_flight_limit"
+    )
+    numa_reserve_bytes: ByteCount = Field(
+        default=64 << 20, ge=0, description="bytes of each far-memory node never offered"
+    )
+    devdax_holder_wait_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="seconds a released static dax device waits for its holders to let go",
+    )
     warm_pool_bytes: ByteCount = Field(
         default=64 << 20, ge=0, description="fresh memfds kept ready for small leases; 0: off"
     )

@@ -96,12 +96,8 @@ def own_sub_devices(config: AgentConfig) -> set[str]:
 
 
 def numa_reserve_bytes(config: AgentConfig) -> int:
-    """The config's ``numa_reserve_bytes`` (bytes of each far node never offered), where
-    the config has it; else discovery's default."""
-    from agent.discovery.model import DEFAULT_NUMA_RESERVE_BYTES
-
-    value = getattr(config, "numa_reserve_bytes", None)
-    return DEFAULT_NUMA_RESERVE_BYTES if value is None else int(value)
+    """Bytes of each far node never offered (`numa_reserve_bytes`)."""
+    return int(config.numa_reserve_bytes)
 
 
 # Discovery runs again when the agent carved or deleted a sub-device during it; after this

@@ -14,6 +14,7 @@ import socket
 import threading
 from types import FrameType
 
+from agent.admission import InFlightLimits
 from agent.backends import Backend
 from agent.backends.devdax import DevdaxBackend
 from agent.backends.emulated import EmulatedBackend
@@ -24,7 +25,7 @@ from agent.inventory import InventoryWatcher, host_inventory
 from agent.journal import Journal
 from agent.link import PooldLink
 from agent.metrics import start_metrics_server
-from agent.server import AgentServer
+from agent.server import AgentServer, SocketLimits
 from agent.service import AgentService
 from agent.warm import WarmPool
 from poold import __version__, notify
@@ -78,7 +79,7 @@ def run(config: AgentConfig) -> int:
         return 2
     backends: dict[str, Backend] = {
         "emulated": EmulatedBackend(),
-        "devdax": DevdaxBackend(config.sysfs_root),
+        "devdax": DevdaxBackend(config.sysfs_root, holder_wait_s=config.devdax_holder_wait_s),
         "numa": NumaBackend(sysfs_root=config.sysfs_root, hugepages=config.hugepages),
     }
     client = PooldClient(config.poold_url, credential, timeout_s=config.poold_timeout_s)
@@ -86,7 +87,13 @@ def run(config: AgentConfig) -> int:
     inventory = host_inventory(config, set(backends))
     warm = WarmPool(backends["emulated"], config.warm_pool_bytes)
     warm.start()
-    service = AgentService(config.host, link, backends, warm)
+    in_flight = InFlightLimits(
+        max_requests_per_uid=config.in_flight_max_requests_per_uid,
+        max_bytes=config.in_flight_max_bytes,
+        max_bytes_per_uid=config.in_flight_max_bytes_per_uid,
+        wait_s=config.in_flight_wait_s,
+    )
+    service = AgentService(config.host, link, backends, warm, in_flight=in_flight)
     service.journal = Journal(config.state_dir / "journal.db")
     adopted, orphaned = service.adopt()
     if adopted or orphaned:
@@ -112,6 +119,14 @@ def run(config: AgentConfig) -> int:
         mode=config.socket_mode,
         group=config.socket_group,
         listen_socket=systemd_listen_socket(),
+        limits=SocketLimits(
+            max_connections=config.socket_max_connections,
+            max_connections_per_uid=config.socket_max_connections_per_uid,
+            frame_timeout_s=config.socket_frame_timeout_s,
+            idle_timeout_s=config.socket_idle_timeout_s,
+            reply_timeout_s=config.socket_reply_timeout_s,
+            max_frame_bytes=config.socket_max_frame_bytes,
+        ),
     )
     metrics = None
     if config.metrics_listen:

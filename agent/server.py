@@ -40,7 +40,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -80,8 +80,6 @@ DEFAULT_MAX_CONNECTIONS_PER_UID: Final = 64
 DEFAULT_FRAME_TIMEOUT_S: Final = 10.0
 DEFAULT_IDLE_TIMEOUT_S: Final = 300.0
 DEFAULT_REPLY_TIMEOUT_S: Final = 30.0
-# Until the agent's settings name them, limits may be set in its environment.
-LIMITS_ENV_PREFIX: Final = "POOL_AGENT_SOCKET_"
 _JOIN_TIMEOUT_S: Final = 5.0
 _REFUSAL_LOG_INTERVAL_S: Final = 10.0
 _REFUSAL_LOG_UIDS: Final = 4096  # uids remembered for that; past it, the table starts over
@@ -104,25 +102,6 @@ class SocketLimits:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S
     max_frame_bytes: int = MAX_FRAME_BYTES
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> SocketLimits:
-        """Defaults, overridden by ``POOL_AGENT_SOCKET_<FIELD>`` (e.g. ``..._IDLE_TIMEOUT_S``)."""
-        changes: dict[str, Any] = {}
-        for name in cls.__dataclass_fields__:
-            key = LIMITS_ENV_PREFIX + name.upper()
-            raw = environ.get(key)
-            if raw is None:
-                continue
-            kind = float if name.endswith("_s") else int
-            try:
-                value = kind(raw)
-            except ValueError:
-                raise ValueError(f"{key}={raw!r} is not a number") from None
-            if value <= 0:
-                raise ValueError(f"{key} must be positive, got {raw!r}")
-            changes[name] = value
-        return cls(**changes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +298,7 @@ class AgentServer:
         self._methods, self._disconnected = bind_handler(handler)
         holds: Callable[[Peer], bool] | None = getattr(handler, "holds_leases", None)
         self._holds_leases: Callable[[Peer], bool] = holds if callable(holds) else _holds_none
-        limits = limits or SocketLimits.from_environ(os.environ)
+        limits = limits or SocketLimits()
         if max_connections is not None:
             limits = dataclasses.replace(limits, max_connections=max_connections)
         self.limits = limits

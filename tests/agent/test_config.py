@@ -135,3 +135,26 @@ def test_help_names_each_options_environment_variable() -> None:
 def test_version() -> None:
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0 and result.output == f"pool-agent {__version__}\n"
+
+
+def test_discovery_and_backend_knobs_take_sizes_and_reach_their_users(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agent.inventory import numa_reserve_bytes
+
+    monkeypatch.setenv("POOL_AGENT_NUMA_RESERVE_BYTES", "128MiB")
+    monkeypatch.setenv("POOL_AGENT_DEVDAX_HOLDER_WAIT_S", "5")
+    config = AgentConfig()
+    assert numa_reserve_bytes(config) == 128 << 20
+    assert config.devdax_holder_wait_s == 5.0
+
+
+def test_socket_and_in_flight_limits_default_to_what_their_modules_say() -> None:
+    from agent.admission import InFlightLimits
+    from agent.server import SocketLimits
+
+    config = AgentConfig()
+    for name in SocketLimits.__dataclass_fields__:
+        assert getattr(config, f"socket_{name}") == getattr(SocketLimits(), name), name
+    for name in InFlightLimits.__dataclass_fields__:
+        assert getattr(config, f"in_flight_{name}") == getattr(InFlightLimits(), name), name
