@@ -87,7 +87,8 @@ def bind(session: Session, device_id: int, host_id: int, source: str) -> None:
 
 
 def refusal(session: Session, host: Host, uid: str, dev: Device | None) -> DeviceNotBound | None:
-    """Why `host` may not report device `uid` (None: it may; a new device is bound to it).
+    """Why `host` may not report device `uid` (None: it may; a new device is bound to it
+    by the caller, an unbound host-scoped one that names this host is bound here).
 
     ``dev`` is the device row of that uid, None at its first sight.
     """
@@ -106,6 +107,15 @@ def refusal(session: Session, host: Host, uid: str, dev: Device | None) -> Devic
         select(DeviceHost.id).where(DeviceHost.device_id == dev.id, DeviceHost.host_id == host.id)
     )
     if bound is not None:
+        return None
+    if (
+        scope_of(uid) == "host"
+        and named_host(uid) == host.name
+        and not bound_host_ids(session, dev.id)
+    ):
+        # A host-scoped device that names this host and has no host at all (its host
+        # was deleted and added again): it is this host's, as at its first sight.
+        bind(session, dev.id, host.id, "named_host")
         return None
     if scope_of(uid) == "host":
         why = "it is host-scoped and bound to another host"

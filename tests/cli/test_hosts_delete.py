@@ -14,9 +14,10 @@ import pytest
 
 from poold.api.client import PooldClient
 from poold.errors import Unauthorized
-from poold.wire.agent import Heartbeat
+from poold.wire.agent import Heartbeat, InventoryDevice
 from tests.cli.test_lifecycle import agent, lease, poolctl
 from tests.conftest import ADMIN_TOKEN, ThreadedServer
+from tests.poold.conftest import MiB
 
 __all__ = ["agent"]  # the fixture: host h1 with one NUMA node, tenant t1
 
@@ -62,9 +63,27 @@ def test_refused_while_leases_live_then_forced(
     # Deleting it again: unknown_host, exit 1, like `tenants delete`.
     r = poolctl(api, "hosts", "delete", "h1")
     assert r.exit_code == 1 and r.stderr.startswith("poolctl: error[unknown_host]: ")
-    # The name is free for a new host.
+    # The name is free for a new host, whose agent gets its own device back.
     r = poolctl(api, "hosts", "add", "h1", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)["name"] == "h1"
+    with PooldClient(api.url, json.loads(r.stdout)["credential"]) as again:
+        reply = again.register(
+            Heartbeat(
+                inventory=[
+                    InventoryDevice(
+                        uid="h1/numa:node3",
+                        kind="numa",
+                        capacity_bytes=256 * MiB,
+                        local_name="node3",
+                        numa_node=3,
+                        health="ok",
+                    )
+                ]
+            )
+        )
+    assert reply.inventory_errors == []
+    [dev] = admin.status().devices
+    assert (dev.state, dev.hosts) == ("online", ["h1"])
 
 
 def test_a_host_without_leases_goes_and_says_so_through_a_pipe(
