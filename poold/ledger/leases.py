@@ -180,15 +180,6 @@ def host_id_of(ledger: Ledger, host_name: str) -> int:
         return _host_id(ledger, s.connection(), host_name)
 
 
-def host_id_of(ledger: Ledger, host_name: str) -> int:
-    """A registered host's id (cached: hosts are looked up on every lease call)."""
-    cached = ledger.host_ids.get(host_name)
-    if cached is not None:
-        return cached
-    with ledger.read() as s:
-        return _host_id(ledger, s.connection(), host_name)
-
-
 # --- grant ----------------------------------------------------------------------------
 
 
