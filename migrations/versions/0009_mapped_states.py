@@ -54,8 +54,7 @@ def downgrade() -> None:
     )
     op.execute(
         sa.text(
-            "UPDATE leases SET state = 'revoking', expires_at = :now "
-            "WHERE state = 'revoked_mapped'"
+            "UPDATE leases SET state = 'revoking', expires_at = :now WHERE state = 'revoked_mapped'"
         ).bindparams(now=now)
     )
     if op.get_bind().dialect.name == "postgresql":
