@@ -227,6 +227,68 @@ class Lease(Base):
     # after which the reaper revokes the lease (DESIGN.md "Pressure"). None: no request.
     shrink_wanted_bytes: Mapped[int | None] = mapped_column(BigInteger)
     shrink_deadline_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # Where the lease was granted: the host's reservation its agent placed it in (a
+    # local grant, poold/ledger/delegation.py), or None: centrally, by poold. No foreign
+    # key: the reservation row goes once returned, the lease row stays as history.
+    reservation_id: Mapped[str | None] = mapped_column(String(36), index=True)
+
+
+class Reservation(Base):
+    """An extent of a device reserved for one host, whose agent grants leases inside it
+    alone (DESIGN.md "Delegated capacity"; poold/ledger/delegation.py).
+
+    Occupies the device like a lease for everyone else. `state` "held": renewed by the
+    host's heartbeat, takes local grants; "returning": drained, expired or its host is
+    down, takes no new lease, and goes once no live lease lies in it.
+    """
+
+    __tablename__ = "reservations"
+    __table_args__ = (
+        CheckConstraint("length_bytes > 0", name="length"),
+        CheckConstraint("offset_bytes >= 0", name="offset"),
+        Index("ix_reservations_device_id", "device_id"),
+        # Reservations never overlap each other, even for a buggy caller (PostgreSQL).
+        ExcludeConstraint(
+            ("device_id", "="),
+            (text("int8range(offset_bytes, offset_bytes + length_bytes)"), "&&"),
+            name="ex_reservations_no_overlap",
+            using="gist",
+        ).ddl_if(dialect="postgresql"),
+    )
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id", ondelete="CASCADE"), index=True)
+    device_id: Mapped[int] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    offset_bytes: Mapped[int] = mapped_column(BigInteger)
+    length_bytes: Mapped[int] = mapped_column(BigInteger)
+    # Local leases inside take epochs epoch_base .. epoch_base + EPOCH_BLOCK - 1.
+    epoch_base: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = _ts()
+    expires_at: Mapped[datetime] = _ts()
+
+
+class Budget(Base):
+    """A tenant's slice of its quota (bytes, leases) that one host's agent spends alone.
+
+    The tenant's quota use is its central leases plus, per host, the larger of its
+    budget there and its local leases there (poold/ledger/delegation.py).
+    """
+
+    __tablename__ = "budgets"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "host_id", name="uq_budgets_tenant_host"),
+        CheckConstraint("bytes >= 0", name="bytes"),
+        CheckConstraint("leases >= 0", name="leases"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id", ondelete="CASCADE"), index=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    leases: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = _ts()
+    expires_at: Mapped[datetime] = _ts()
 
 
 class Event(Base):
