@@ -285,3 +285,49 @@ class DeadlineTooShort(BadRequest):
     means now, and the tenant hears only that the lease is lost)."""
 
     code = "deadline_too_short"
+
+
+class DelegationExpired(PoolError):
+    """The agent held a delegation (reservations, budgets) the request would have fit, but
+    its TTL passed without poold renewing it (poold down), and poold could not grant
+    centrally either: retry once poold answers again."""
+
+    code = "delegation_expired"
+    http_status = 503
+
+
+class UnknownReservation(NotFound):
+    """No reservation with that id (never made, or returned and gone)."""
+
+    code = "unknown_reservation"
+
+
+class ReservationInUse(Conflict):
+    """A reservation given back while a live lease lies in it: give it back once they end."""
+
+    code = "reservation_in_use"
+
+
+class OutsideReservation(Conflict):
+    """A local grant whose extent (or epoch) does not lie inside its reservation."""
+
+    code = "outside_reservation"
+
+
+class LeaseOverlap(Conflict):
+    """A local grant whose extent overlaps a live lease already in the ledger."""
+
+    code = "lease_overlap"
+
+
+class LocalGrantMismatch(Conflict):
+    """A local grant repeated under a lease id the ledger has with different fields."""
+
+    code = "local_grant_mismatch"
+
+
+class BudgetExceeded(PoolError):
+    """A local grant that would take the tenant past its budget on that host."""
+
+    code = "budget_exceeded"
+    http_status = 409

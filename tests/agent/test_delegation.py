@@ -1,0 +1,268 @@
+"""agent/delegation.py without poold: placement inside reservations, budgets, epochs,
+expiry, and a new delegation replacing the old one."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from agent.delegation import DelegatedCapacity, RefillPolicy
+from poold.errors import DelegationExpired
+from poold.wire.agent import GrantRequest
+from poold.wire.delegation import EPOCH_BLOCK, Budget, Delegation, Reservation
+
+MiB = 1 << 20
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def reservation(
+    rid: str = "r1",
+    *,
+    offset: int = 64 * MiB,
+    length: int = 16 * MiB,
+    media: str = "ddr5",
+    kind: str = "numa",
+    health: str = "ok",
+    epoch_base: int = 100,
+    ttl_s: float = 600,
+    device: str = "dev-a",
+    latency: int | None = None,
+) -> Reservation:
+    return Reservation(
+        id=rid,
+        device_uid=device,
+        kind=kind,  # type: ignore[arg-type]
+        media=media,
+        health=health,  # type: ignore[arg-type]
+        alignment_bytes=2 * MiB,
+        offset_bytes=offset,
+        length_bytes=length,
+        epoch_base=epoch_base,
+        expires_at=T0 + timedelta(seconds=ttl_s),
+        read_latency_ns=latency,
+    )
+
+
+def budget(
+    tenant: str = "kv",
+    *,
+    bytes_: int = 64 * MiB,
+    leases: int = 100,
+    uids: list[int] | None = None,
+    gids: list[int] | None = None,
+    media: list[str] | None = None,
+    ttl_s: float = 600,
+) -> Budget:
+    return Budget(
+        tenant=tenant,
+        bytes=bytes_,
+        leases=leases,
+        allowed_uids=[1000] if uids is None else uids,
+        allowed_gids=gids or [],
+        allowed_media=media or [],
+        expires_at=T0 + timedelta(seconds=ttl_s),
+    )
+
+
+def delegation(reservations: list[Reservation], budgets: list[Budget]) -> Delegation:
+    return Delegation(server_time=T0, reservations=reservations, budgets=budgets)
+
+
+def ask(size: int = 2 * MiB, **kw: object) -> GrantRequest:
+    return GrantRequest(size_bytes=size, uid=kw.pop("uid", 1000), pid=42, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def held(clock: Clock, reservations: list[Reservation], budgets: list[Budget]) -> DelegatedCapacity:
+    d = DelegatedCapacity("h1", clock=clock)
+    d.replace(delegation(reservations, budgets))
+    return d
+
+
+def test_places_inside_the_reservation_with_aligned_extents_and_block_epochs(clock: Clock) -> None:
+    d = held(clock, [reservation()], [budget()])
+    plans = [d.grant_locally(ask(3 * MiB)) for _ in range(4)]
+    assert all(p is not None for p in plans)
+    extents = sorted((p.grant.offset_bytes, p.grant.length_bytes) for p in plans if p)
+    assert extents == [(64 * MiB + i * 4 * MiB, 4 * MiB) for i in range(4)]
+    assert [p.grant.epoch for p in plans if p] == [100, 101, 102, 103]
+    first = plans[0]
+    assert first is not None
+    assert first.lease.state == "active" and first.lease.device_uid == "dev-a"
+    assert first.lease.tenant == "kv" and first.grant.reservation_id == "r1"
+    assert first.lease.expires_at - first.lease.granted_at == timedelta(seconds=60)
+    assert not first.persistent
+    # Full: the next one is poold's to place (None: the central path).
+    assert d.grant_locally(ask(2 * MiB)) is None
+
+
+def test_release_frees_the_extent_only_once_delivered(clock: Clock) -> None:
+    d = held(clock, [reservation(length=4 * MiB)], [budget()])
+    a = d.grant_locally(ask(4 * MiB))
+    assert a is not None
+    d.delivered(a.lease.id, "release_dirty")  # bytes still need zeroing: still occupied
+    assert d.grant_locally(ask(4 * MiB)) is None
+    d.delivered(a.lease.id, "scrubbed")
+    b = d.grant_locally(ask(4 * MiB))
+    assert b is not None and b.grant.offset_bytes == a.grant.offset_bytes
+    assert b.grant.epoch > a.grant.epoch  # monotonic per byte range
+
+
+def test_budget_bytes_and_lease_count(clock: Clock) -> None:
+    d = held(clock, [reservation(length=64 * MiB)], [budget(bytes_=8 * MiB, leases=3)])
+    assert d.grant_locally(ask(6 * MiB)) is not None
+    assert d.grant_locally(ask(4 * MiB)) is None  # 6 + 4 > 8 MiB
+    assert d.grant_locally(ask(2 * MiB)) is not None
+    d2 = held(clock, [reservation(length=64 * MiB)], [budget(bytes_=64 * MiB, leases=2)])
+    assert d2.grant_locally(ask()) and d2.grant_locally(ask())
+    assert d2.grant_locally(ask()) is None
+    assert d2.budget_used("kv") == (4 * MiB, 2)
+
+
+def test_tenant_resolution_as_poold_does_it(clock: Clock) -> None:
+    d = held(
+        clock,
+        [reservation(length=64 * MiB)],
+        [budget("a", uids=[1000]), budget("b", uids=[2000], gids=[50]), budget("c", uids=[2000])],
+    )
+    plan = d.grant_locally(ask())
+    assert plan is not None and plan.lease.tenant == "a"  # the only one uid 1000 maps to
+    assert d.grant_locally(ask(uid=3000)) is None  # maps to none: poold says not_owner
+    assert d.grant_locally(ask(uid=2000)) is None  # several: poold asks to name one
+    named = d.grant_locally(ask(uid=2000, tenant="c"))
+    assert named is not None and named.lease.tenant == "c"
+    by_gid = d.grant_locally(ask(uid=3000, gids=[7, 50], tenant="b"))
+    assert by_gid is not None and by_gid.lease.tenant == "b"
+    assert d.grant_locally(ask(tenant="b")) is None  # named, not allowed: poold decides
+    assert d.grant_locally(ask(tenant="nobody")) is None
+
+
+def test_media_tier_and_health_rules(clock: Clock) -> None:
+    rs = [
+        reservation("slow", device="d1", latency=300, offset=0),
+        reservation("fast", device="d2", latency=100, offset=0),
+        reservation("sick", device="d3", latency=50, health="warning", offset=0),
+        reservation("dead", device="d4", latency=10, health="critical", offset=0),
+        reservation("ddr4", device="d5", latency=5, media="ddr4", offset=0),
+    ]
+    d = held(clock, rs, [budget(media=["ddr5"])])
+    plan = d.grant_locally(ask())
+    assert plan is not None and plan.grant.reservation_id == "fast"  # healthy, then tier
+    assert d.grant_locally(ask(media="ddr4")) is None  # the tenant may not use ddr4
+    # Emulated memory only when asked by name on a host with real far memory.
+    em = held(clock, [reservation("em", kind="emulated", media="emulated")], [budget()])
+    em.host_has_real = lambda: True
+    assert em.grant_locally(ask()) is None
+    asked = em.grant_locally(ask(media="emulated"))
+    assert asked is not None and asked.lease.device_kind == "emulated"
+    pm = held(clock, [reservation(media="pmem")], [budget()])
+    plan = pm.grant_locally(ask())
+    assert plan is not None and plan.persistent
+
+
+def test_expiry_stops_local_grants_with_delegation_expired(clock: Clock) -> None:
+    d = held(clock, [reservation(ttl_s=30)], [budget(ttl_s=600)])
+    assert d.grant_locally(ask()) is not None
+    clock.now += 31
+    with pytest.raises(DelegationExpired) as err:
+        d.grant_locally(ask())
+    assert err.value.code == "delegation_expired"
+    # A request the expired delegation would not fit anyway is simply central.
+    assert d.grant_locally(ask(64 * MiB)) is None
+    b = held(clock, [reservation(ttl_s=600)], [budget(ttl_s=10)])
+    clock.now += 11
+    with pytest.raises(DelegationExpired):
+        b.grant_locally(ask())
+
+
+def test_ttl_is_read_against_poolds_clock_not_ours(clock: Clock) -> None:
+    d = DelegatedCapacity("h1", clock=clock)
+    # poold's clock is a day ahead of the TTL's wall time: what counts is 600 s from now.
+    skewed = Delegation(
+        server_time=T0 + timedelta(days=1),
+        reservations=[reservation(ttl_s=86400 + 600)],
+        budgets=[budget(ttl_s=86400 + 600)],
+    )
+    d.replace(skewed)
+    clock.now += 590
+    assert d.grant_locally(ask()) is not None
+    assert d.expires_in() == pytest.approx(10)
+
+
+def test_replacement_keeps_stray_local_leases_flagged_and_counted(clock: Clock) -> None:
+    d = held(clock, [reservation("r1"), reservation("r2", offset=0)], [budget(leases=10)])
+    plans = [d.grant_locally(ask(8 * MiB)) for _ in range(3)]
+    in_r1 = [p for p in plans if p and p.grant.reservation_id == "r1"]
+    assert in_r1
+    stray = d.replace(delegation([reservation("r2", offset=0)], [budget(leases=10)]))
+    assert sorted(stray) == sorted(p.lease.id for p in in_r1)
+    assert d.stray_ids() == sorted(stray)
+    assert d.budget_used("kv")[1] == 3  # still counted against the budget
+    assert {r.id for r in d.reservations()} == {"r2"}  # replaced, not merged
+    # A whole new delegation without budgets: nothing is granted locally.
+    d.replace(delegation([reservation("r2", offset=0)], []))
+    assert d.grant_locally(ask()) is None
+
+
+def test_epochs_survive_a_restart_and_a_spent_block_takes_no_more(clock: Clock) -> None:
+    d = held(clock, [reservation(length=64 * MiB)], [budget()])
+    plan = d.grant_locally(ask())
+    assert plan is not None
+    again = DelegatedCapacity("h1", clock=clock)
+    again.restore([plan.grant])
+    again.note_epoch("r1", 140)  # a lease since ended took 140
+    again.replace(delegation([reservation(length=64 * MiB)], [budget()]))
+    nxt = again.grant_locally(ask())
+    assert nxt is not None and nxt.grant.epoch == 141
+    assert nxt.grant.offset_bytes != plan.grant.offset_bytes  # the restored lease occupies
+    spent = held(clock, [reservation(epoch_base=5)], [budget()])
+    spent.note_epoch("r1", 5 + EPOCH_BLOCK - 1)
+    assert spent.grant_locally(ask()) is None
+
+
+def test_abandon_frees_the_extent_but_not_the_epoch(clock: Clock) -> None:
+    d = held(clock, [reservation(length=2 * MiB)], [budget()])
+    a = d.grant_locally(ask())
+    assert a is not None
+    d.abandon(a.lease.id)
+    b = d.grant_locally(ask())
+    assert b is not None and b.grant.offset_bytes == a.grant.offset_bytes
+    assert b.grant.epoch == a.grant.epoch + 1
+
+
+def test_refill_follows_demand_and_gives_back_above_the_high_watermark(clock: Clock) -> None:
+    policy = RefillPolicy(min_reserve_bytes=8 * MiB, max_reserve_bytes=256 * MiB)
+    d = DelegatedCapacity("h1", policy=policy, clock=clock)
+    assert d.wants() is None  # no demand, nothing held
+    d.note_demand("kv", "ddr5", 40 * MiB)  # a central grant: the host's demand
+    want = d.wants()
+    assert want is not None
+    assert [(w.media, w.bytes) for w in want.reserve] == [("ddr5", 48 * MiB)]
+    assert [(b.tenant, b.bytes) for b in want.budgets] == [("kv", 48 * MiB)]
+    # Demand has gone; a big idle reservation is given back, one with a lease is kept.
+    d.replace(
+        delegation(
+            [reservation("big", offset=0, length=512 * MiB), reservation("small", offset=1 << 30)],
+            [budget(bytes_=1 << 30)],
+        )
+    )
+    plan = d.grant_locally(ask())
+    assert plan is not None and plan.grant.reservation_id == "small"  # best fit
+    for _ in range(20):
+        want = d.wants()
+    assert want is not None
+    assert want.give_back == ["big"]
+    assert [(b.tenant, b.bytes) for b in want.budgets] == [("kv", 2 * MiB + 8 * MiB)]
