@@ -16,8 +16,10 @@ abort, unmapped, scrubbed) has been *delivered* to poold (:meth:`delivered`), no
 queued: poold applies a batch in lease-id order, so a new lease placed on a range whose
 release poold has not applied yet would overlap it there.
 
-Pure but for one lock: no I/O. The agent service journals the grant and queues its
-``local_grant`` op (agent/service.py, agent/journal.py); this module only decides.
+:class:`DelegatedCapacity` is pure but for one lock: no I/O, tested without poold.
+:class:`LocalGrants` is its edge: it journals each grant (agent/journal.py GrantLog)
+before the fd leaves, queues its ``local_grant`` op in the outbox, and asks poold for
+refills off the request path (agent/link.py).
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
+from agent.held import HeldLease, HeldLeases, memfd_inode
+from agent.journal import Entry as JournalEntry
+from agent.journal import Journal
+from agent.link import PooldLink
 from poold import placement
-from poold.errors import DelegationExpired
+from poold.errors import DelegationExpired, PoolError
 from poold.extents import Extent
 from poold.lease_states import LeaseState
-from poold.wire.agent import GrantRequest
+from poold.wire.agent import GrantRequest, LeaseOp
 from poold.wire.common import LeaseOut
 from poold.wire.delegation import (
     EPOCH_BLOCK,
@@ -561,4 +567,216 @@ def _expired(req: GrantRequest, what: str) -> DelegationExpired:
         f"the {what} this agent holds would fit {req.size_bytes} bytes, but their TTL "
         "passed without poold renewing them (is poold down?)",
         size_bytes=req.size_bytes,
+    )
+
+
+# --- the agent's edge: journal, outbox, poold ---------------------------------------------
+
+
+class LocalGrants:
+    """The local grants of one agent: :class:`DelegatedCapacity` bound to the journal
+    (agent/journal.py GrantLog), the outbox and poold's ``delegate`` route (agent/link.py).
+
+    What the link asks of it is :class:`agent.link.LocalOps`; the service asks
+    :meth:`grant`, :meth:`commit` and :meth:`restore`.
+    """
+
+    # After poold said it has no delegation route (an older poold), ask again this late.
+    NO_ROUTE_RETRY_S = 60.0
+
+    def __init__(self, capacity: DelegatedCapacity, link: PooldLink, held: HeldLeases) -> None:
+        self.capacity = capacity
+        self.link = link
+        self.held = held
+        self._lock = threading.Lock()
+        self._plans: dict[str, LocalPlan] = {}  # granted, memory being made
+        self._uncommitted: set[str] = set()  # journalled, local_grant not yet applied
+        self._seq_of: dict[int, tuple[LeaseOp, int]] = {}  # id(op) -> (op, journal seq)
+        self._asked = False
+        self._no_route_until = 0.0
+        self.enabled = True
+        link.local = self
+        link.on_delegation = self.replace
+
+    @property
+    def journal(self) -> Journal | None:
+        return self.held.journal
+
+    # --- the request path ---------------------------------------------------------
+    def grant(self, req: GrantRequest) -> LeaseOut | None:
+        """A local grant for ``req`` (memory not made yet), or None: the central path."""
+        if not self.enabled or not self.capacity.holds_any():
+            return None
+        plan = self.capacity.grant_locally(req)
+        if plan is None:
+            return None
+        with self._lock:
+            self._plans[plan.lease.id] = plan
+        if self.capacity.free_reserved_bytes() < self.capacity.policy.min_reserve_bytes:
+            self.link.wake_delegation()  # refill off the request path
+        return plan.lease
+
+    def is_pending(self, lease_id: str) -> bool:
+        return lease_id in self._plans
+
+    def commit(self, held: HeldLease) -> None:
+        """Journal a local lease (before its fd leaves) and queue its ``local_grant``."""
+        with self._lock:
+            plan = self._plans.pop(held.lease.id)
+        grant = plan.grant
+        op = LeaseOp.model_construct(
+            lease_id=grant.lease_id,
+            op="local_grant",
+            reason="",
+            length_bytes=None,
+            grant=grant,
+        )
+        journal = self.journal
+        if journal is not None:
+            if held.inode is None and held.memory is not None:
+                held.inode = memfd_inode(held.memory)
+            seq = journal.add_local(
+                journal_entry(held),
+                grant.model_dump_json(),
+                grant.reservation_id,
+                grant.epoch,
+                plan.persistent,
+            )
+            with self._lock:
+                self._seq_of[id(op)] = (op, seq)
+        with self._lock:
+            self._uncommitted.add(grant.lease_id)
+        self.link.enqueue(op)
+
+    def abandon(self, lease_id: str) -> bool:
+        with self._lock:
+            plan = self._plans.pop(lease_id, None)
+        if plan is None:
+            return False
+        self.capacity.abandon(lease_id)
+        return True
+
+    # --- what the link tells ------------------------------------------------------
+    def is_local(self, lease_id: str) -> bool:
+        return self.capacity.is_local(lease_id)
+
+    def on_enqueue(self, op: LeaseOp) -> None:
+        journal = self.journal
+        if journal is None or op.op == "local_grant" or id(op) in self._seq_of:
+            return
+        seq = journal.local.op(op.lease_id, op.model_dump_json())
+        with self._lock:
+            self._seq_of[id(op)] = (op, seq)
+
+    def on_delivered(self, ops: list[LeaseOp]) -> None:
+        seqs: list[int] = []
+        with self._lock:
+            for op in ops:
+                known = self._seq_of.pop(id(op), None)
+                if known is not None and known[0] is op:
+                    seqs.append(known[1])
+                if op.op == "local_grant":
+                    self._uncommitted.discard(op.lease_id)
+        for op in ops:
+            self.capacity.delivered(op.lease_id, op.op, op.length_bytes)
+        journal = self.journal
+        if journal is not None and seqs:
+            journal.local.acked(seqs)
+
+    def uncommitted(self, lease_id: str) -> bool:
+        return lease_id in self._uncommitted
+
+    def uncommitted_count(self) -> int:
+        with self._lock:
+            return len(self._uncommitted)
+
+    # --- poold's side -----------------------------------------------------------------
+    def replace(self, delegation: Delegation) -> None:
+        """poold's whole delegation now (a heartbeat or ``delegate`` reply)."""
+        self.capacity.replace(delegation)
+        journal = self.journal
+        if journal is not None:
+            journal.local.delegation(delegation.model_dump_json(), time.time())
+
+    def step(self) -> None:
+        """Refill or give back off the request path: ask poold once at start (what is held
+        already), then whenever demand says so."""
+        now = time.monotonic()
+        if not self.enabled or now < self._no_route_until:
+            return
+        want = self.capacity.wants()
+        if want is None:
+            if self._asked:
+                return
+            want = DelegationRequest()
+        try:
+            delegation = self.link.delegate(want)
+        except PoolError as err:
+            if err.http_status in (404, 405) or err.code == "internal":
+                if not self._asked or now >= self._no_route_until:
+                    log.info("poold grants no delegation (%s); every lease is central", err)
+                self._no_route_until = now + self.NO_ROUTE_RETRY_S
+                self._asked = True
+                return
+            raise
+        self._asked = True
+        self.replace(delegation)
+
+    # --- restart ----------------------------------------------------------------------
+    def restore(self) -> int:
+        """After a restart, before adoption: the journal's local leases occupy their
+        extents, their epochs stay spent, the last delegation is held again (its TTL
+        counted from when it came), and every op poold had not applied is queued again,
+        in order (a repeat of one it did apply is answered idempotently). Returns how
+        many ops were queued again."""
+        journal = self.journal
+        if journal is None:
+            return 0
+        state = journal.local.state
+        grants = [LocalGrant.model_validate_json(g) for g in state.grants.values()]
+        if state.delegation is not None:
+            text, wall = state.delegation
+            age = max(0.0, time.time() - wall)
+            try:
+                self.capacity.replace(
+                    Delegation.model_validate_json(text), received_at=time.monotonic() - age
+                )
+            except ValueError:
+                log.warning("the journalled delegation does not parse; waiting for poold's")
+        self.capacity.restore(grants)
+        for reservation_id, epoch in state.epochs.items():
+            self.capacity.note_epoch(reservation_id, epoch)
+        replayed = 0
+        for seq, text in list(state.pending):
+            op = LeaseOp.model_validate_json(text)
+            with self._lock:
+                self._seq_of[id(op)] = (op, seq)
+                if op.op == "local_grant":
+                    self._uncommitted.add(op.lease_id)
+            self.link.enqueue(op)
+            replayed += 1
+        if replayed:
+            log.info("journal: %d op(s) of local leases queued again for poold", replayed)
+        return replayed
+
+
+def journal_entry(held: HeldLease) -> JournalEntry:
+    """The journal entry of a held lease (as agent/held.py HeldLeases.record writes)."""
+    lease = held.lease
+    return JournalEntry(
+        lease_id=lease.id,
+        device_uid=lease.device_uid,
+        backend=held.memory.backend if held.memory is not None else lease.device_kind,
+        offset_bytes=lease.offset_bytes,
+        length_bytes=lease.length_bytes,
+        epoch=lease.epoch,
+        holder_pid=held.holder_pid,
+        holder_uid=held.holder_uid,
+        holder_start=held.holder.start_time if held.holder else None,
+        ttl_s=held.ttl_s,
+        sub_device=held.sub_device,
+        region_id=held.region_id,
+        lease_json=lease.model_dump_json(),
+        st_dev=held.inode.dev if held.inode is not None else None,
+        st_ino=held.inode.ino if held.inode is not None else None,
     )

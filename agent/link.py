@@ -29,6 +29,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime
 from typing import Protocol
 
@@ -47,10 +48,18 @@ from poold.wire.agent import (
     Renewal,
 )
 from poold.wire.common import LeaseOut
+from poold.wire.delegation import Delegation, DelegationRequest
 
 log = logging.getLogger("pool_agent.link")
 
 OUTBOX_LINGER_S = 0.005
+# Ops of local leases (granted inside the delegation) wake no flush of their own: they
+# go at most this long after they were queued (the issue allows ~1 s), so a busy host
+# sends a few batches a second instead of one per lease.
+LOCAL_FLUSH_S = 0.25
+# How often the delegation is looked at for refill and give-back (and asked again after
+# poold said it has no delegation route), off the request path.
+DELEGATION_STEP_S = 1.0
 # Ops per batch (the wire allows 100 000): an outbox grown over a long outage goes in
 # pieces, each its own request with its own id.
 MAX_BATCH_OPS = 10_000
@@ -99,6 +108,34 @@ class HeartbeatState(Protocol):
 def inventory_digest(inventory: list[InventoryDevice]) -> str:
     blob = "\n".join(d.model_dump_json() for d in sorted(inventory, key=lambda d: d.uid))
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class LocalOps(Protocol):
+    """What the link tells the agent's local grants (agent/delegation.py LocalGrants)."""
+
+    def is_local(self, lease_id: str) -> bool:
+        """The lease was granted inside the delegation (its ops are journalled)."""
+        ...
+
+    def on_enqueue(self, op: LeaseOp) -> None:
+        """An op is about to be queued: a local lease's is journalled first."""
+        ...
+
+    def on_delivered(self, ops: list[LeaseOp]) -> None:
+        """poold applied (or refused one by one) these ops."""
+        ...
+
+    def uncommitted(self, lease_id: str) -> bool:
+        """A local lease poold has not heard of yet (its renewals wait for the grant)."""
+        ...
+
+    def abandon(self, lease_id: str) -> bool:
+        """A local lease whose memory was never made: freed, nothing to tell poold."""
+        ...
+
+    def step(self) -> None:
+        """Refill or give back (the delegation thread calls it)."""
+        ...
 
 
 class Resync(Protocol):
@@ -188,6 +225,11 @@ class PooldLink:
         self.heartbeat_state: HeartbeatState | None = None
         # Set by the agent service: reconciliation after a failed exchange.
         self.resync: Resync | None = None
+        # Set by the agent service: its local grants (agent/delegation.py).
+        self.local: LocalOps | None = None
+        # Told every delegation a heartbeat reply carries (the whole of it: replaced).
+        self.on_delegation: Callable[[Delegation], None] | None = None
+        self._step_now = threading.Event()
         # Reports a failed heartbeat could not deliver wait here, unless a newer report of
         # the same lease replaces them.
         self._unsent_reports: dict[str, LeaseReport] = {}
@@ -211,6 +253,7 @@ class PooldLink:
                 queued,
                 renewals,
             )
+            self._wake.set()  # at once, not at the next retry
 
     def _failed(self, err: PoolError) -> None:
         """An exchange failed (nothing it carried is lost): say so once, and resync later."""
@@ -270,10 +313,13 @@ class PooldLink:
                     with self._lock:
                         self._batches.insert(0, AgentOps(ops=pending, request_id=new_request_id()))
                     self._wake.set()
+                elif pending:
+                    self._tell_delivered(pending)
                 raise
             else:
                 with self._lock:
                     self._unsettled.add(lease.id)
+                self._tell_delivered(pending)
                 return lease
         finally:
             with self._lock:
@@ -363,7 +409,36 @@ class PooldLink:
         self._in_flight_ops.subtract(op.lease_id for op in ops)
         self._in_flight_ops = +self._in_flight_ops  # drop the zeros
 
+    def _tell_delivered(self, ops: list[LeaseOp]) -> None:
+        if self.local is not None and ops:
+            try:
+                self.local.on_delivered(ops)
+            except Exception:
+                log.exception("noting %d delivered op(s) of local leases failed", len(ops))
+
+    def delegate(self, req: DelegationRequest) -> Delegation:
+        """Ask poold for (or give back) reservations and budgets: the whole delegation."""
+        if req.request_id is None:
+            req = req.model_copy(update={"request_id": new_request_id()})
+        delegate = getattr(self.client, "delegate", None)
+        if delegate is None:  # a client without the route: as a poold without it
+            raise PoolError("this poold client cannot ask for a delegation")
+        try:
+            reply: Delegation = delegate(req)
+        except PoolError as err:
+            if _no_verdict(err):
+                self._failed(err)
+            raise
+        self._answered()
+        return reply
+
+    def wake_delegation(self) -> None:
+        """Run the delegation step now (a local grant crossed a low watermark)."""
+        self._step_now.set()
+
     def abort_now(self, lease_id: str, reason: str) -> None:
+        if self.local is not None and self.local.abandon(lease_id):
+            return  # granted locally and never reported: poold has nothing to abort
         try:
             self.client.abort(lease_id, reason)
         except PoolError as err:
@@ -377,10 +452,16 @@ class PooldLink:
 
     # --- batched ------------------------------------------------------------
     def enqueue(self, op: LeaseOp) -> None:
+        local = self.local is not None and self.local.is_local(op.lease_id)
+        if local:
+            assert self.local is not None
+            self.local.on_enqueue(op)  # journalled before it is queued
         with self._lock:
             self._outbox.append(op)
             self._renewals.pop(op.lease_id, None)
-        self._wake.set()
+            crowded = len(self._outbox) >= MAX_BATCH_OPS // 10
+        if not local or crowded:
+            self._wake.set()  # a local lease's op goes within LOCAL_FLUSH_S instead
 
     def renew_later(self, lease_id: str, ttl_s: int) -> None:
         with self._lock:
@@ -419,6 +500,9 @@ class PooldLink:
                             err.code,
                             err.message,
                         )
+                        with self._lock:
+                            self._delivered(batch.ops)
+                        self._tell_delivered(batch.ops)  # dropped: not replayed forever
                         continue
                     with self._lock:
                         self._batches.insert(0, batch)
@@ -434,6 +518,7 @@ class PooldLink:
                     with self._lock:
                         self._delivered(batch.ops)
                 self._answered()
+                self._tell_delivered(batch.ops)
                 for result in results:
                     if result.code is not None:
                         log.warning(
@@ -469,6 +554,16 @@ class PooldLink:
         """One heartbeat; None when it failed (its renewals and reports stay queued)."""
         with self._lock:
             renewals, self._renewals = self._renewals, {}
+        local = self.local
+        if local is not None and renewals:
+            # A renewal of a local lease poold has not heard of would be refused
+            # unknown_lease (and the lease marked lost): it waits for the grant.
+            early = {k: v for k, v in renewals.items() if local.uncommitted(k)}
+            if early:
+                renewals = {k: v for k, v in renewals.items() if k not in early}
+                with self._lock:
+                    for k, v in early.items():
+                        self._renewals.setdefault(k, v)
         reports = self._take_reports()
         try:
             reply = self._send_heartbeat(renewals, reports)
@@ -523,6 +618,11 @@ class PooldLink:
     def _mark(self, reply: HeartbeatReply) -> None:
         self._answered()
         self.last_heartbeat_at = reply.server_time
+        if reply.delegation is not None and self.on_delegation is not None:
+            try:
+                self.on_delegation(reply.delegation)
+            except Exception:
+                log.exception("taking the delegation of a heartbeat reply failed")
         if self.heartbeat_state is not None:
             self.heartbeat_state.on_reply(reply)
 
@@ -545,9 +645,24 @@ class PooldLink:
                 except Exception:
                     log.exception("heartbeat loop error")
 
+        def delegation_loop() -> None:
+            while not self._stop.is_set():
+                self._step_now.wait(DELEGATION_STEP_S)
+                if self._stop.is_set():
+                    break
+                self._step_now.clear()
+                if self.local is None:
+                    continue
+                try:
+                    self.local.step()
+                except PoolError:
+                    pass  # logged once by the link; the next step asks again
+                except Exception:
+                    log.exception("delegation step error")
+
         def outbox_loop() -> None:
             while not self._stop.is_set():
-                self._wake.wait(1.0)
+                self._wake.wait(LOCAL_FLUSH_S)
                 if self._stop.is_set():
                     break
                 # Linger briefly: a grant that follows a release carries it for free.
@@ -562,7 +677,8 @@ class PooldLink:
                 if self.outbox_size() and self.failing:
                     self._stop.wait(min(interval_s, 1.0))  # poold down: retry, don't spin
 
-        for target, name in ((beat_loop, "heartbeat"), (outbox_loop, "outbox")):
+        loops = ((beat_loop, "heartbeat"), (outbox_loop, "outbox"), (delegation_loop, "delegation"))
+        for target, name in loops:
             thread = threading.Thread(target=target, name=f"agent-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -600,6 +716,7 @@ class PooldLink:
         self._stop.set()
         self._beat_now.set()
         self._wake.set()
+        self._step_now.set()
         for thread in self._threads:
             thread.join(timeout=5)
         try:

@@ -27,6 +27,7 @@ from agent import restart
 from agent.admission import Admission, InFlight, InFlightLimits
 from agent.backends import Backend, Materialised
 from agent.backends.emulated import available_bytes
+from agent.delegation import DelegatedCapacity, LocalGrants, RefillPolicy
 from agent.held import HeldLease, HeldLeases
 from agent.holders import Holder
 from agent.journal import Journal
@@ -38,10 +39,13 @@ from agent.server import Peer
 from agent.warm import WarmPool
 from poold import __version__
 from poold.errors import (
+    DelegationExpired,
     InvalidSize,
     LeaseNotActive,
+    LedgerUnavailable,
     NotOwner,
     NotShrinkable,
+    PooldUnreachable,
     UnknownTenant,
 )
 from poold.extents import align_up
@@ -62,6 +66,7 @@ class AgentService:
         warm: WarmPool | None = None,
         *,
         in_flight: InFlightLimits | None = None,
+        refill: RefillPolicy | None = None,
     ) -> None:
         self.host = host
         self.warm = warm
@@ -69,7 +74,10 @@ class AgentService:
         self.backends = backends
         self.started_at = time.monotonic()
         self.held = HeldLeases()
-        self.admission = Admission(link.grant)
+        # Leases granted here inside poold's delegation; anything else is poold's grant.
+        self.delegation = LocalGrants(DelegatedCapacity(host, policy=refill), link, self.held)
+        self.delegation.capacity.host_has_real = self._host_has_real
+        self.admission = Admission(self._grant)
         self.in_flight = InFlight(in_flight)
         self.memory = LeaseMemory(link, backends, self.held, warm)
         self.leftovers = self.memory.leftovers
@@ -94,6 +102,9 @@ class AgentService:
 
     def adopt(self) -> tuple[int, int]:
         """After a restart, before serving: (adopted, orphaned) journalled leases."""
+        # Local leases' unapplied ops go back in the outbox first: an orphan op adopt
+        # queues for a dead holder must follow its lease's local_grant.
+        self.delegation.restore()
         return restart.adopt(self.link, self.held, self.memory, self.revocations)
 
     def reconcile(self) -> int:
@@ -180,7 +191,10 @@ class AgentService:
                 shrinkable=args.shrinkable and memory.can_shrink(),
             )
             # Journalled before the fd leaves: a crash after this point is re-adopted.
-            self.held.record(held)
+            if self.delegation.is_pending(lease.id):
+                self.delegation.commit(held)  # an append, and its local_grant queued
+            else:
+                self.held.record(held)
             self.held.add(held)
         finally:
             # Held now, or aborted on the way: reconciliation may judge the lease from here.
@@ -221,9 +235,34 @@ class AgentService:
         except BaseException as err:
             if not making:
                 self.link.abort_now(lease.id, f"not materialised: {err}")
+            self.delegation.abandon(lease.id)  # a local grant's extent is free again
             self.link.settled(lease.id)
             raise
         return lease, memory
+
+    def _host_has_real(self) -> bool:
+        """This host reaches real far memory (placement keeps emulated memory out then)."""
+        return any(d.media != "emulated" and d.kind != "emulated" for d in self.link.inventory)
+
+    def _grant(self, req: GrantRequest) -> LeaseOut:
+        """Inside the delegation when the request fits it (one socket round trip, no
+        network); poold's grant otherwise. Past the delegation's TTL with poold down, the
+        tenant hears ``delegation_expired``, not a wait for a poold that does not answer."""
+        try:
+            local = self.delegation.grant(req)
+        except DelegationExpired as expired:
+            if self.link.failing:
+                raise  # a central grant would only wait out its patience
+            try:
+                lease = self.link.grant(req)
+            except (PooldUnreachable, LedgerUnavailable) as err:
+                raise expired from err
+        else:
+            if local is not None:
+                return local
+            lease = self.link.grant(req)
+        self.delegation.capacity.note_demand(lease.tenant, lease.media, lease.length_bytes)
+        return lease
 
     def _authorise(self, peer: Peer, args: p.LeaseArgs) -> LeaseOut:
         """poold's grant of the lease for the caller's kernel identity (not activated).
