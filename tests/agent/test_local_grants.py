@@ -1,0 +1,146 @@
+"""The agent service granting inside its delegation with poold unreachable: the lease is
+journalled (the append-only grant log) and queued as a local_grant op before its fd
+leaves; a restarted agent queues again every op poold has not applied, in order; past
+the TTL local grants stop with delegation_expired."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from agent import protocol as p
+from agent.backends.emulated import EmulatedBackend
+from agent.journal import Journal
+from agent.link import PooldLink
+from agent.server import Peer
+from agent.service import AgentService
+from poold.api.client import PooldClient
+from poold.errors import DelegationExpired
+from poold.wire.delegation import Budget, Delegation, Reservation
+
+MiB = 1 << 20
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def delegation(ttl_s: float = 600, length: int = 64 * MiB) -> Delegation:
+    now = datetime.now(UTC)
+    return Delegation(
+        server_time=now,
+        reservations=[
+            Reservation(
+                id="r1",
+                device_uid="emulated:h1",
+                kind="emulated",
+                media="emulated",
+                health="ok",
+                alignment_bytes=2 * MiB,
+                offset_bytes=0,
+                length_bytes=length,
+                epoch_base=1000,
+                expires_at=now + timedelta(seconds=ttl_s),
+            )
+        ],
+        budgets=[
+            Budget(
+                tenant="t",
+                bytes=1 << 30,
+                leases=1000,
+                allowed_uids=[os.getuid()],
+                expires_at=now + timedelta(seconds=ttl_s),
+            )
+        ],
+    )
+
+
+@pytest.fixture
+def make_service(tmp_path: Path) -> Iterator[object]:
+    made: list[tuple[AgentService, PooldClient]] = []
+    url = f"http://127.0.0.1:{_closed_port()}"
+
+    def make() -> AgentService:
+        client = PooldClient(url, "x" * 32, timeout_s=0.2)
+        link = PooldLink(client, "test", grant_patience_s=0.3)
+        service = AgentService("h1", link, {"emulated": EmulatedBackend()})  # type: ignore[dict-item]
+        service.journal = Journal(tmp_path / "state" / "journal.db")
+        made.append((service, client))
+        return service
+
+    yield make
+    for service, client in made:
+        service.close()
+        client.close()
+
+
+PEER = Peer(connection_id=1, pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
+
+
+def test_local_grants_are_journalled_queued_and_requeued_after_a_restart(make_service) -> None:  # type: ignore[no-untyped-def]
+    service: AgentService = make_service()
+    service.adopt()
+    service.delegation.replace(delegation())
+    fds = []
+    results = []
+    for _ in range(3):
+        result, fd = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+        results.append(result)
+        fds.append(fd)
+        assert os.fstat(fd).st_size == 2 * MiB
+    assert [r.epoch for r in results] == [1000, 1001, 1002]
+    assert len({r.offset_bytes for r in results}) == 3
+    service.release(PEER, p.ReleaseArgs(lease_id=results[0].lease_id))
+    ops = [(op.op, op.lease_id) for op in service.link._outbox]
+    assert ops == [("local_grant", r.lease_id) for r in results] + [
+        ("release", results[0].lease_id)
+    ]
+    # The released extent stays taken until poold has applied the release.
+    assert service.delegation.capacity.budget_used("t") == (6 * MiB, 3)
+    service.close()
+
+    again: AgentService = make_service()
+    adopted, _orphaned = again.adopt()  # the holder (this process) lives
+    assert adopted == 2
+    replayed = [(op.op, op.lease_id) for op in again.link._outbox]
+    assert replayed == ops  # everything poold has not applied, in the same order
+    assert {r.id for r in again.delegation.capacity.reservations()} == {"r1"}
+    # The journalled delegation is held again: a lease still fits, with a fresh epoch
+    # on a free extent.
+    result, fd = again.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+    fds.append(fd)
+    assert result.epoch == 1003
+    assert result.offset_bytes not in {r.offset_bytes for r in results}
+    # poold applying them (as a flush would tell): the released extent is free, and
+    # the log forgets what it needs no longer.
+    again.delegation.on_delivered(list(again.link._outbox))
+    assert again.delegation.capacity.budget_used("t") == (6 * MiB, 3)
+    assert again.journal is not None
+    assert again.journal.local.state.pending == []
+
+
+def test_past_the_ttl_local_grants_stop_with_delegation_expired(make_service) -> None:  # type: ignore[no-untyped-def]
+    service: AgentService = make_service()
+    service.adopt()
+    service.delegation.replace(delegation(ttl_s=0.5))
+    result, _fd = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+    time.sleep(0.6)
+    started = time.monotonic()
+    with pytest.raises(DelegationExpired) as err:
+        service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+    assert err.value.code == "delegation_expired"
+    assert time.monotonic() - started < 5
+    # (the agent's own fds are closed with the service)
+    # The lease granted before the TTL is still held and still queued for poold.
+    assert result.lease_id in service.held
+    # (the failed central attempt carried it, and put it back in line)
+    assert service.link.outbox_size() == 1
+    assert service.link.queued_lease_ids() == {result.lease_id}
