@@ -11,6 +11,16 @@ request and its reply). Leases are renewed by one daemon thread per client at ab
 third of their ttl. Failures raise :mod:`poold.errors` exceptions rebuilt from the
 agent's reply, so ``err.code`` is the same stable code the agent sent; failing to reach
 the agent at all raises :class:`poold.errors.AgentUnreachable`.
+
+While it holds a lease the connection is a tenant session (``hello`` with ``events``):
+the agent pushes ``revoke``, ``shrink`` and ``lost`` as soon as it learns them. A
+reader thread then takes every frame: replies go to the caller waiting, events to one
+callback thread per client (a slow callback never stalls a reply). Renewal replies
+still carry revocations and shrink requests; each callback fires once per lease and
+event, whichever way it came first. When the session's connection drops, the client
+reconnects (for up to ``reconnect_s``) and asks ``list``: a lease the agent no longer
+holds is lost (``not_held``); no agent to reconnect to, every lease is lost
+(``connection_lost``).
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ import logging
 import math
 import mmap
 import os
+import queue
+import select
 import socket
 import threading
 import time
@@ -34,9 +46,12 @@ from pydantic import ValidationError
 
 from agent.paths import client_socket_path
 from agent.protocol import (
+    LOST_ENDED,
+    LOST_REVOKED,
     MAX_FRAME_BYTES,
     MAX_REPLY_FRAME_BYTES,
     OPERATIONS,
+    Event,
     HelloArgs,
     HelloResult,
     LeaseArgs,
@@ -44,6 +59,7 @@ from agent.protocol import (
     LeaseResult,
     ListArgs,
     ListResult,
+    LostEvent,
     Model,
     OpSpec,
     ReleaseArgs,
@@ -52,11 +68,15 @@ from agent.protocol import (
     RenewResult,
     ReportArgs,
     ReportResult,
+    RevokeEvent,
     ShrinkArgs,
+    ShrinkEvent,
     ShrinkResult,
     StatsArgs,
     StatsResult,
     encode_request,
+    is_event,
+    parse_event,
     parse_reply,
     read_frame,
     validation_error,
@@ -64,6 +84,7 @@ from agent.protocol import (
 from poold.errors import (
     AgentProtocolError,
     AgentUnreachable,
+    BadRequest,
     FrameTooLarge,
     InvalidSize,
     LeaseNotActive,
@@ -84,9 +105,16 @@ _PREFAULT_BYTES_PER_S: Final = 1 << 30
 # Renew at a third of the ttl: two more tries before the lease can expire.
 _RENEW_FRACTION: Final = 1 / 3
 _MIN_RENEW_RETRY_S: Final = 0.1
+_RESYNC_RETRY_S: Final = 0.2
+# Why on_lost fired (Lease.lost_reason): the agent's own (agent.protocol LOST_*), or
+# the client's when the session's connection dropped.
+LOST_CONNECTION: Final = "connection_lost"  # no agent to reconnect to within reconnect_s
+LOST_NOT_HELD: Final = "not_held"  # reconnected: the agent no longer holds it
 
 # on_shrink(lease, target_bytes, deadline_at): poold asks for memory back (pressure).
 # on_revoke(lease, deadline_at): poold revoked the lease; the memory goes at deadline_at.
+# on_lost(lease): the lease is over (lease.lost_reason says why).
+LostCallback = Callable[["Lease"], None]
 RevokeCallback = Callable[["Lease", datetime], None]
 ShrinkCallback = Callable[["Lease", int, datetime], None]
 _ResultT = TypeVar("_ResultT", bound=Model)
@@ -120,14 +148,15 @@ class Lease:
     fd, so an open mapping keeps emulated memory alive after release, while a revoked
     devdax lease is unmapped by the kernel (touching it then raises SIGBUS).
 
-    ``lost`` turns True when the agent says the lease is no longer active (expired,
-    revoked, reclaimed) during background renewal; ``on_lost`` is called once then, on
-    the renewal thread.
-
-    Under pool pressure poold asks for memory back in the reply to a renewal:
-    ``on_shrink(lease, target_bytes, deadline_at)`` is called then, on the thread that
-    renewed (the renewal thread, or the caller of :meth:`renew`). ``KVStore.open``
-    sets it when it is None.
+    Callbacks, each at most once per lease and event (see the module docstring for how
+    they arrive): ``on_revoke(lease, deadline_at)`` when poold revokes it;
+    ``on_shrink(lease, target_bytes, deadline_at)`` under pool pressure, again only when
+    the request changes (``shrink_replica_bytes`` says how much of it replicas can give;
+    ``KVStore.open`` sets it when it is None); ``on_lost(lease)`` once the lease is over
+    and not released: ``lost`` turns True and ``lost_reason`` says why (``revoked``: its
+    revocation deadline passed; ``ended``: the ledger ended it, expired or reclaimed;
+    ``connection_lost``, ``not_held``: see the module docstring). They run on the
+    client's event thread, or on the thread whose renewal brought the news.
     """
 
     def __init__(
@@ -135,7 +164,7 @@ class Lease:
         client: PoolClient,
         granted: LeaseResult,
         fd: int,
-        on_lost: Callable[[Lease], None] | None = None,
+        on_lost: LostCallback | None = None,
         on_shrink: ShrinkCallback | None = None,
         on_revoke: RevokeCallback | None = None,
     ) -> None:
@@ -148,6 +177,9 @@ class Lease:
         self.on_lost = on_lost
         self.on_shrink = on_shrink
         self.lost = False
+        self.lost_reason: str | None = None
+        self.shrink_replica_bytes = 0  # of the latest shrink request, what replicas can give
+        self._shrink_asked: tuple[int, datetime] | None = None  # latest told to on_shrink
         self.lease_id: str = granted.lease_id
         self.size_bytes: int = granted.size_bytes
         self.length_bytes: int = granted.length_bytes
@@ -208,13 +240,16 @@ class Lease:
             self.ttl_s = ttl_s
         if renewed.shrink_target_bytes is not None and renewed.shrink_deadline_at is not None:
             self._shrink(renewed.shrink_target_bytes, renewed.shrink_deadline_at)
-        if renewed.revoke_deadline_at is not None and self.revoke_deadline_at is None:
+        if renewed.revoke_deadline_at is not None:
             self._revoked(renewed.revoke_deadline_at)
         return renewed.expires_at
 
     def _revoked(self, deadline_at: datetime) -> None:
         """poold revoked the lease: tell the engine once, before the memory goes away."""
-        self.revoke_deadline_at = deadline_at
+        with self._lock:
+            if self.revoke_deadline_at is not None or self._released or self.lost:
+                return
+            self.revoke_deadline_at = deadline_at
         log.warning(
             "lease %s revoked: memory goes away at %s", self.lease_id, deadline_at.isoformat()
         )
@@ -226,7 +261,13 @@ class Lease:
         except Exception:
             log.exception("on_revoke callback failed for lease %s", self.lease_id)
 
-    def _shrink(self, target_bytes: int, deadline_at: datetime) -> None:
+    def _shrink(self, target_bytes: int, deadline_at: datetime, replica_bytes: int = 0) -> None:
+        with self._lock:
+            asked = (target_bytes, deadline_at)
+            if self._shrink_asked == asked or self._released or self.lost:
+                return  # the same request by the other path
+            self._shrink_asked = asked
+            self.shrink_replica_bytes = replica_bytes
         log.info(
             "pool pressure: lease %s asked to give back %d bytes by %s",
             self.lease_id,
@@ -275,10 +316,19 @@ class Lease:
             self._client.release(self.lease_id)
 
     def _mark_lost(self, err: PoolError) -> None:
-        if self._released or self.lost:
-            return
-        self.lost = True
-        log.warning("lease %s lost: %s %s", self.lease_id, err.code, err.message)
+        """A renewal says the lease is over."""
+        reason = LOST_REVOKED if self.revoke_deadline_at is not None else LOST_ENDED
+        self._lost(reason, f"{err.code}: {err.message}")
+
+    def _lost(self, reason: str, message: str = "") -> None:
+        """The lease is over (``reason``: see the class docstring): tell the engine once."""
+        with self._lock:
+            if self._released or self.lost:
+                return
+            self.lost = True
+            self.lost_reason = reason
+        self._client._renewer.forget(self.lease_id)
+        log.warning("lease %s lost (%s): %s", self.lease_id, reason, message)
         if self.on_lost is not None:
             try:
                 self.on_lost(self)
@@ -383,6 +433,129 @@ class _Renewer:
                 self._cond.notify()
 
 
+class _Ended:
+    """What a session's reader hands a waiting caller once the connection is over."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error  # None: a clean EOF
+
+
+class _ConnectionLost:
+    """A dispatcher item: the session's connection dropped (not by this client)."""
+
+
+_Reply = tuple[dict[str, Any], builtins.list[int]] | _Ended
+_EventItem = RevokeEvent | ShrinkEvent | LostEvent | _ConnectionLost | None
+
+
+class _Session:
+    """The reader of a connection that is a tenant session: replies and events apart.
+
+    It reads on a dup of the connection's fd, so its socket timeouts are its own and
+    closing the client's socket never races its reads; it closes its dup as it ends.
+    """
+
+    def __init__(self, client: PoolClient, sock: socket.socket) -> None:
+        self._client = client
+        self._sock = socket.socket(fileno=os.dup(sock.fileno()))
+        self.replies: queue.SimpleQueue[_Reply] = queue.SimpleQueue()
+        self.closing = False  # the client hung up itself: no resync
+        self._thread = threading.Thread(target=self._run, name="poold-session", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        error: BaseException | None = None
+        readable = select.poll()
+        readable.register(self._sock.fileno(), select.POLLIN)
+        try:
+            while True:
+                readable.poll()  # as long as it takes: a session may be quiet for hours
+                fds: builtins.list[int] = []
+                try:
+                    frame = read_frame(
+                        self._sock,
+                        max_frame_bytes=MAX_REPLY_FRAME_BYTES,
+                        fds=fds,
+                        deadline=time.monotonic() + self._client.timeout_s,
+                    )
+                except BaseException:
+                    PoolClient._close_fds(fds)
+                    raise
+                if frame is None:
+                    return
+                if not is_event(frame):
+                    self.replies.put((frame, fds))
+                    continue
+                PoolClient._close_fds(fds)  # an event never carries memory
+                try:
+                    event = parse_event(frame)
+                except AgentProtocolError as err:
+                    log.warning("ignoring a malformed event from the agent: %s", err.message)
+                    continue
+                if event is not None:
+                    self._client._events.put(event)
+        except (OSError, PoolError) as err:
+            error = err
+        finally:
+            self.replies.put(_Ended(error))
+            self._sock.close()
+            if not self.closing:
+                self._client._events.put(_ConnectionLost())
+
+    def join(self, timeout_s: float) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+
+class _Events:
+    """One thread per client running the lease callbacks events bring, in order."""
+
+    def __init__(self, client: PoolClient) -> None:
+        self._client = client
+        self._queue: queue.SimpleQueue[_EventItem] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def put(self, item: _EventItem) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="poold-events", daemon=True)
+                self._thread.start()
+        self._queue.put(item)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            thread = self._thread
+        self._queue.put(None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                if isinstance(item, _ConnectionLost):
+                    self._client._resync()
+                else:
+                    self._deliver(item)
+            except Exception:
+                log.exception("handling %r failed", item)
+
+    def _deliver(self, event: Event) -> None:
+        lease = self._client._held(event.lease_id)
+        if lease is None:
+            return  # another client's in this process, or released already
+        if isinstance(event, RevokeEvent):
+            lease._revoked(event.deadline_at)
+        elif isinstance(event, ShrinkEvent):
+            lease._shrink(event.target_bytes, event.deadline_at, event.replica_bytes)
+        else:
+            lease._lost(event.reason, event.message)
+
+
 class PoolClient:
     """A tenant's connection to its host's pool agent; thread-safe.
 
@@ -390,6 +563,11 @@ class PoolClient:
     (see :mod:`agent.paths`). ``timeout_s`` bounds each request; a lease request gets
     extra time in proportion to its size, since the agent prefaults before replying.
     ``close()`` (or leaving the ``with`` block) releases every lease still held.
+
+    ``events`` (default on): hold a tenant session while leases are held (see the
+    module docstring); off, the client learns of revocations and shrink requests only
+    from renewals, as agents before protocol 2 tell it. ``reconnect_s``: how long a
+    dropped session tries to reach the agent again before its leases are lost.
     """
 
     def __init__(
@@ -397,15 +575,21 @@ class PoolClient:
         socket_path: str | os.PathLike[str] | None = None,
         *,
         timeout_s: float = 30.0,
+        events: bool = True,
+        reconnect_s: float = 2.0,
     ) -> None:
         self.socket_path = Path(socket_path) if socket_path is not None else client_socket_path()
         self.timeout_s = timeout_s
+        self.events = events
+        self.reconnect_s = reconnect_s
         self._lock = threading.Lock()  # one request/reply at a time on the connection
         self._sock: socket.socket | None = None
+        self._session: _Session | None = None  # the connection's reader, once a session
         self._closed = False
         self._leases_lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._renewer = _Renewer(self)
+        self._events = _Events(self)
 
     # --- operations -------------------------------------------------------
 
@@ -484,6 +668,7 @@ class PoolClient:
             self._leases[lease.lease_id] = lease
         if renew:
             self._renewer.track(lease)
+        self._open_session()
         return lease
 
     def renew(self, lease_id: str, ttl_s: int | None = None) -> RenewResult:
@@ -541,6 +726,86 @@ class PoolClient:
         with self._leases_lock:
             return builtins.list(self._leases.values())
 
+    @property
+    def in_session(self) -> bool:
+        """Whether the connection is a tenant session now (the agent pushes events)."""
+        return self._session is not None
+
+    def _held(self, lease_id: str) -> Lease | None:
+        with self._leases_lock:
+            return self._leases.get(lease_id)
+
+    def _wants_session(self) -> bool:
+        if not self.events or self._closed:
+            return False
+        with self._leases_lock:
+            return any(not lease.lost for lease in self._leases.values())
+
+    # --- tenant sessions ---------------------------------------------------
+
+    def _open_session(self) -> None:
+        """Make the connection a session now that a lease is held (best effort: when it
+        fails, the session is resynced as if it had dropped)."""
+        with self._lock:
+            if self._sock is None or self._session is not None or not self._wants_session():
+                return
+            try:
+                self._subscribe(self._sock)
+            except (OSError, PoolError) as err:
+                log.warning("could not open a session with the pool agent: %s", err)
+                self._disconnect()
+                self._events.put(_ConnectionLost())
+
+    def _subscribe(self, sock: socket.socket) -> None:
+        """``hello`` with ``events`` on a fresh connection, read here before any reader runs.
+
+        An agent that does not know the field (protocol 1) refuses it: the connection
+        stays a plain one, and renewals tell what events would have. Under ``_lock``.
+        """
+        sock.settimeout(self.timeout_s)
+        sock.sendall(encode_request("hello", HelloArgs(events=True)), socket.MSG_NOSIGNAL)
+        fds: builtins.list[int] = []
+        try:
+            frame = read_frame(sock, max_frame_bytes=MAX_REPLY_FRAME_BYTES, fds=fds)
+        finally:
+            self._close_fds(fds)
+        if frame is None:
+            raise ConnectionResetError("the agent hung up before answering hello")
+        try:
+            parse_reply(OPERATIONS["hello"], frame)
+        except BadRequest as err:
+            log.info("the pool agent has no tenant sessions (%s): renewals only", err.message)
+            self.events = False
+            return
+        self._session = _Session(self, sock)
+
+    def _resync(self) -> None:
+        """The session's connection dropped: reconnect and ask which leases the agent
+        still holds (on the event thread; see the module docstring)."""
+        held = [lease for lease in self.leases if not lease.lost and not lease.released]
+        if not held or self._closed:
+            return
+        deadline = time.monotonic() + self.reconnect_s
+        while True:
+            try:
+                listing = self.list()  # reconnects; a session again while leases are held
+                break
+            except PoolError as err:
+                if self._closed:
+                    return
+                if time.monotonic() >= deadline:
+                    for lease in held:
+                        lease._lost(LOST_CONNECTION, err.message)
+                    return
+                time.sleep(_RESYNC_RETRY_S)
+        there = {listed.lease_id: listed for listed in listing}
+        for lease in held:
+            listed = there.get(lease.lease_id)
+            if listed is None:
+                lease._lost(LOST_NOT_HELD, "the agent does not hold it after reconnecting")
+            elif listed.revoke_deadline_at is not None:
+                lease._revoked(listed.revoke_deadline_at)
+
     # --- lifecycle --------------------------------------------------------
 
     def close(self) -> None:
@@ -554,6 +819,7 @@ class PoolClient:
         with self._lock:
             self._closed = True
             self._disconnect()
+        self._events.stop()
 
     def __enter__(self) -> PoolClient:
         return self
@@ -608,7 +874,7 @@ class PoolClient:
                     raise self._unreachable(spec, err) from err
                 fds: builtins.list[int] = []
                 try:
-                    frame = read_frame(sock, max_frame_bytes=MAX_REPLY_FRAME_BYTES, fds=fds)
+                    frame = self._read_reply(sock, fds, timeout_s or self.timeout_s)
                 except OSError as err:
                     self._close_fds(fds)
                     self._disconnect()
@@ -638,6 +904,26 @@ class PoolClient:
                     self._close_fds(fds)
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _read_reply(
+        self, sock: socket.socket, fds: builtins.list[int], timeout_s: float
+    ) -> dict[str, Any] | None:
+        """The next reply: read here, or handed over by the session's reader. Raises as
+        read_frame does (OSError, TimeoutError, PoolError for a garbled stream)."""
+        session = self._session
+        if session is None:
+            return read_frame(sock, max_frame_bytes=MAX_REPLY_FRAME_BYTES, fds=fds)
+        try:
+            reply = session.replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError("no reply in time") from None
+        if isinstance(reply, _Ended):
+            if reply.error is not None:
+                raise reply.error
+            return None
+        frame, received = reply
+        fds.extend(received)
+        return frame
 
     def _take_reply(
         self,
@@ -670,12 +956,33 @@ class PoolClient:
                     socket_path=str(self.socket_path),
                 ) from err
             self._sock = sock
+            if self._wants_session():
+                # Leases held: the new connection is a session again before anything else.
+                try:
+                    self._subscribe(sock)
+                except PoolError:
+                    self._disconnect()
+                    raise
+                except OSError as err:
+                    self._disconnect()
+                    raise AgentUnreachable(
+                        f"the pool agent at {self.socket_path} did not answer hello: {err}",
+                        socket_path=str(self.socket_path),
+                    ) from err
         return self._sock
 
     def _disconnect(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.closing = True
         if self._sock is not None:
+            if session is not None:
+                with contextlib.suppress(OSError):  # wakes the reader, which then ends
+                    self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
             self._sock = None
+        if session is not None:
+            session.join(self.timeout_s)
 
     @staticmethod
     def _pending_error(sock: socket.socket) -> PoolError | None:

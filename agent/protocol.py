@@ -10,6 +10,11 @@ one object. Requests are ``{"op": name, "args": {...}}``; replies are
 "detail"?}}`` with a stable code from :mod:`poold.errors`. A reply that carries memory
 has exactly one fd attached with SCM_RIGHTS, in the same sendmsg as its frame.
 
+A connection whose ``hello`` asked ``events`` is a tenant session: from the hello's reply
+on, the agent may also send unsolicited event frames ``{"event": kind, ...}`` (one of
+:data:`EVENTS`: ``revoke``, ``shrink``, ``lost``) between replies; a reply always has
+``ok`` and an event never does. A connection that never asked receives none.
+
 Requests are capped at :data:`MAX_FRAME_BYTES`: the cap protects the agent (root) from
 its tenants. Replies may be larger (a ``list`` of many leases), up to
 :data:`MAX_REPLY_FRAME_BYTES`, which only the client enforces.
@@ -27,7 +32,15 @@ from datetime import datetime
 from typing import Annotated, Any, Final, Literal
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from poold.errors import (
     AgentProtocolError,
@@ -40,7 +53,8 @@ from poold.errors import (
 from poold.lease_states import LeaseState
 from poold.wire.common import MAX_LEASE_BYTES, MAX_TTL_S, DeviceKind, MediaClass, TenantName
 
-PROTOCOL_VERSION: Final = 1
+# 2: hello may ask for events (tenant sessions); a version-1 agent refuses the field.
+PROTOCOL_VERSION: Final = 2
 MAX_FRAME_BYTES: Final = 64 * 1024
 MAX_REPLY_FRAME_BYTES: Final = 16 * 1024 * 1024
 # A reply carries at most one fd; room for a few more lets a reader see (and close)
@@ -71,6 +85,17 @@ class HelloArgs(Model):
 
     client_name: Annotated[str, Field(max_length=128)] | None = None
     client_version: Annotated[str, Field(max_length=64)] | None = None
+    # Make this connection a tenant session: the agent pushes revoke/shrink/lost
+    # events for the leases of this process on it (see the module docstring).
+    events: bool = False
+
+    @model_serializer(mode="wrap")
+    def _without_default_events(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A plain hello stays what protocol 1 agents accept (they refuse unknown fields).
+        data: dict[str, Any] = handler(self)
+        if not self.events:
+            data.pop("events", None)
+        return data
 
 
 class HelloResult(Model):
@@ -177,6 +202,8 @@ class ListArgs(Model):
 
 class LeaseListing(LeaseResult):
     state: LeaseState
+    # Revoked: the memory goes at this time (what a session that reconnects missed).
+    revoke_deadline_at: datetime | None = None
 
 
 class ListResult(Model):
@@ -247,6 +274,79 @@ OPERATIONS: Final[dict[str, OpSpec]] = {
         OpSpec("report", ReportArgs, ReportResult),
     )
 }
+
+# --- events (agent -> tenant session) --------------------------------------------------
+
+
+class RevokeEvent(Model):
+    """poold revoked the lease: stop using it; its memory goes at ``deadline_at``."""
+
+    event: Literal["revoke"] = "revoke"
+    lease_id: str
+    deadline_at: datetime
+
+
+class ShrinkEvent(Model):
+    """Pool pressure: give ``target_bytes`` of the lease back by ``deadline_at``;
+    ``replica_bytes`` of them can come from replicas (the rest would be only copies)."""
+
+    event: Literal["shrink"] = "shrink"
+    lease_id: str
+    target_bytes: int = Field(gt=0)
+    replica_bytes: int = Field(default=0, ge=0)
+    deadline_at: datetime
+
+
+# Why a lease is gone (LostEvent.reason; the client adds its own, see agent/client.py).
+LOST_REVOKED: Final = "revoked"  # its revocation deadline passed: the agent took it back
+LOST_ENDED: Final = "ended"  # the ledger ended it without notice (admin end, expiry, reclaim)
+
+
+class LostEvent(Model):
+    """The lease is over: its memory is gone (devdax) or no longer the tenant's (memfd)."""
+
+    event: Literal["lost"] = "lost"
+    lease_id: str
+    reason: Annotated[str, Field(max_length=64)]  # LOST_*; others may come from newer agents
+    message: Annotated[str, Field(max_length=512)] = ""
+
+
+Event = RevokeEvent | ShrinkEvent | LostEvent
+EVENTS: Final[dict[str, type[Model]]] = {
+    "revoke": RevokeEvent,
+    "shrink": ShrinkEvent,
+    "lost": LostEvent,
+}
+# Events a session's queue never drops (agent/server.py): losing one loses a warning.
+CRITICAL_EVENTS: Final = frozenset({"revoke", "lost"})
+
+
+def encode_event(event: Event) -> bytes:
+    """The frame of one event."""
+    return _frame(pydantic_core.to_json(event))
+
+
+def is_event(frame: dict[str, Any]) -> bool:
+    """An unsolicited event frame, not a reply (replies always have ``ok``)."""
+    return "event" in frame and "ok" not in frame
+
+
+def parse_event(frame: dict[str, Any]) -> Event | None:
+    """The validated event; None for a kind this client does not know (a newer agent's).
+
+    A known kind that does not validate raises AgentProtocolError.
+    """
+    model = EVENTS.get(str(frame.get("event")))
+    if model is None:
+        return None
+    try:
+        event = model.model_validate(frame)
+    except ValidationError as err:
+        raise AgentProtocolError(f"{frame.get('event')!r} event does not validate: {err}") from None
+    if not isinstance(event, RevokeEvent | ShrinkEvent | LostEvent):  # pragma: no cover
+        raise AgentProtocolError(f"{frame.get('event')!r} is not an event")
+    return event
+
 
 # --- frames ---------------------------------------------------------------
 

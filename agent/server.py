@@ -21,6 +21,16 @@ newcomer takes the place of the longest-idle connection of the uid holding the m
 connections, if that uid holds at least two more than the newcomer's: one uid (or a
 few) flooding the socket cannot keep any other uid out. Fds a peer attaches are
 never received (the kernel closes them).
+
+Tenant sessions (a ``hello`` that asked ``events``): :meth:`AgentServer.push` queues an
+event for a lease's holder and returns at once, whatever thread calls it (the heartbeat
+thread does); the session's own writer thread sends it, between replies (one send lock
+per connection keeps frames whole). The queue is bounded (``max_queued_events``):
+revoke and lost are queued once per lease, a newer shrink replaces an older one of the
+same lease, and a full queue drops its oldest shrink; a queue full of revokes and losts
+(a tenant that does not read) is hung up on, like a reply not read within
+``reply_timeout_s``. Its leases stay (a process may reconnect); the client resyncs
+with ``list``.
 """
 
 from __future__ import annotations
@@ -47,8 +57,10 @@ from types import TracebackType
 from typing import Any, Final, Protocol
 
 from agent.protocol import (
+    CRITICAL_EVENTS,
     MAX_FRAME_BYTES,
     OPERATIONS,
+    Event,
     HelloArgs,
     HelloResult,
     LeaseArgs,
@@ -67,6 +79,7 @@ from agent.protocol import (
     StatsArgs,
     StatsResult,
     encode_error,
+    encode_event,
     encode_result,
     parse_request,
     read_frame,
@@ -80,6 +93,9 @@ DEFAULT_MAX_CONNECTIONS_PER_UID: Final = 64
 DEFAULT_FRAME_TIMEOUT_S: Final = 10.0
 DEFAULT_IDLE_TIMEOUT_S: Final = 300.0
 DEFAULT_REPLY_TIMEOUT_S: Final = 30.0
+DEFAULT_MAX_QUEUED_EVENTS: Final = 256
+# (kind, lease id) pairs a session remembers having queued (revoke/lost go once each).
+_TOLD_MEMORY: Final = 4096
 _JOIN_TIMEOUT_S: Final = 5.0
 _REFUSAL_LOG_INTERVAL_S: Final = 10.0
 _REFUSAL_LOG_UIDS: Final = 4096  # uids remembered for that; past it, the table starts over
@@ -102,6 +118,7 @@ class SocketLimits:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     reply_timeout_s: float = DEFAULT_REPLY_TIMEOUT_S
     max_frame_bytes: int = MAX_FRAME_BYTES
+    max_queued_events: int = DEFAULT_MAX_QUEUED_EVENTS  # per tenant session
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +147,8 @@ class AgentHandler(Protocol):
     pass with its result: the handler keeps owning it (the server sends it, never closes
     it). A reply that cannot be delivered ends the connection, so ``disconnected``
     follows: a lease granted on it then has no holder. A handler may also have
-    ``holds_leases(peer) -> bool``: an idle connection for which it says yes stays open.
+    ``holds_leases(peer) -> bool``: an idle connection for which it says yes stays open;
+    and ``attach_push(push)``: the server hands it :meth:`AgentServer.push` at start.
     """
 
     def hello(self, peer: Peer, args: HelloArgs) -> HelloResult: ...
@@ -260,6 +278,11 @@ class _Connection:
         self.last_active = time.monotonic()
         self._lock = threading.Lock()
         self._closed = False
+        # Replies (the connection's thread) and events (its writer) send whole frames.
+        self.send_lock = threading.Lock()
+        self.wants_events = False  # its hello asked; the session starts once answered
+        self.outbox: _Outbox | None = None
+        self.writer: threading.Thread | None = None
 
     def interrupt(self) -> None:
         """Wake the connection's thread out of a blocking recv (it sees EOF)."""
@@ -273,6 +296,64 @@ class _Connection:
             if not self._closed:
                 self._closed = True
                 self.sock.close()
+
+
+class _Outbox:
+    """A session's queued events (see the module docstring for what is kept and dropped)."""
+
+    def __init__(self, bound: int) -> None:
+        self._bound = max(1, bound)
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[str, str, bytes]] = collections.deque()
+        self._told: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self._closed = False
+        self.dropped = 0  # shrink events dropped for room
+
+    def put(self, kind: str, lease_id: str, frame: bytes) -> bool:
+        """Queue an event; False when it cannot be (full of critical events: hang up)."""
+        with self._cond:
+            if self._closed:
+                return True
+            if kind in CRITICAL_EVENTS:
+                key = (kind, lease_id)
+                if key in self._told:
+                    return True  # said once is enough
+                self._told[key] = None
+                while len(self._told) > _TOLD_MEMORY:
+                    self._told.popitem(last=False)
+            else:  # a newer shrink request supersedes the one not yet sent
+                for queued in self._queue:
+                    if queued[0] == kind and queued[1] == lease_id:
+                        self._queue.remove(queued)
+                        break
+            if len(self._queue) >= self._bound:
+                oldest = next((q for q in self._queue if q[0] not in CRITICAL_EVENTS), None)
+                if oldest is None:
+                    return False
+                self._queue.remove(oldest)
+                self.dropped += 1
+            self._queue.append((kind, lease_id, frame))
+            self._cond.notify()
+            return True
+
+    def take(self) -> bytes | None:
+        """The next frame to send, waiting for one; None once closed."""
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            return self._queue.popleft()[2]
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify_all()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._queue)
 
 
 class AgentServer:
@@ -325,6 +406,11 @@ class AgentServer:
         self._serving_ident: int | None = None  # thread running serve_forever, if any
         self._served = threading.Event()  # serve_forever has returned and cleaned up
         self._closed = False
+        attach: Callable[[Callable[[int, int, Event], bool]], None] | None = getattr(
+            handler, "attach_push", None
+        )
+        if callable(attach):
+            attach(self.push)
 
     def _bind(self, path: Path, mode: int, group: str | int | None, backlog: int) -> socket.socket:
         if not path.parent.exists():
@@ -455,6 +541,111 @@ class AgentServer:
         with self._lock:
             return len(self._connections)
 
+    # --- tenant sessions --------------------------------------------------
+
+    def push(self, connection_id: int, pid: int, event: Event) -> bool:
+        """Queue ``event`` for a lease's holder; never blocks. True when a session took it.
+
+        It goes to the connection that leased it (``connection_id``) if that is a session;
+        otherwise to every session of the holder's process (``pid``: it reconnected, or
+        leased on a connection that never asked for events). A client ignores events of
+        leases it does not hold.
+        """
+        frame = encode_event(event)
+        with self._lock:
+            own = self._connections.get(connection_id)
+            if own is not None and own.outbox is not None:
+                targets = [own]
+            else:
+                targets = [
+                    c
+                    for c in self._connections.values()
+                    if c.outbox is not None and c.peer.pid == pid
+                ]
+        queued = False
+        for target in targets:
+            outbox = target.outbox
+            if outbox is None:
+                continue
+            if outbox.put(event.event, event.lease_id, frame):
+                queued = True
+                continue
+            log.warning(
+                "connection %d (pid %d uid %d): %d events unread; closing the session",
+                target.connection_id,
+                target.peer.pid,
+                target.peer.uid,
+                len(outbox),
+            )
+            target.interrupt()
+        return queued
+
+    def sessions(self) -> int:
+        """How many connections are tenant sessions now."""
+        with self._lock:
+            return sum(1 for c in self._connections.values() if c.outbox is not None)
+
+    def _start_session(self, connection: _Connection) -> None:
+        """The hello that asked for events has been answered: events may flow from now."""
+        outbox = _Outbox(self.limits.max_queued_events)
+        writer = threading.Thread(
+            target=self._write_events,
+            args=(connection, outbox),
+            name=f"agent-events-{connection.connection_id}",
+            daemon=True,
+        )
+        connection.writer = writer
+        with self._lock:
+            connection.outbox = outbox
+        writer.start()
+
+    def _write_events(self, connection: _Connection, outbox: _Outbox) -> None:
+        """A session's writer: its events, each whole, each within ``reply_timeout_s``."""
+        while (frame := outbox.take()) is not None:
+            with connection.send_lock:
+                delivered = self._send_within(connection.sock, frame, self.limits.reply_timeout_s)
+            if not delivered:
+                log.warning(
+                    "connection %d (pid %d uid %d): an event was not read within %.0f s; closing",
+                    connection.connection_id,
+                    connection.peer.pid,
+                    connection.peer.uid,
+                    self.limits.reply_timeout_s,
+                )
+                connection.interrupt()
+                return
+
+    @staticmethod
+    def _send_within(sock: socket.socket, frame: bytes, timeout_s: float) -> bool:
+        """Send all of ``frame`` by ``timeout_s`` from now without blocking past it.
+
+        Its own poll and MSG_DONTWAIT: the socket's timeout is the connection thread's to
+        set (it changes with every frame it reads), never the writer's.
+        """
+        deadline = time.monotonic() + timeout_s
+        view = memoryview(frame)
+        writable = select.poll()
+        writable.register(sock.fileno(), select.POLLOUT)
+        try:
+            while view:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                ready = writable.poll(left * 1000)
+                if not ready:
+                    return False
+                if ready[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                    return False
+                try:
+                    sent = sock.send(view, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                view = view[sent:]
+        except OSError as err:
+            log.debug("event not delivered: %s", err)
+            return False
+        return True
+
     # --- connections ------------------------------------------------------
 
     def connections_of(self, uid: int) -> int:
@@ -572,9 +763,16 @@ class AgentServer:
         except Exception:
             log.exception("connection %d failed", connection.connection_id)
         finally:
-            connection.close()
             with self._lock:
                 self._connections.pop(connection.connection_id, None)
+            if connection.outbox is not None:
+                # The writer must be done with the socket before it closes (its fd
+                # number could be reused by another connection).
+                connection.interrupt()
+                connection.outbox.close()
+                if connection.writer is not None:
+                    connection.writer.join(_JOIN_TIMEOUT_S)
+            connection.close()
             try:
                 self._disconnected(peer)
             except Exception:
@@ -635,10 +833,13 @@ class AgentServer:
                 return
             if frame is None:
                 return
-            reply, fd = self._dispatch(peer, frame)
-            sock.settimeout(limits.reply_timeout_s)  # a peer that never reads pins nothing
-            if not self._send(sock, reply, fd):
-                return
+            reply, fd = self._dispatch(connection, frame)
+            with connection.send_lock:
+                sock.settimeout(limits.reply_timeout_s)  # a peer that never reads pins nothing
+                if not self._send(sock, reply, fd):
+                    return
+            if connection.wants_events and connection.outbox is None:
+                self._start_session(connection)
             self._end(connection)
 
     def _hang_up(self, connection: _Connection, peer: Peer, err: PoolError) -> None:
@@ -649,16 +850,20 @@ class AgentServer:
             peer.uid,
             err.message,
         )
-        connection.sock.settimeout(self.limits.reply_timeout_s)
-        self._send(connection.sock, encode_error(err), None)
+        with connection.send_lock:
+            connection.sock.settimeout(self.limits.reply_timeout_s)
+            self._send(connection.sock, encode_error(err), None)
 
-    def _dispatch(self, peer: Peer, frame: dict[str, Any]) -> tuple[bytes, int | None]:
+    def _dispatch(self, connection: _Connection, frame: dict[str, Any]) -> tuple[bytes, int | None]:
         """The reply frame (and fd) for one request; never raises."""
+        peer = connection.peer
         op = "?"
         try:
             spec, args = parse_request(frame)
             op = spec.name
             outcome = self._methods[op](peer, args)
+            if isinstance(args, HelloArgs) and args.events:
+                connection.wants_events = True
             fd: int | None = None
             if spec.carries_fd:
                 result, fd = outcome
