@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 from agent import mappings
@@ -31,6 +32,7 @@ from agent.held import HeldLease, HeldLeases
 from agent.holders import alive as holder_alive
 from agent.link import Holdings, PooldLink
 from agent.memory import LeaseMemory
+from agent.protocol import LOST_ENDED, LOST_REVOKED, Event, LostEvent, RevokeEvent, ShrinkEvent
 from poold.errors import PoolError
 from poold.wire.agent import (
     AgentLease,
@@ -69,6 +71,19 @@ class Revocations:
         # Where processes are looked for (tests point it at a fixture tree).
         self.proc_root: str = str(mappings.PROC)
         self._warned_unreadable = False
+        # Tenant sessions (agent/server.py AgentServer.push: connection id, pid, event);
+        # None until a server attaches. Renew replies stay the fallback path.
+        self.push: Callable[[int, int, Event], bool] | None = None
+        self._told_shrink: dict[str, tuple[int, int, datetime]] = {}  # hint last pushed
+
+    def tell(self, held: HeldLease, event: Event) -> None:
+        """Push ``event`` to the lease's holder's session, if it has one; never blocks."""
+        push = self.push
+        if push is not None:
+            try:
+                push(held.conn_id, held.holder_pid, event)
+            except Exception:
+                log.exception("could not queue a %s event for lease %s", event.event, held.lease.id)
 
     # --- what the link asks ---------------------------------------------------------
     def held_ids(self) -> list[str]:
@@ -171,6 +186,14 @@ class Revocations:
                     and result.code in ("lease_not_active", "unknown_lease")
                 ):
                     held.lost = True
+                    self.tell(
+                        held,
+                        LostEvent(
+                            lease_id=held.lease.id,
+                            reason=LOST_ENDED,
+                            message=(result.message or result.code)[:512],
+                        ),
+                    )
             elif result.expires_at is not None:
                 held = self.held.get(result.lease_id)
                 if held is not None:
@@ -196,6 +219,25 @@ class Revocations:
                     hint = hint.model_copy(update={"deadline_at": pending.deadline_at})
                 fresh[hint.lease_id] = hint
             self._shrink = fresh
+            told, self._told_shrink = self._told_shrink, {}
+            news: list[ShrinkHint] = []
+            for hint in fresh.values():
+                key = (hint.target_bytes, hint.replica_bytes, hint.deadline_at)
+                self._told_shrink[hint.lease_id] = key
+                if told.get(hint.lease_id) != key:
+                    news.append(hint)
+        for hint in news:  # new or changed: the session hears it now, renewals later
+            held_lease = self.held.get(hint.lease_id)
+            if held_lease is not None:
+                self.tell(
+                    held_lease,
+                    ShrinkEvent(
+                        lease_id=hint.lease_id,
+                        target_bytes=hint.target_bytes,
+                        replica_bytes=hint.replica_bytes,
+                        deadline_at=hint.deadline_at,
+                    ),
+                )
 
     def _note_revocations(self, revocations: list[Revocation]) -> None:
         """Revoked leases are torn down at their deadline, not at once.
@@ -214,6 +256,13 @@ class Revocations:
                 # Keep a safety margin before poold's own deadline.
                 deadline = (r.deadline_at or now) - timedelta(seconds=REVOKE_MARGIN_S)
                 held.revoke_deadline_at = max(deadline, now)
+                if held.revoke_deadline_at > now:
+                    self.tell(
+                        held,
+                        RevokeEvent(lease_id=held.lease.id, deadline_at=held.revoke_deadline_at),
+                    )
+                else:  # no notice (the ledger ended it): the tenant hears it is lost
+                    held.extra["lost_reason"] = (LOST_ENDED, r.reason)
         if unknown:
             # A leftover sub-device of an ended lease (poolctl audit --reclaim) goes too.
             self.memory.leftovers.delete(self.held.journal, unknown, self.memory.tied())
@@ -245,6 +294,10 @@ class Revocations:
         confirm: list[str] = []
         for lease_id in lease_ids:
             held = self.held.get(lease_id)
+            if held is not None:
+                # Still held (not released by its tenant): the tenant loses it now.
+                reason, message = held.extra.get("lost_reason", (LOST_REVOKED, "revoked"))
+                self.tell(held, LostEvent(lease_id=lease_id, reason=reason, message=message[:512]))
             if held is not None and self.ended_mapped(held, "revoked"):
                 continue
             if held is not None and held.inode is None and self._pages_stay_with_holder(held):

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 from agent import protocol as p
@@ -407,7 +408,12 @@ class AgentService:
         mine = self.held.visible_to(peer.uid)
         return p.ListResult(
             leases=[
-                p.LeaseListing(**self._result(h).model_dump(), state=h.lease.state) for h in mine
+                p.LeaseListing(
+                    **self._result(h).model_dump(),
+                    state=h.lease.state,
+                    revoke_deadline_at=h.revoke_deadline_at,
+                )
+                for h in mine
             ]
         )
 
@@ -437,6 +443,10 @@ class AgentService:
         # Only the latest counts: the next heartbeat carries it (DESIGN.md: batched).
         self.revocations.note_report(LeaseReport(**held.extra["report"]))
         return p.ReportResult(accepted=True)
+
+    def attach_push(self, push: Callable[[int, int, p.Event], bool]) -> None:
+        """The server's way to a lease holder's session (revoke, shrink, lost events)."""
+        self.revocations.push = push
 
     def holds_leases(self, peer: Peer) -> bool:
         """Whether the peer's process holds a lease here: its idle connection stays open."""

@@ -62,7 +62,9 @@ def stack(api: ThreadedServer, admin: PooldClient, ledger: Ledger) -> Iterator[S
     with (
         linked_agent(api.url, admin, DEVICE, ["rich", "frugal"]) as agent,
         serving(agent.service) as socket_path,
-        PoolClient(socket_path, timeout_s=10) as tenant,
+        # events=False: these tests follow the renewal path (the fallback for clients
+        # without a session); tests/e2e/test_sessions.py has the pushed events.
+        PoolClient(socket_path, timeout_s=10, events=False) as tenant,
     ):
         yield Stack(api, agent.link, agent.service, tenant, ledger)
 
