@@ -52,6 +52,7 @@ from poold.ledger import accounting as ledger_accounting
 from poold.ledger import (
     admin_ops,
     capacity,
+    delegation,
     device_hosts,
     devices,
     hosts,
@@ -97,6 +98,7 @@ from poold.wire.agent import (
     RevokedConfirm,
 )
 from poold.wire.common import EndRequest, LeaseOut
+from poold.wire.delegation import Delegation, DelegationRequest
 from poold.wire.routes import (
     ROUTES,
     AccountingQuery,
@@ -777,6 +779,10 @@ def create_app(
     @bind
     def confirm_revoked(body: RevokedConfirm, p: Caller) -> list[LeaseOpResult]:
         return admin_ops.confirm_revoked(ledger, _host_of(p), body.lease_ids, p.actor)
+
+    @bind
+    def delegate(body: DelegationRequest, p: Caller) -> Delegation:
+        return delegation.delegate(ledger, _host_of(p), body, p.actor)
 
     # --- leases ----------------------------------------------------------
     @bind

@@ -66,6 +66,7 @@ from poold.wire.agent import (
     RevokedConfirm,
 )
 from poold.wire.common import EndRequest, LeaseOut
+from poold.wire.delegation import Delegation, DelegationRequest
 from poold.wire.routes import AccountingQuery, AuditQuery, HostDeleteQuery, LeaseQuery, Route
 
 R = TypeVar("R")
@@ -275,6 +276,10 @@ class PooldClient:
     def confirm_revoked(self, lease_ids: list[str]) -> list[LeaseOpResult]:
         """The agent's side: these revoked leases are torn down (revoking → reclaimed)."""
         return self._send(routes.confirm_revoked, RevokedConfirm(lease_ids=lease_ids))
+
+    def delegate(self, req: DelegationRequest) -> Delegation:
+        """Refill or give back the host's delegation; what it holds now."""
+        return self._send(routes.delegate, req)
 
     # leases
     def grant(self, req: GrantRequest, *, deadline: float | None = None) -> LeaseOut:

@@ -25,6 +25,7 @@ from poold.lease_states import LIVE_STATE_VALUES, LeaseState
 from poold.ledger import (
     accounting,
     agent_reports,
+    delegation,
     device_hosts,
     devices,
     hosts,
@@ -420,6 +421,7 @@ def heartbeat(
     *,
     pressure_watermark: float = pressure.DEFAULT_WATERMARK,
     shrink_deadline_s: float = pressure.DEFAULT_DEADLINE_S,
+    delegation_policy: delegation.DelegationPolicy = delegation.DEFAULT_POLICY,
 ) -> HeartbeatReply:
     """Apply one heartbeat: inventory, every renewal on the host, and what to revoke."""
     now = utcnow()
@@ -436,6 +438,11 @@ def heartbeat(
         want_inventory = True
     # Each renewal checks before it writes, so a refusal leaves nothing half-done.
     renewed = leases.renew_all(session.connection(), host.id, host.name, beat.renewals, now)
+    # The host's reservations and budgets live on (or go back, off a draining device).
+    held_delegation = None
+    if delegation.has_any(session.connection(), host.id):
+        delegation.renew(session.connection(), host.id, host.status, now, delegation_policy)
+        held_delegation = delegation.host_delegation(session.connection(), host.id, now)
     # After the renewals: a lease that lazily expired just now still held its memory.
     report_errors = store_reports(session, host, beat.reports, now) if beat.reports else []
     if beat.revoked_held:
@@ -505,6 +512,7 @@ def heartbeat(
         report_errors=report_errors,
         inventory_errors=inventory_errors,
         want_inventory=want_inventory,
+        delegation=held_delegation,
         # After the reports: what tenants already gave back is not asked again.
         shrink=shrink_hints(
             session,

@@ -30,6 +30,7 @@ nothing, and a grant does not return their results.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -37,19 +38,25 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, func, insert, select, text, update
+from sqlalchemy import Connection, bindparam, case, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from poold import placement
 from poold.errors import (
+    BadRequest,
+    BudgetExceeded,
     GenerationConflict,
     InvalidSize,
     LeaseNotActive,
+    LeaseOverlap,
+    LocalGrantMismatch,
     NoCapacity,
     NotOwner,
+    OutsideReservation,
     PoolError,
     QuotaExceeded,
     UnknownLease,
+    UnknownReservation,
 )
 from poold.extents import Extent
 from poold.lease_states import (
@@ -61,19 +68,42 @@ from poold.lease_states import (
 )
 from poold.ledger import agent_requests, devices, lease_views, tenants, transitions
 from poold.ledger.db import Ledger
-from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine, Tenant
+from poold.ledger.models import (
+    Budget,
+    Device,
+    DevicePath,
+    Host,
+    Lease,
+    Quarantine,
+    Reservation,
+    Tenant,
+)
 from poold.ledger.transitions import event_row
 from poold.ledger.types import check_ints_fit, utcnow
 from poold.wire.agent import GrantRequest, LeaseOp, LeaseOpResult, Renewal, RenewResult
 from poold.wire.common import LeaseOut
+from poold.wire.delegation import EPOCH_BLOCK, LocalGrant
 
 # The hot path's statements, built once: constructing a Select costs tens of
 # microseconds of Python each time, and a grant runs about ten of them.
 _LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
 _HOST_ID = select(Host.id).where(Host.name == bindparam("host_name"))
 _HOST_STATUS = select(Host.status, Host.generation).where(Host.id == bindparam("host_id"))
-_TENANT_USAGE = select(func.coalesce(func.sum(Lease.length_bytes), 0), func.count(Lease.id)).where(
-    Lease.tenant_id == bindparam("tenant_id"), _LIVE_SQL
+_CENTRAL = Lease.reservation_id.is_(None)
+# A tenant's live leases per host, central and local (granted inside a reservation).
+_TENANT_USAGE = (
+    select(
+        Lease.host_id,
+        func.coalesce(func.sum(case((_CENTRAL, Lease.length_bytes), else_=0)), 0),
+        func.count(case((_CENTRAL, 1))),
+        func.coalesce(func.sum(case((_CENTRAL, 0), else_=Lease.length_bytes)), 0),
+        func.count(case((_CENTRAL, None), else_=1)),
+    )
+    .where(Lease.tenant_id == bindparam("tenant_id"), _LIVE_SQL)
+    .group_by(Lease.host_id)
+)
+_TENANT_BUDGETS = select(Budget.host_id, Budget.bytes, Budget.leases).where(
+    Budget.tenant_id == bindparam("tenant_id")
 )
 _HOST_DEVICES = (
     select(
@@ -102,6 +132,12 @@ _HOST_DEVICE_IDS = select(DevicePath.device_id).where(
 _USED_BY_LEASES = select(Lease.device_id, Lease.offset_bytes, Lease.length_bytes).where(
     Lease.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery()), _LIVE_SQL
 )
+# Every reservation occupies its bytes for a central grant, the requesting host's own
+# too: its agent places local leases there without asking, so a central lease in them
+# would collide with a local one not yet committed.
+_USED_BY_RESERVATIONS = select(
+    Reservation.device_id, Reservation.offset_bytes, Reservation.length_bytes
+).where(Reservation.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery()))
 _USED_BY_QUARANTINE = select(
     Quarantine.device_id, Quarantine.offset_bytes, Quarantine.length_bytes
 ).where(Quarantine.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery()))
@@ -238,10 +274,9 @@ def _grant_once(
     host_id = _host_id(ledger, conn, host_name)
     host_generation = _refuse_if_host_draining(conn, host_id, host_name)
     tenant = tenants.resolve(conn, req.tenant, req.uid, req.gids, host_name)
-    usage = conn.execute(_TENANT_USAGE, {"tenant_id": tenant.id}).one()
-    # int(): PostgreSQL's SUM(bigint) is a numeric (Decimal), which would leak
-    # into the quota_exceeded detail and fail to serialise to JSON.
-    used_bytes, used_leases = int(usage[0]), int(usage[1])
+    # Budgets delegated to hosts are used quota, whether spent there yet or not.
+    use = quota_use(conn, tenant.id)
+    used_bytes, used_leases = use.bytes(), use.leases()
     candidates, paths = _candidates(conn, host_id)
     choice = placement.place(
         placement.Request(
@@ -266,6 +301,7 @@ def _grant_once(
             f"tenant {tenant.name!r} holds {used_leases} of {tenant.quota_leases} leases{why}",
             quota_leases=tenant.quota_leases,
             live_leases=used_leases,
+            **({"delegated_leases": use.delegated_leases()} if use.budgets else {}),
             **mapped,
         )
     if used_bytes + length > tenant.quota_bytes:
@@ -275,6 +311,7 @@ def _grant_once(
             f"quota is {tenant.quota_bytes}{why}",
             quota_bytes=tenant.quota_bytes,
             leased_bytes=used_bytes,
+            **({"delegated_bytes": use.delegated_bytes()} if use.budgets else {}),
             requested_bytes=length,
             **mapped,
         )
@@ -307,6 +344,7 @@ def _grant_once(
         "exclusive_bytes": 0,
         "replica_bytes": 0,
         "reported_at": None,
+        "reservation_id": None,  # central
     }
     # Claim the generations *before* inserting the lease. On PostgreSQL the
     # conditional UPDATE takes the device row lock, so racing grants queue
@@ -368,6 +406,52 @@ def _grant_once(
     )
 
 
+@dataclass(frozen=True)
+class QuotaUse:
+    """What counts against a tenant's quota: its central leases, and per host the larger
+    of its budget there and its local leases there (a budget clawed back below what its
+    agent already granted still counts what was granted)."""
+
+    central_bytes: int = 0
+    central_leases: int = 0
+    # host id -> (bytes, leases)
+    local: Mapping[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    budgets: Mapping[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    def _per_host(self, i: int, skip_host: int | None) -> int:
+        hosts = (set(self.local) | set(self.budgets)) - {skip_host}
+        return sum(max(self.local.get(h, (0, 0))[i], self.budgets.get(h, (0, 0))[i]) for h in hosts)
+
+    def bytes(self, skip_host: int | None = None) -> int:
+        """Quota bytes in use (not counting `skip_host`'s budget and local leases)."""
+        return self.central_bytes + self._per_host(0, skip_host)
+
+    def leases(self, skip_host: int | None = None) -> int:
+        return self.central_leases + self._per_host(1, skip_host)
+
+    def delegated_bytes(self) -> int:
+        return self._per_host(0, None)
+
+    def delegated_leases(self) -> int:
+        return self._per_host(1, None)
+
+
+def quota_use(conn: Connection, tenant_id: int) -> QuotaUse:
+    """The tenant's quota use as this transaction reads it (under its generation swap)."""
+    params = {"tenant_id": tenant_id}
+    central_bytes = central_leases = 0
+    local: dict[int, tuple[int, int]] = {}
+    # int(): PostgreSQL's SUM(bigint) is a numeric (Decimal), which would leak
+    # into the quota_exceeded detail and fail to serialise to JSON.
+    for host_id, c_bytes, c_leases, l_bytes, l_leases in conn.execute(_TENANT_USAGE, params):
+        central_bytes += int(c_bytes)
+        central_leases += int(c_leases)
+        if l_leases:
+            local[int(host_id)] = (int(l_bytes), int(l_leases))
+    budgets = {int(h): (int(b), int(n)) for h, b, n in conn.execute(_TENANT_BUDGETS, params)}
+    return QuotaUse(central_bytes, central_leases, local, budgets)
+
+
 _MAPPED_OF_TENANT = (
     select(Lease.id, Lease.state, Lease.length_bytes)
     .where(Lease.tenant_id == bindparam("tenant_id"), Lease.state.in_(MAPPED_STATE_VALUES))
@@ -423,6 +507,8 @@ def _candidates(
     for device_id, offset, length in conn.execute(_USED_BY_LEASES, params):
         used[device_id].append(Extent(offset, length))
     for device_id, offset, length in conn.execute(_USED_BY_QUARANTINE, params):
+        used[device_id].append(Extent(offset, length))
+    for device_id, offset, length in conn.execute(_USED_BY_RESERVATIONS, params):
         used[device_id].append(Extent(offset, length))
     reserved: dict[int, tuple[Extent, ...]] = {}
     for row in rows:  # held by dax devices poold did not place (poold/ledger/devices.py)
@@ -500,7 +586,9 @@ def apply_ops(
                     )
                 return results
         except IntegrityError as exc:
-            if not agent_requests.is_duplicate(exc):
+            # A local grant that met PostgreSQL's exclusion constraint (a racing batch
+            # placed over it): the rerun reads that lease and refuses this one.
+            if "ex_leases_no_overlap" not in str(exc.orig) and not agent_requests.is_duplicate(exc):
                 raise
             raise transitions.LostRace from exc  # the rerun answers what the winner stored
 
@@ -541,6 +629,8 @@ def _apply_op(
     freed: set[int],
 ) -> LeaseOpResult:
     """One op of a batch; a PoolError is that op's refusal (raised before it writes)."""
+    if op.grant is not None:
+        return _local_grant(conn, host_id, host_name, op.grant, now, actor)
     row = conn.execute(_LEASE_FOR_OP, {"lease_id": op.lease_id}).one_or_none()
     if row is None:
         raise UnknownLease(f"no lease {op.lease_id!r}", lease_id=op.lease_id)
@@ -575,6 +665,204 @@ def _apply_op(
 
 
 _DEVICE_ALIGNMENT = select(Device.alignment_bytes).where(Device.id == bindparam("device_id"))
+_RESERVATION = (
+    select(
+        Reservation.id,
+        Reservation.host_id,
+        Reservation.device_id,
+        Reservation.offset_bytes,
+        Reservation.length_bytes,
+        Reservation.epoch_base,
+        Reservation.expires_at,
+        Device.alignment_bytes,
+    )
+    .join(Device, Device.id == Reservation.device_id)
+    .where(Reservation.id == bindparam("reservation_id"))
+)
+_LOCAL_GRANT_AS_RECORDED = select(
+    Lease.host_id,
+    Lease.reservation_id,
+    Lease.tenant_id,
+    Lease.offset_bytes,
+    Lease.length_bytes,
+    Lease.epoch,
+    Lease.state,
+).where(Lease.id == bindparam("lease_id"))
+_OVERLAPPING = (
+    select(Lease.id)
+    .where(
+        Lease.device_id == bindparam("device_id"),
+        _LIVE_SQL,
+        Lease.offset_bytes < bindparam("end"),
+        Lease.offset_bytes + Lease.length_bytes > bindparam("offset"),
+    )
+    .limit(1)
+)
+_BUDGET_OF = select(Budget.bytes, Budget.leases).where(
+    Budget.tenant_id == bindparam("tenant_id"), Budget.host_id == bindparam("host_id")
+)
+_LOCAL_USE = select(func.coalesce(func.sum(Lease.length_bytes), 0), func.count(Lease.id)).where(
+    Lease.tenant_id == bindparam("tenant_id"),
+    Lease.host_id == bindparam("host_id"),
+    Lease.reservation_id.is_not(None),
+    _LIVE_SQL,
+)
+
+
+def _local_grant(
+    conn: Connection, host_id: int, host_name: str, grant: LocalGrant, now: datetime, actor: str
+) -> LeaseOpResult:
+    """Record a lease the host's agent granted alone inside its reservation (an ordinary
+    active lease from then on), or refuse it with a code; idempotent by lease id.
+
+    Checked before anything is written: the reservation is this host's, the extent lies
+    in it (aligned) and its epoch in its block, no live lease overlaps it, the process
+    may act for the tenant there, and the tenant's budget on this host covers it. The
+    tenant's generation is swapped, so a clawback that read the budget's use before this
+    commits reads again (no quota excess between them).
+    """
+    recorded = conn.execute(_LOCAL_GRANT_AS_RECORDED, {"lease_id": grant.lease_id}).one_or_none()
+    tenant = tenants.resolve(conn, grant.tenant, grant.uid, grant.gids, host_name)
+    if recorded is not None:
+        same = (
+            recorded.host_id == host_id
+            and recorded.reservation_id == grant.reservation_id
+            and recorded.tenant_id == tenant.id
+            and recorded.offset_bytes == grant.offset_bytes
+            and recorded.length_bytes == grant.length_bytes
+            and recorded.epoch == grant.epoch
+        )
+        if not same:
+            raise LocalGrantMismatch(
+                f"lease {grant.lease_id} is already recorded with other fields",
+                lease_id=grant.lease_id,
+            )
+        return LeaseOpResult(lease_id=grant.lease_id, state=recorded.state)  # a replay
+    res = conn.execute(_RESERVATION, {"reservation_id": grant.reservation_id}).one_or_none()
+    if res is None:
+        raise UnknownReservation(
+            f"no reservation {grant.reservation_id!r}", reservation_id=grant.reservation_id
+        )
+    if res.host_id != host_id:
+        raise NotOwner(
+            f"reservation {res.id} is not held by host {host_name!r}", reservation_id=res.id
+        )
+    end_bytes = grant.offset_bytes + grant.length_bytes
+    if (
+        grant.offset_bytes < res.offset_bytes
+        or end_bytes > res.offset_bytes + res.length_bytes
+        or not res.epoch_base <= grant.epoch < res.epoch_base + EPOCH_BLOCK
+    ):
+        raise OutsideReservation(
+            f"lease {grant.lease_id} [{grant.offset_bytes}, {end_bytes}) epoch {grant.epoch} "
+            f"is outside reservation {res.id} [{res.offset_bytes}, "
+            f"{res.offset_bytes + res.length_bytes}) epochs {res.epoch_base}+{EPOCH_BLOCK}",
+            lease_id=grant.lease_id,
+            reservation_id=res.id,
+        )
+    if grant.offset_bytes % res.alignment_bytes or grant.length_bytes % res.alignment_bytes:
+        raise InvalidSize(
+            f"lease {grant.lease_id} is not aligned to its device's {res.alignment_bytes} bytes",
+            lease_id=grant.lease_id,
+            alignment_bytes=res.alignment_bytes,
+        )
+    if grant.granted_at > res.expires_at:
+        raise OutsideReservation(
+            f"lease {grant.lease_id} was granted after reservation {res.id} expired",
+            lease_id=grant.lease_id,
+            reservation_id=res.id,
+        )
+    other = conn.execute(
+        _OVERLAPPING,
+        {"device_id": res.device_id, "offset": grant.offset_bytes, "end": end_bytes},
+    ).scalar()
+    if other is not None:
+        raise LeaseOverlap(
+            f"lease {grant.lease_id} overlaps live lease {other}",
+            lease_id=grant.lease_id,
+            other_lease_id=other,
+        )
+    params = {"tenant_id": tenant.id, "host_id": host_id}
+    budget = conn.execute(_BUDGET_OF, params).one_or_none()
+    spent_bytes, spent_leases = (int(x) for x in conn.execute(_LOCAL_USE, params).one())
+    if (
+        budget is None
+        or spent_leases + 1 > budget.leases
+        or spent_bytes + grant.length_bytes > budget.bytes
+    ):
+        raise BudgetExceeded(
+            f"tenant {tenant.name!r} on host {host_name!r} would hold "
+            f"{spent_bytes + grant.length_bytes} bytes in {spent_leases + 1} local leases; "
+            f"its budget there is "
+            + ("none" if budget is None else f"{budget.bytes} bytes, {budget.leases} leases"),
+            tenant=tenant.name,
+            budget_bytes=0 if budget is None else budget.bytes,
+            budget_leases=0 if budget is None else budget.leases,
+        )
+    if grant.requested_bytes > grant.length_bytes:
+        raise BadRequest(
+            f"lease {grant.lease_id} requested more bytes than it holds",
+            lease_id=grant.lease_id,
+        )
+    check_ints_fit(Lease.__table__, {"holder_uid": grant.uid, "holder_pid": grant.pid})
+    if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
+        raise transitions.LostRace
+    conn.execute(
+        _INSERT_LEASE,
+        {
+            "id": grant.lease_id,
+            "tenant_id": tenant.id,
+            "host_id": host_id,
+            "device_id": res.device_id,
+            "offset_bytes": grant.offset_bytes,
+            "length_bytes": grant.length_bytes,
+            "requested_bytes": grant.requested_bytes,
+            "state": LeaseState.ACTIVE.value,
+            "ttl_s": grant.ttl_s,
+            "epoch": grant.epoch,
+            "granted_at": grant.granted_at,
+            "activated_at": grant.granted_at,
+            "expires_at": grant.granted_at + timedelta(seconds=grant.ttl_s),
+            "ended_at": None,
+            "holder_uid": grant.uid,
+            "holder_gid": grant.gids[0] if grant.gids else None,
+            "holder_pid": grant.pid,
+            "labels": dict(grant.labels),
+            "exclusive_bytes": 0,
+            "replica_bytes": 0,
+            "reported_at": None,
+            "reservation_id": res.id,
+        },
+    )
+    common: dict[str, Any] = {
+        "at": now,
+        "actor": actor,
+        "lease_id": grant.lease_id,
+        "tenant_id": tenant.id,
+        "host_id": host_id,
+        "device_id": res.device_id,
+    }
+    transitions.record(
+        conn,
+        event_row(
+            **common,
+            kind="lease.grant",
+            to_state="granted",
+            detail={
+                "offset_bytes": grant.offset_bytes,
+                "length_bytes": grant.length_bytes,
+                "epoch": grant.epoch,
+                "uid": grant.uid,
+                "pid": grant.pid,
+                "reservation_id": res.id,
+                "granted_at": grant.granted_at.isoformat(),
+            },
+        ),
+        event_row(**common, kind="lease.activate", from_state="granted", to_state="active"),
+    )
+    return LeaseOpResult(lease_id=grant.lease_id, state=LeaseState.ACTIVE.value)
+
+
 _SHRINK_STATE = select(Lease.shrink_wanted_bytes, Lease.shrink_deadline_at).where(
     Lease.id == bindparam("lease_id")
 )

@@ -104,6 +104,11 @@ def update(session: Session, name: str, change: TenantUpdate, actor: str) -> Ten
     _claim(session, tenant)
     for key, value in fields.items():
         setattr(tenant, key, sorted(set(value)) if isinstance(value, list) else value)
+    if "quota_bytes" in fields or "quota_leases" in fields:
+        from poold.ledger import delegation  # delegation -> leases -> tenants
+
+        session.flush()
+        delegation.claw_back(session.connection(), tenant.id)  # a cut below what is delegated
     transitions.record(
         session,
         transitions.event_row(

@@ -51,6 +51,7 @@ from poold.wire.agent import (
     RevokedConfirm,
 )
 from poold.wire.common import EndRequest, LeaseOut
+from poold.wire.delegation import Delegation, DelegationRequest
 
 R = TypeVar("R")
 
@@ -178,6 +179,10 @@ apply_ops: Route[list[LeaseOpResult]] = Route(
 )
 confirm_revoked: Route[list[LeaseOpResult]] = Route(
     "POST", "/v1/agent/revoked", list[LeaseOpResult], "agent", body=RevokedConfirm
+)
+# Refill and give-back of the host's reservations and budgets; the reply is all it holds.
+delegate: Route[Delegation] = Route(
+    "POST", "/v1/agent/delegation", Delegation, "agent", body=DelegationRequest
 )
 
 grant: Route[LeaseOut] = Route(

@@ -1,0 +1,666 @@
+"""What is delegated to which host: its reservations of device extents and its tenants'
+budgets, which its agent spends alone (DESIGN.md "Delegated capacity").
+
+* `delegate` (`POST /v1/agent/delegation`): give back reservations, reserve more, set
+  budgets, in one transaction; idempotent by request id; the reply is the host's whole
+  delegation. Reservations are placed with the pure placement/extent code grants use,
+  on devices the host reaches, around every lease, reservation, reserved and
+  quarantined range, under the device-generation swap, which moves the device's
+  generation past an epoch block (`EPOCH_BLOCK`): the reservation's local leases take
+  epochs from that block, every later grant of those bytes a larger one.
+* Budgets: a tenant's quota use is its central leases plus, per host, the larger of its
+  budget and its local leases there (`leases.quota_use`); a budget is set under the
+  tenant's generation swap, so it and a racing central grant cannot both pass.
+* `renew` (each heartbeat): held reservations and budgets live on for the TTL; a
+  reservation on a device that is no longer online, or of a draining host, is returned
+  (`return_unleased`). `claw_back`: a quota lowered below what is delegated.
+* `reap` (the reaper): expired reservations with no lease inside go; one with leases
+  inside stays, taking no new lease, until they end. Expired budgets go.
+
+Reservation states: "held" (renewed, takes local grants) and "returning" (its TTL passed,
+its device or host drains, or `audit --reclaim` found its host down: it takes no new
+lease and goes once no live lease lies in it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, and_, bindparam, delete, insert, select, text, update
+from sqlalchemy.exc import IntegrityError
+
+from poold import extents, placement
+from poold.errors import (
+    NotOwner,
+    ReservationInUse,
+    UnknownDevice,
+    UnknownReservation,
+    UnknownTenant,
+)
+from poold.extents import Extent
+from poold.lease_states import LIVE_STATES_SQL
+from poold.ledger import agent_requests, leases, transitions
+from poold.ledger.db import Ledger
+from poold.ledger.models import Budget, Device, DevicePath, Host, Lease, Reservation, Tenant
+from poold.ledger.transitions import event_row
+from poold.ledger.types import utcnow
+from poold.wire.delegation import EPOCH_BLOCK, Delegation, DelegationRequest
+from poold.wire.delegation import Budget as BudgetOut
+from poold.wire.delegation import Reservation as ReservationOut
+
+HELD = "held"
+RETURNING = "returning"
+# agent_requests kind of a remembered `delegate` answer.
+REQUEST_KIND = "delegation"
+
+
+@dataclass(frozen=True)
+class DelegationPolicy:
+    """How much poold delegates, and for how long."""
+
+    # A reservation or budget the host's heartbeat stops renewing (poold down: the agent
+    # keeps granting inside it) lives this long.
+    ttl_s: float = 600.0
+    # One request reserves at most this share of a device's free bytes (so that one
+    # host cannot strand the pool).
+    cap_fraction: float = 0.25
+
+
+DEFAULT_POLICY = DelegationPolicy()
+
+_LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
+
+
+# --- the host's whole delegation ---------------------------------------------------------
+
+
+def host_delegation(conn: Connection, host_id: int, now: datetime) -> Delegation:
+    """What the host holds now: its held reservations and its budgets."""
+    reservations = [
+        ReservationOut(
+            id=r.id,
+            device_uid=r.uid,
+            kind=r.kind,
+            media=r.media,
+            health=r.health,
+            alignment_bytes=r.alignment_bytes,
+            offset_bytes=r.offset_bytes,
+            length_bytes=r.length_bytes,
+            epoch_base=r.epoch_base,
+            expires_at=r.expires_at,
+            local_name=r.local_name or "",
+            numa_node=r.numa_node,
+            read_latency_ns=r.read_latency_ns,
+            distance=r.distance,
+        )
+        for r in conn.execute(
+            select(
+                Reservation.id,
+                Reservation.offset_bytes,
+                Reservation.length_bytes,
+                Reservation.epoch_base,
+                Reservation.expires_at,
+                Device.uid,
+                Device.kind,
+                Device.media,
+                Device.health,
+                Device.alignment_bytes,
+                DevicePath.local_name,
+                DevicePath.numa_node,
+                DevicePath.read_latency_ns,
+                DevicePath.distance,
+            )
+            .join(Device, Device.id == Reservation.device_id)
+            .outerjoin(
+                DevicePath,
+                and_(
+                    DevicePath.device_id == Reservation.device_id,
+                    DevicePath.host_id == Reservation.host_id,
+                ),
+            )
+            .where(Reservation.host_id == host_id, Reservation.state == HELD)
+            .order_by(Device.uid, Reservation.offset_bytes)
+        )
+    ]
+    budgets = [
+        BudgetOut(
+            tenant=b.name,
+            bytes=b.bytes,
+            leases=b.leases,
+            allowed_uids=list(b.allowed_uids or []),
+            allowed_gids=list(b.allowed_gids or []),
+            allowed_media=list(b.allowed_media or []),
+            expires_at=b.expires_at,
+        )
+        for b in conn.execute(
+            select(
+                Tenant.name,
+                Budget.bytes,
+                Budget.leases,
+                Budget.expires_at,
+                Tenant.allowed_uids,
+                Tenant.allowed_gids,
+                Tenant.allowed_media,
+            )
+            .join(Tenant, Tenant.id == Budget.tenant_id)
+            .where(Budget.host_id == host_id)
+            .order_by(Tenant.name)
+        )
+    ]
+    return Delegation(server_time=now, reservations=reservations, budgets=budgets)
+
+
+def has_any(conn: Connection, host_id: int) -> bool:
+    """Does the host hold a reservation or a budget (its heartbeat reply then says what)?"""
+    for model in (Reservation, Budget):
+        if conn.execute(select(model.id).where(model.host_id == host_id).limit(1)).first():
+            return True
+    return False
+
+
+# --- delegate: the agent's refill and give-back --------------------------------------------
+
+
+def delegate(
+    ledger: Ledger,
+    host_name: str,
+    req: DelegationRequest,
+    actor: str,
+    policy: DelegationPolicy = DEFAULT_POLICY,
+) -> Delegation:
+    """Give back, reserve and set budgets for a host in one transaction; its delegation."""
+    request_id = req.request_id
+
+    def attempt() -> Delegation:
+        try:
+            with ledger.write_conn() as conn:
+                host_id = leases._host_id(ledger, conn, host_name)
+                if request_id is not None:
+                    stored = agent_requests.recall(conn, host_id, request_id, REQUEST_KIND)
+                    if stored is not None:
+                        return Delegation.model_validate(stored)
+                out = _delegate_once(conn, host_id, host_name, req, actor, policy)
+                if request_id is not None:
+                    agent_requests.remember(
+                        conn, host_id, request_id, REQUEST_KIND, out.model_dump(mode="json")
+                    )
+                return out
+        except IntegrityError as exc:
+            # A racing reservation of the same bytes met PostgreSQL's exclusion
+            # constraint, or a racing retry of the same request id committed first.
+            words = str(exc.orig)
+            if (
+                "ex_reservations_no_overlap" not in words
+                and "uq_budgets_tenant_host" not in words
+                and "budgets.tenant_id" not in words
+                and not agent_requests.is_duplicate(exc)
+            ):
+                raise
+            raise transitions.LostRace from exc
+
+    # As grants: one poold's requests for one host take turns (poold/ledger/leases.py).
+    with ledger.host_lock(host_name):
+        return transitions.retrying(attempt, what=f"delegation to {host_name}")
+
+
+def _delegate_once(
+    conn: Connection,
+    host_id: int,
+    host_name: str,
+    req: DelegationRequest,
+    actor: str,
+    policy: DelegationPolicy,
+) -> Delegation:
+    now = utcnow()
+    expires_at = now + timedelta(seconds=policy.ttl_s)
+    if req.give_back:
+        _give_back(conn, host_id, host_name, req.give_back, actor, now)
+    status, host_generation = conn.execute(
+        select(Host.status, Host.generation).where(Host.id == host_id)
+    ).one()
+    if req.reserve and status != "draining":
+        # The host first, as a grant swaps it: a drain committing meanwhile is noticed.
+        if not transitions.compare_and_bump(conn, Host, host_id, int(host_generation)):
+            raise transitions.LostRace
+        _reserve(conn, host_id, host_name, req, actor, now, expires_at, policy)
+    for want in sorted(req.budgets, key=lambda w: w.tenant):  # tenants swapped in one order
+        _set_budget(conn, host_id, host_name, want.tenant, want.bytes, want.leases, now, expires_at)
+    return host_delegation(conn, host_id, now)
+
+
+def _give_back(
+    conn: Connection,
+    host_id: int,
+    host_name: str,
+    ids: Sequence[str],
+    actor: str,
+    now: datetime,
+) -> None:
+    rows = {
+        r.id: r
+        for r in conn.execute(
+            select(Reservation.id, Reservation.host_id, Reservation.device_id)
+            .where(Reservation.id.in_(sorted(set(ids))))
+            .with_for_update()
+        )
+    }
+    freed: set[int] = set()
+    for rid in sorted(set(ids)):
+        row = rows.get(rid)
+        if row is None:
+            raise UnknownReservation(f"no reservation {rid!r}", reservation_id=rid)
+        if row.host_id != host_id:
+            raise NotOwner(f"reservation {rid} is not held by host {host_name!r}")
+        inside = _leases_inside(conn, rid)
+        if inside:
+            raise ReservationInUse(
+                f"reservation {rid} still has {len(inside)} live lease(s) in it",
+                reservation_id=rid,
+                lease_ids=inside[:20],
+            )
+        _drop(conn, rid, host_id, row.device_id, actor, now, "given back")
+        freed.add(row.device_id)
+    for device_id in sorted(freed):  # freed bytes change what the allocator may hand out
+        transitions.bump(conn, Device, device_id)
+
+
+def _leases_inside(conn: Connection, reservation_id: str) -> list[str]:
+    return list(
+        conn.execute(
+            select(Lease.id).where(Lease.reservation_id == reservation_id, _LIVE_SQL).limit(100)
+        ).scalars()
+    )
+
+
+def _drop(
+    conn: Connection,
+    reservation_id: str,
+    host_id: int,
+    device_id: int,
+    actor: str,
+    now: datetime,
+    reason: str,
+) -> None:
+    conn.execute(delete(Reservation).where(Reservation.id == reservation_id))
+    transitions.record(
+        conn,
+        event_row(
+            at=now,
+            actor=actor,
+            kind="reservation.return",
+            host_id=host_id,
+            device_id=device_id,
+            reason=reason,
+            detail={"reservation_id": reservation_id},
+        ),
+    )
+
+
+def _reserve(
+    conn: Connection,
+    host_id: int,
+    host_name: str,
+    req: DelegationRequest,
+    actor: str,
+    now: datetime,
+    expires_at: datetime,
+    policy: DelegationPolicy,
+) -> None:
+    """Place each wanted reservation with the grants' placement code, each capped."""
+    found, paths = leases._candidates(conn, host_id)
+    # Whole-only devices (static dax regions) can only be leased whole: never reserved.
+    candidates = {c.device_id: c for c in found if not c.whole_only}
+    by_uid = {paths[c]["uid"]: c for c in candidates}
+    # The cap is of each device's free bytes as this request found them.
+    cap_left = {
+        d: extents.align_down(
+            int(extents.free_bytes(c.capacity_bytes, c.used) * policy.cap_fraction),
+            c.alignment_bytes,
+        )
+        for d, c in candidates.items()
+    }
+    for want in req.reserve:
+        pool = list(candidates.values())
+        if want.device_uid is not None:
+            if want.device_uid not in by_uid:
+                _refuse_device(conn, want.device_uid, host_name)
+            pool = [candidates[by_uid[want.device_uid]]]
+        choice = _place_capped(want.bytes, want.media, pool, cap_left)
+        if choice is None:
+            continue  # nothing to spare now: the agent's requests take the central path
+        dev, ext = choice.candidate, choice.extent
+        seen = dev.generation
+        # Past the epoch block in one swap: the block's epochs are this reservation's.
+        moved = conn.execute(
+            update(Device)
+            .where(Device.id == dev.device_id, Device.generation == seen)
+            .values(generation=seen + EPOCH_BLOCK)
+        ).rowcount
+        if moved != 1:
+            raise transitions.LostRace
+        rid = str(uuid.uuid4())
+        conn.execute(
+            insert(Reservation),
+            {
+                "id": rid,
+                "host_id": host_id,
+                "device_id": dev.device_id,
+                "offset_bytes": ext.offset,
+                "length_bytes": ext.length,
+                "epoch_base": seen + 1,
+                "state": HELD,
+                "created_at": now,
+                "expires_at": expires_at,
+            },
+        )
+        transitions.record(
+            conn,
+            event_row(
+                at=now,
+                actor=actor,
+                kind="reservation.reserve",
+                host_id=host_id,
+                device_id=dev.device_id,
+                detail={
+                    "reservation_id": rid,
+                    "offset_bytes": ext.offset,
+                    "length_bytes": ext.length,
+                    "epoch_base": seen + 1,
+                },
+            ),
+        )
+        cap_left[dev.device_id] -= ext.length
+        candidates[dev.device_id] = dataclasses.replace(
+            dev, used=(*dev.used, ext), generation=seen + EPOCH_BLOCK
+        )
+
+
+def _refuse_device(conn: Connection, uid: str, host_name: str) -> None:
+    if conn.execute(select(Device.id).where(Device.uid == uid)).first() is None:
+        raise UnknownDevice(f"no device with uid {uid!r}", uid=uid)
+    raise NotOwner(f"host {host_name!r} does not reach device {uid!r} (or it is whole-only)")
+
+
+def _place_capped(
+    want_bytes: int,
+    media: str | None,
+    pool: Sequence[placement.Candidate],
+    cap_left: dict[int, int],
+) -> placement.Choice | None:
+    """The grants' placement for `want_bytes`, else for the most any device's cap allows."""
+    eligible = placement.eligible(placement.Request(size_bytes=want_bytes, media=media), pool)
+    room = {
+        c.device_id: min(
+            cap_left[c.device_id],
+            extents.largest_free(c.capacity_bytes, c.alignment_bytes, c.used),
+        )
+        for c in eligible
+    }
+    sizes = [want_bytes]
+    smaller = max(room.values(), default=0)
+    if 0 < smaller < want_bytes:
+        sizes.append(smaller)
+    for size in sizes:
+        fits = [
+            c for c in eligible if room[c.device_id] >= extents.align_up(size, c.alignment_bytes)
+        ]
+        if not fits:
+            continue
+        choice = placement.place(placement.Request(size_bytes=size, media=media), fits)
+        if isinstance(choice, placement.Choice):
+            return choice
+    return None
+
+
+# --- budgets -----------------------------------------------------------------------------
+
+_TENANT = select(
+    Tenant.id,
+    Tenant.name,
+    Tenant.quota_bytes,
+    Tenant.quota_leases,
+    Tenant.allowed_hosts,
+    Tenant.generation,
+).where(Tenant.name == bindparam("name"))
+
+
+def _set_budget(
+    conn: Connection,
+    host_id: int,
+    host_name: str,
+    tenant_name: str,
+    want_bytes: int,
+    want_leases: int,
+    now: datetime,
+    expires_at: datetime,
+) -> None:
+    """The tenant's budget on this host: what it asks, as far as its quota allows."""
+    tenant = conn.execute(_TENANT, {"name": tenant_name}).one_or_none()
+    if tenant is None:
+        raise UnknownTenant(f"no tenant named {tenant_name!r}", tenant=tenant_name)
+    if tenant.allowed_hosts and host_name not in tenant.allowed_hosts:
+        raise NotOwner(f"tenant {tenant_name!r} may not lease on host {host_name!r}")
+    use = leases.quota_use(conn, tenant.id)
+    new_bytes = max(0, min(want_bytes, tenant.quota_bytes - use.bytes(skip_host=host_id)))
+    new_leases = max(0, min(want_leases, tenant.quota_leases - use.leases(skip_host=host_id)))
+    old = use.budgets.get(host_id)
+    if old == (new_bytes, new_leases):
+        _renew_budget(conn, tenant.id, host_id, expires_at)
+        return
+    if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
+        raise transitions.LostRace
+    if new_bytes == 0 and new_leases == 0:
+        conn.execute(delete(Budget).where(Budget.tenant_id == tenant.id, Budget.host_id == host_id))
+    elif old is None:
+        conn.execute(
+            insert(Budget),
+            {
+                "tenant_id": tenant.id,
+                "host_id": host_id,
+                "bytes": new_bytes,
+                "leases": new_leases,
+                "created_at": now,
+                "expires_at": expires_at,
+            },
+        )
+    else:
+        conn.execute(
+            update(Budget)
+            .where(Budget.tenant_id == tenant.id, Budget.host_id == host_id)
+            .values(bytes=new_bytes, leases=new_leases, expires_at=expires_at)
+        )
+
+
+def _renew_budget(conn: Connection, tenant_id: int, host_id: int, expires_at: datetime) -> None:
+    conn.execute(
+        update(Budget)
+        .where(Budget.tenant_id == tenant_id, Budget.host_id == host_id)
+        .values(expires_at=expires_at)
+    )
+
+
+def claw_back(conn: Connection, tenant_id: int) -> None:
+    """Reduce the tenant's budgets until its quota use fits its quota again (a quota was
+    lowered): the hosts with the most unspent budget give first; a budget never goes
+    below what its host already granted. Agents learn it from their next reply."""
+    tenant = conn.execute(
+        select(Tenant.quota_bytes, Tenant.quota_leases).where(Tenant.id == tenant_id)
+    ).one()
+    use = leases.quota_use(conn, tenant_id)
+    over_bytes = use.bytes() - tenant.quota_bytes
+    over_leases = use.leases() - tenant.quota_leases
+    if over_bytes <= 0 and over_leases <= 0:
+        return
+    budgets = dict(use.budgets)
+    for i, over in ((0, over_bytes), (1, over_leases)):
+        spare = sorted(
+            budgets,
+            key=lambda h: -(budgets[h][i] - use.local.get(h, (0, 0))[i]),
+        )
+        for host in spare:
+            if over <= 0:
+                break
+            cur = list(budgets[host])
+            floor = use.local.get(host, (0, 0))[i]
+            give = min(over, max(0, cur[i] - floor))
+            cur[i] -= give
+            over -= give
+            budgets[host] = (cur[0], cur[1])
+    for host, (nbytes, nleases) in budgets.items():
+        if (nbytes, nleases) != use.budgets[host]:
+            conn.execute(
+                update(Budget)
+                .where(Budget.tenant_id == tenant_id, Budget.host_id == host)
+                .values(bytes=nbytes, leases=nleases)
+            )
+            transitions.record(
+                conn,
+                event_row(
+                    actor="poold",
+                    kind="budget.clawback",
+                    tenant_id=tenant_id,
+                    host_id=host,
+                    reason="quota lowered below what is delegated",
+                    detail={"bytes": nbytes, "leases": nleases},
+                ),
+            )
+
+
+# --- renewal, drain, expiry ------------------------------------------------------------------
+
+
+def return_unleased(
+    conn: Connection,
+    actor: str,
+    reason: str,
+    *,
+    device_id: int | None = None,
+    host_id: int | None = None,
+    expired_before: datetime | None = None,
+    reservation_ids: Sequence[str] | None = None,
+) -> int:
+    """Return the matching reservations: those with no live lease inside go, the others
+    are `returning` (no new lease) until their leases end; how many went."""
+    where: list[Any] = []
+    if device_id is not None:
+        where.append(Reservation.device_id == device_id)
+    if host_id is not None:
+        where.append(Reservation.host_id == host_id)
+    if expired_before is not None:
+        where.append(Reservation.expires_at <= expired_before)
+    if reservation_ids is not None:
+        where.append(Reservation.id.in_(list(reservation_ids)))
+    rows = conn.execute(
+        select(Reservation.id, Reservation.host_id, Reservation.device_id, Reservation.state)
+        .where(*where)
+        .order_by(Reservation.id)
+        .with_for_update()
+    ).all()
+    if not rows:
+        return 0
+    now = utcnow()
+    busy = set(
+        conn.execute(
+            select(Lease.reservation_id)
+            .where(Lease.reservation_id.in_([r.id for r in rows]), _LIVE_SQL)
+            .distinct()
+        ).scalars()
+    )
+    freed: set[int] = set()
+    for r in rows:
+        if r.id in busy:
+            if r.state != RETURNING:
+                conn.execute(
+                    update(Reservation).where(Reservation.id == r.id).values(state=RETURNING)
+                )
+            continue
+        _drop(conn, r.id, r.host_id, r.device_id, actor, now, reason)
+        freed.add(r.device_id)
+    for dev in sorted(freed):
+        transitions.bump(conn, Device, dev)
+    return len([r for r in rows if r.id not in busy])
+
+
+def renew(
+    conn: Connection, host_id: int, host_status: str, now: datetime, policy: DelegationPolicy
+) -> None:
+    """A heartbeat: the host's held reservations on online devices and its budgets live on
+    for the TTL; reservations of a draining host or on a device no longer online are
+    returned (kept `returning` while leases lie in them)."""
+    expires_at = now + timedelta(seconds=policy.ttl_s)
+    not_online = select(Device.id).where(Device.state != "online").scalar_subquery()
+    if host_status == "draining":
+        return_unleased(conn, "poold", "host draining", host_id=host_id)
+    else:
+        stale = list(
+            conn.execute(
+                select(Reservation.id).where(
+                    Reservation.host_id == host_id,
+                    Reservation.device_id.in_(not_online),
+                )
+            ).scalars()
+        )
+        if stale:
+            return_unleased(conn, "poold", "device not online", reservation_ids=stale)
+        conn.execute(
+            update(Reservation)
+            .where(
+                Reservation.host_id == host_id,
+                Reservation.state == HELD,
+                Reservation.device_id.not_in(not_online),
+            )
+            .values(expires_at=expires_at)
+        )
+    conn.execute(update(Budget).where(Budget.host_id == host_id).values(expires_at=expires_at))
+
+
+def reap(conn: Connection, now: datetime) -> int:
+    """Expired reservations and budgets: what went (reservations with leases inside stay,
+    `returning`, until those end; a returning one whose leases ended goes too)."""
+    gone = return_unleased(conn, "poold", "ttl passed without renewal", expired_before=now)
+    ended = list(
+        conn.execute(
+            select(Reservation.id).where(
+                Reservation.state == RETURNING,
+                ~select(Lease.id).where(Lease.reservation_id == Reservation.id, _LIVE_SQL).exists(),
+            )
+        ).scalars()
+    )
+    if ended:
+        gone += return_unleased(conn, "poold", "its last lease ended", reservation_ids=ended)
+    gone += int(conn.execute(delete(Budget).where(Budget.expires_at <= now)).rowcount)
+    return gone
+
+
+def reap_expired(ledger: Ledger) -> int:
+    """`reap` in a transaction of its own."""
+
+    def attempt() -> int:
+        with ledger.write_conn() as conn:
+            return reap(conn, utcnow())
+
+    return transitions.retrying(attempt, what="delegation expiry")
+
+
+def unleased_by_reservation(conn: Connection) -> dict[str, int]:
+    """Each reservation's bytes no live lease lies in (reserved-but-unleased)."""
+    out: dict[str, int] = {}
+    inside: dict[str, list[Extent]] = defaultdict(list)
+    for rid, offset, length in conn.execute(
+        select(Lease.reservation_id, Lease.offset_bytes, Lease.length_bytes).where(
+            Lease.reservation_id.is_not(None), _LIVE_SQL
+        )
+    ):
+        inside[str(rid)].append(Extent(offset, length))
+    for rid, offset, length in conn.execute(
+        select(Reservation.id, Reservation.offset_bytes, Reservation.length_bytes)
+    ):
+        shifted = [Extent(e.offset - offset, e.length) for e in inside.get(rid, [])]
+        out[rid] = extents.free_bytes(length, shifted)
+    return out
