@@ -621,9 +621,29 @@ def renew(
 
 
 def reap(conn: Connection, now: datetime) -> int:
-    """Expired reservations and budgets: what went (reservations with leases inside stay,
-    `returning`, until those end; a returning one whose leases ended goes too)."""
-    gone = return_unleased(conn, "poold", "ttl passed without renewal", expired_before=now)
+    """Expired reservations and budgets: how many went (reservations with leases inside
+    stay, `returning`, until those end; a returning one whose leases ended goes too).
+
+    Only those whose host has spoken since they expired: an agent cut off from poold
+    keeps granting until the TTL and commits afterwards, so what it held must still be
+    there when it comes back (a host that never does: `poolctl audit --reclaim`).
+    """
+    expired = list(
+        conn.execute(
+            select(Reservation.id)
+            .join(Host, Host.id == Reservation.host_id)
+            .where(
+                Reservation.expires_at <= now,
+                Host.last_heartbeat_at.is_not(None),
+                Host.last_heartbeat_at >= Reservation.expires_at,
+            )
+        ).scalars()
+    )
+    gone = 0
+    if expired:
+        gone += return_unleased(
+            conn, "poold", "ttl passed without renewal", reservation_ids=expired
+        )
     ended = list(
         conn.execute(
             select(Reservation.id).where(
@@ -634,16 +654,28 @@ def reap(conn: Connection, now: datetime) -> int:
     )
     if ended:
         gone += return_unleased(conn, "poold", "its last lease ended", reservation_ids=ended)
-    gone += int(conn.execute(delete(Budget).where(Budget.expires_at <= now)).rowcount)
-    return gone
+    stale_budgets = list(
+        conn.execute(
+            select(Budget.id)
+            .join(Host, Host.id == Budget.host_id)
+            .where(
+                Budget.expires_at <= now,
+                Host.last_heartbeat_at.is_not(None),
+                Host.last_heartbeat_at >= Budget.expires_at,
+            )
+        ).scalars()
+    )
+    if stale_budgets:
+        conn.execute(delete(Budget).where(Budget.id.in_(stale_budgets)))
+    return gone + len(stale_budgets)
 
 
-def reap_expired(ledger: Ledger) -> int:
+def reap_expired(ledger: Ledger, now: datetime | None = None) -> int:
     """`reap` in a transaction of its own."""
 
     def attempt() -> int:
         with ledger.write_conn() as conn:
-            return reap(conn, utcnow())
+            return reap(conn, now or utcnow())
 
     return transitions.retrying(attempt, what="delegation expiry")
 
@@ -664,3 +696,32 @@ def unleased_by_reservation(conn: Connection) -> dict[str, int]:
         shifted = [Extent(e.offset - offset, e.length) for e in inside.get(rid, [])]
         out[rid] = extents.free_bytes(length, shifted)
     return out
+
+
+def return_for_audit(ledger: Ledger, items: Sequence[Any], actor: str) -> int:
+    """`poolctl audit --reclaim`: return the reservations of down hosts it found (each
+    `AuditItem` of kind reservation_of_down_host), marking what was done; how many went."""
+    todo = [it for it in items if it.kind == "reservation_of_down_host" and it.reservation_id]
+    if not todo:
+        return 0
+
+    def attempt() -> int:
+        with ledger.write_conn() as conn:
+            # Still down and still without a lease inside: return_unleased re-checks leases.
+            down = select(Host.id).where(Host.status == "down").scalar_subquery()
+            ids = list(
+                conn.execute(
+                    select(Reservation.id).where(
+                        Reservation.id.in_([it.reservation_id for it in todo]),
+                        Reservation.host_id.in_(down),
+                    )
+                ).scalars()
+            )
+            if not ids:
+                return 0
+            return return_unleased(conn, actor, "audit: its host is down", reservation_ids=ids)
+
+    went = transitions.retrying(attempt, what="returning reservations of down hosts")
+    for it in todo:
+        it.action = "returned" if went else "lost_race"
+    return went

@@ -56,7 +56,7 @@ from sqlalchemy.orm import Session
 
 from poold.errors import LedgerUnavailable
 from poold.lease_states import LeaseEvent, LeaseState
-from poold.ledger import agent_reports, agent_requests, transitions
+from poold.ledger import agent_reports, agent_requests, delegation, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Event, Host, Lease
 from poold.ledger.types import utcnow
@@ -109,6 +109,8 @@ class ReapResult:
     reclaimed: list[str] = field(default_factory=list)
     hosts_down: list[str] = field(default_factory=list)
     held: int = 0  # leases whose expiry was pushed because their host is out of contact
+    # Reservations and budgets that expired (or whose last lease ended) and went.
+    delegation_returned: int = 0
 
     def transitions(self) -> int:
         return len(self.expired) + len(self.aborted) + len(self.revoked) + len(self.reclaimed)
@@ -247,6 +249,8 @@ class Reaper:
         self._revoke_drained(now, result)
         self._revoke_unshrunk(now, result)
         self._reclaim(due, now, result)
+        # After the reclaims: a returning reservation whose last lease just ended goes.
+        result.delegation_returned = delegation.reap_expired(self.ledger, now)
         self._forget_requests(now)
         return result
 

@@ -232,6 +232,7 @@ class AuditItem(Model):
     message: str
     action: str | None = None  # reclaimed / aborted / lost_race, when --reclaim acted
     sub_device: str | None = None  # the agent's dax sub-device ("dax0.3"), when it named one
+    reservation_id: str | None = None  # the host's reservation (delegated capacity) it is about
 
 
 class AgentFindings(Model):

@@ -25,9 +25,19 @@ from poold.errors import (
 )
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATE_VALUES
-from poold.ledger import admin_ops, delegation, device_hosts, heartbeat, hosts, leases, tenants
+from poold.ledger import (
+    admin_ops,
+    audit,
+    delegation,
+    device_hosts,
+    heartbeat,
+    hosts,
+    leases,
+    tenants,
+)
 from poold.ledger.db import Ledger
 from poold.ledger.models import Budget, Device, Event, Lease, Reservation
+from poold.ledger.reaper import Reaper, ReaperPolicy
 from poold.ledger.types import utcnow
 from poold.wire.admin import TenantUpdate
 from poold.wire.agent import GrantRequest, Heartbeat, LeaseOp
@@ -384,3 +394,56 @@ def test_budgets_racing_central_grants_never_exceed_the_quota(ledger: Ledger) ->
         use = leases.quota_use(conn, 1)
     assert use.bytes() <= 32 * MiB
     assert use.leases() <= 100
+
+
+# --- the audit and the reaper ----------------------------------------------------------------
+
+
+def test_the_audit_checks_delegation_and_reclaims_down_hosts_reservations(
+    ledger: Ledger,
+) -> None:
+    seed(ledger)
+    d = _delegate(
+        ledger,
+        reserve=[ReserveWant(bytes=4 * MiB), ReserveWant(bytes=2 * MiB)],
+        budgets=[BudgetWant(tenant="t1", bytes=4 * MiB, leases=2)],
+    )
+    assert _ops(ledger, _local(d, "L1")) == [("active", None)]
+    leases.grant(ledger, "h1", _grant(), "agent:h1")
+    heartbeat.receive_heartbeat(ledger, "h1", Heartbeat(), "agent:h1")  # the host is up
+    report = audit.run_audit(ledger, ReaperPolicy())
+    assert report.violations == []
+    assert report.exit_code == 0
+
+    # The host goes down: its reservation with no lease inside is returned by --reclaim.
+    with ledger.write() as s:
+        hosts.get_by_name(s, "h1").status = "down"
+    report = audit.run_audit(ledger, ReaperPolicy(), reclaim_safe=True)
+    returned = [i for i in report.reclaimable if i.kind == "reservation_of_down_host"]
+    assert [(i.reservation_id, i.action) for i in returned] == [(d.reservations[1].id, "returned")]
+    with ledger.read() as s:
+        assert list(s.scalars(select(Reservation.id))) == [d.reservations[0].id]
+
+    # A lease outside its reservation, a reservation over a central lease, a budget past
+    # the quota: violations.
+    with ledger.write() as s:
+        s.execute(update(Lease).where(Lease.id == "L1").values(offset_bytes=60 * MiB))
+        s.execute(update(Budget).values(bytes=2 << 30))
+    kinds = {v.kind for v in audit.run_audit(ledger, ReaperPolicy()).violations}
+    assert {"outside_reservation", "over_quota_bytes"} <= kinds
+
+
+def test_the_reaper_keeps_what_a_silent_host_holds(ledger: Ledger) -> None:
+    seed(ledger)
+    _delegate(
+        ledger,
+        reserve=[ReserveWant(bytes=4 * MiB)],
+        budgets=[BudgetWant(tenant="t1", bytes=4 * MiB, leases=2)],
+    )
+    # Expired, but its host has not spoken since (poold or the link was down): kept, the
+    # agent commits what it granted when it comes back.
+    later = utcnow() + timedelta(hours=1)
+    assert Reaper(ledger, ReaperPolicy()).run_once(later).delegation_returned == 0
+    with ledger.read() as s:
+        assert s.scalar(select(func.count()).select_from(Reservation)) == 1
+        assert s.scalar(select(func.count()).select_from(Budget)) == 1
