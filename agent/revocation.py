@@ -292,12 +292,11 @@ class Revocations:
         agent drops its copy and the holder's later renewals get `lease_not_active`.
         """
         confirm: list[str] = []
+        taken: list[HeldLease] = []  # still held (not released by its tenant): lost now
         for lease_id in lease_ids:
             held = self.held.get(lease_id)
             if held is not None:
-                # Still held (not released by its tenant): the tenant loses it now.
-                reason, message = held.extra.get("lost_reason", (LOST_REVOKED, "revoked"))
-                self.tell(held, LostEvent(lease_id=lease_id, reason=reason, message=message[:512]))
+                taken.append(held)
             if held is not None and self.ended_mapped(held, "revoked"):
                 continue
             if held is not None and held.inode is None and self._pages_stay_with_holder(held):
@@ -318,6 +317,9 @@ class Revocations:
                 log.warning("lease %s revoked by poold; tearing it down", lease_id)
                 self.memory.drop(gone)
             confirm.append(lease_id)
+        for held in taken:  # after the teardown: told lost, it is gone
+            reason, message = held.extra.get("lost_reason", (LOST_REVOKED, "revoked"))
+            self.tell(held, LostEvent(lease_id=held.lease.id, reason=reason, message=message[:512]))
         if not confirm:
             return
         try:
