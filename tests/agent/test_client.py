@@ -9,17 +9,28 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 from agent.client import Lease, PoolClient
 from agent.paths import SOCKET_ENV, SYSTEM_SOCKET_PATH, client_socket_path, default_socket_path
-from agent.protocol import encode_error, read_frame
-from agent.server import AgentServer
+from agent.protocol import (
+    Event,
+    HelloArgs,
+    HelloResult,
+    LostEvent,
+    RevokeEvent,
+    ShrinkEvent,
+    encode_error,
+    read_frame,
+)
+from agent.server import AgentServer, Peer
 from poold.errors import (
     AgentBusy,
     AgentUnreachable,
+    BadRequest,
     InvalidSize,
     LeaseNotActive,
     NoCapacity,
@@ -337,3 +348,152 @@ def test_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SOCKET_ENV, raising=False)
     expected = SYSTEM_SOCKET_PATH if SYSTEM_SOCKET_PATH.exists() else default_socket_path()
     assert client_socket_path() == expected
+
+
+# --- tenant sessions ------------------------------------------------------------------
+
+SOON = datetime.now(UTC) + timedelta(hours=1)
+
+
+def peer_of(handler: EmulatedHandler, lease: Lease) -> Peer:
+    return handler.granted[lease.lease_id][0]
+
+
+def push(server: AgentServer, handler: EmulatedHandler, lease: Lease, event: Event) -> bool:
+    peer = peer_of(handler, lease)
+    return server.push(peer.connection_id, peer.pid, event)
+
+
+def test_a_client_holding_a_lease_is_in_session(
+    server: AgentServer, handler: EmulatedHandler
+) -> None:
+    with PoolClient(server.socket_path, timeout_s=10) as client:
+        client.hello()
+        assert not client.in_session  # no lease yet: a plain connection
+        with client.lease(MIB, renew=False):
+            assert client.in_session
+            assert wait_for(lambda: server.sessions() == 1)
+            assert client.hello().peer_pid == os.getpid()  # replies still come through
+
+
+def test_pushed_events_fire_each_callback_once(
+    server: AgentServer, handler: EmulatedHandler
+) -> None:
+    heard: list[tuple[str, object]] = []
+    with PoolClient(server.socket_path, timeout_s=10) as client:
+        lease = client.lease(
+            MIB,
+            renew=False,
+            on_revoke=lambda _le, at: heard.append(("revoke", at)),
+            on_shrink=lambda _le, n, at: heard.append(("shrink", n)),
+            on_lost=lambda le: heard.append(("lost", le.lost_reason)),
+        )
+        shrink = ShrinkEvent(
+            lease_id=lease.lease_id, target_bytes=4096, replica_bytes=4096, deadline_at=SOON
+        )
+        assert push(server, handler, lease, shrink)
+        assert push(server, handler, lease, shrink)  # the same request: told once
+        assert push(server, handler, lease, RevokeEvent(lease_id=lease.lease_id, deadline_at=SOON))
+        # An event of a lease this client does not hold is ignored.
+        assert push(server, handler, lease, LostEvent(lease_id="other", reason="revoked"))
+        assert push(server, handler, lease, LostEvent(lease_id=lease.lease_id, reason="revoked"))
+        assert wait_for(lambda: len(heard) == 3)
+        time.sleep(0.2)
+        assert heard == [("shrink", 4096), ("revoke", SOON), ("lost", "revoked")]
+        assert lease.shrink_replica_bytes == 4096
+        assert lease.revoke_deadline_at == SOON and lease.lost
+        lease._revoked(SOON)  # the renewal path bringing the same news: nothing more
+        assert len(heard) == 3
+
+
+def test_a_slow_callback_does_not_stall_replies(
+    server: AgentServer, handler: EmulatedHandler
+) -> None:
+    release_callback = threading.Event()
+    with PoolClient(server.socket_path, timeout_s=10) as client:
+        lease = client.lease(MIB, renew=False, on_revoke=lambda *_: release_callback.wait(10))
+        push(server, handler, lease, RevokeEvent(lease_id=lease.lease_id, deadline_at=SOON))
+        time.sleep(0.1)
+        started = time.monotonic()
+        for _ in range(20):
+            client.stats()
+        assert time.monotonic() - started < 2
+        release_callback.set()
+
+
+def test_a_client_without_events_gets_none(server: AgentServer, handler: EmulatedHandler) -> None:
+    heard: list[datetime] = []
+    with PoolClient(server.socket_path, timeout_s=10, events=False) as client:
+        lease = client.lease(MIB, renew=False, on_revoke=lambda _le, at: heard.append(at))
+        assert not client.in_session and server.sessions() == 0
+        event = RevokeEvent(lease_id=lease.lease_id, deadline_at=SOON)
+        assert not push(server, handler, lease, event)
+        time.sleep(0.2)
+        assert heard == []
+        lease.release()
+
+
+def test_an_agent_without_sessions_is_served_by_renewals(
+    sock_dir: Path, handler: EmulatedHandler
+) -> None:
+    """A protocol-1 agent refuses `events` in hello: the client carries on without."""
+
+    class OldAgent(EmulatedHandler):
+        def hello(self, peer: Peer, args: HelloArgs) -> HelloResult:
+            if args.events:
+                raise BadRequest("invalid hello arguments: events: Extra inputs are not permitted")
+            return super().hello(peer, args)
+
+    old = OldAgent()
+    try:
+        with AgentServer(sock_dir / "old.sock", old) as server:
+            server.start_in_thread()
+            with (
+                PoolClient(server.socket_path, timeout_s=10) as client,
+                client.lease(MIB, renew=False) as lease,
+            ):
+                assert not client.in_session and not client.events
+                assert lease.renew() > datetime.now(UTC)
+    finally:
+        old.close()
+
+
+def test_a_dropped_session_reconnects_and_keeps_what_the_agent_holds(
+    sock_dir: Path, handler: EmulatedHandler
+) -> None:
+    path = sock_dir / "agent.sock"
+    lost: list[str | None] = []
+    server = AgentServer(path, handler)
+    server.start_in_thread()
+    client = PoolClient(path, timeout_s=5, reconnect_s=5)
+    try:
+        kept = client.lease(MIB, renew=False, on_lost=lambda le: lost.append(le.lost_reason))
+        gone = client.lease(MIB, renew=False, on_lost=lambda le: lost.append(le.lost_reason))
+        server.shutdown()
+        del handler.granted[gone.lease_id]  # the agent came back without it
+        with AgentServer(path, handler) as restarted:
+            restarted.start_in_thread()
+            assert wait_for(lambda: client.in_session and lost == ["not_held"])
+            assert not kept.lost and gone.lost and gone.lost_reason == "not_held"
+            assert wait_for(lambda: restarted.sessions() == 1)
+            kept.release()
+    finally:
+        client.close()
+
+
+def test_no_agent_to_reconnect_to_loses_every_lease(
+    sock_dir: Path, handler: EmulatedHandler
+) -> None:
+    lost: list[str | None] = []
+    with AgentServer(sock_dir / "agent.sock", handler) as server:
+        server.start_in_thread()
+        client = PoolClient(server.socket_path, timeout_s=5, reconnect_s=0.5)
+        leases = [
+            client.lease(MIB, renew=False, on_lost=lambda le: lost.append(le.lost_reason))
+            for _ in range(2)
+        ]
+    try:
+        assert wait_for(lambda: len(lost) == 2)
+        assert lost == ["connection_lost"] * 2 and all(lease.lost for lease in leases)
+    finally:
+        client.close()

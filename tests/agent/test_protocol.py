@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import json
 import os
 import socket
 import struct
@@ -15,16 +16,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.protocol import (
+    CRITICAL_EVENTS,
+    EVENTS,
+    LOST_REVOKED,
     MAX_FRAME_BYTES,
     OPERATIONS,
+    Event,
     HelloArgs,
     LeaseArgs,
+    LostEvent,
     RenewResult,
     ReportArgs,
+    RevokeEvent,
+    ShrinkEvent,
     encode_error,
+    encode_event,
     encode_frame,
     encode_request,
     encode_result,
+    is_event,
+    parse_event,
     parse_reply,
     parse_request,
     read_frame,
@@ -279,3 +290,42 @@ def test_operations_table_matches_the_design() -> None:
         assert spec.name == name
         assert spec.args_model.model_config.get("extra") == "forbid"
         assert spec.result_model.model_config.get("extra") == "forbid"
+
+
+# --- events ---------------------------------------------------------------------------
+
+
+def test_a_plain_hello_is_what_protocol_1_agents_accept() -> None:
+    # Version-1 agents refuse unknown fields: `events` is sent only when asked for.
+    plain = json.loads(encode_request("hello", HelloArgs(client_name="x"))[4:])
+    assert plain == {"op": "hello", "args": {"client_name": "x", "client_version": None}}
+    asked = json.loads(encode_request("hello", HelloArgs(events=True))[4:])
+    assert asked["args"]["events"] is True
+    _, args = parse_request(asked)
+    assert isinstance(args, HelloArgs) and args.events
+
+
+def test_events_round_trip_and_never_look_like_replies(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    left, right = pair
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    sent: list[Event] = [
+        RevokeEvent(lease_id="a", deadline_at=at),
+        ShrinkEvent(lease_id="a", target_bytes=1 << 20, replica_bytes=1 << 19, deadline_at=at),
+        LostEvent(lease_id="a", reason=LOST_REVOKED, message="gone"),
+    ]
+    for event in sent:
+        left.sendall(encode_event(event))
+    for event in sent:
+        frame = read_frame(right)
+        assert frame is not None and is_event(frame)
+        assert parse_event(frame) == event
+    assert set(EVENTS) == {"revoke", "shrink", "lost"} and set(EVENTS) > CRITICAL_EVENTS
+    assert not is_event(json.loads(encode_result(RenewResult(lease_id="a", expires_at=at))[4:]))
+
+
+def test_an_unknown_event_kind_is_skipped_and_a_bad_one_refused() -> None:
+    assert parse_event({"event": "teleport", "lease_id": "a"}) is None
+    with pytest.raises(AgentProtocolError):
+        parse_event({"event": "revoke", "lease_id": "a"})  # no deadline
