@@ -65,6 +65,19 @@ def _reserved(d: DeviceStatus) -> str:
     return _ranges(d.reserved_bytes, d.reserved_extents)
 
 
+def _delegated(d: DeviceStatus) -> str:
+    """Unleased reserved bytes, then each reservation: "[start, end) host (unleased)"."""
+    if not d.delegations:
+        return "-"
+    text = ", ".join(
+        f"[{format_size(x.offset_bytes)}, {format_size(x.offset_bytes + x.length_bytes)}) "
+        f"{x.host} ({format_size(x.unleased_bytes)} unleased"
+        + (", returning)" if x.state != "held" else ")")
+        for x in d.delegations
+    )
+    return f"{format_size(d.delegated_bytes)}: {text}"
+
+
 def device_rows(items: list[DeviceStatus]) -> list[tuple[Any, ...]]:
     return [
         (
@@ -74,6 +87,7 @@ def device_rows(items: list[DeviceStatus]) -> list[tuple[Any, ...]]:
             d.media,
             "yes" if d.recycled else "no",
             format_size(d.capacity_bytes),
+            format_size(d.delegated_bytes),
             format_size(d.free_bytes),
             d.numa_node,
             d.memory_tier,
@@ -85,7 +99,7 @@ def device_rows(items: list[DeviceStatus]) -> list[tuple[Any, ...]]:
     ]
 
 
-RIGHT_ALIGNED = {"id", "capacity", "free", "node", "tier"}
+RIGHT_ALIGNED = {"id", "capacity", "delegated", "free", "node", "tier"}
 
 
 def print_devices(items: list[DeviceStatus]) -> None:
@@ -98,6 +112,7 @@ def print_devices(items: list[DeviceStatus]) -> None:
             "media",
             "recycled",
             "capacity",
+            "delegated",
             "free",
             "node",
             "tier",
@@ -155,6 +170,8 @@ def show_one(d: DeviceStatus, as_json: bool) -> None:
         ("reserved", _reserved(d)),
         # Never allocated again: media poison, a failed scrub, a deleted host's unzeroed range.
         ("quarantined", _ranges(d.quarantined_bytes, d.quarantined_extents)),
+        # Reserved for a host whose agent grants inside alone: bytes no lease there uses yet.
+        ("delegated", _delegated(d)),
         ("free", format_size(d.free_bytes)),
         ("largest free", format_size(d.largest_free_bytes)),
         ("alignment", format_size(d.alignment_bytes)),

@@ -43,10 +43,13 @@ PALETTE = (
 # case: it also holds other bytes), then digits, then '*' for the rest.
 TENANT_LETTERS = string.ascii_uppercase + string.digits
 RESERVED = ("#", "+")  # (whole, mixed)
+DELEGATED = ("=", "-")  # reserved for a host's agent, not leased yet
 QUARANTINED = ("X", "x")
 FREE = (".", ":")
 TERMINAL_LEASED = ("█", "▒")
 TERMINAL_RESERVED = ("▓", "▒")
+TERMINAL_DELEGATED = ("▚", "▞")
+DELEGATED_STYLE = "bright_black on grey23"
 TERMINAL_QUARANTINED = ("X", "x")
 TERMINAL_FREE = ("·", "░")
 RESERVED_STYLE = "grey50"
@@ -73,6 +76,11 @@ def claims_of(device: DeviceStatus, leases: Sequence[LeaseOut]) -> list[Claim]:
     ]
     out += [Claim(offset, length, "quarantined") for offset, length in device.quarantined_extents]
     out += [Claim(offset, length, "reserved") for offset, length in device.reserved_extents]
+    # A host's reservation: its local leases (above) are drawn over it.
+    out += [
+        Claim(x.offset_bytes, x.length_bytes, "delegated", x.host, state=x.state)
+        for x in device.delegations
+    ]
     return out
 
 
@@ -98,7 +106,9 @@ class Legend:
         if cell.kind == "leased" and cell.tenant is not None:
             letter = self.letter.get(cell.tenant, "*")
             return letter.lower() if cell.mixed else letter
-        glyphs = {"reserved": RESERVED, "quarantined": QUARANTINED}.get(cell.kind, FREE)
+        glyphs = {"reserved": RESERVED, "quarantined": QUARANTINED, "delegated": DELEGATED}.get(
+            cell.kind, FREE
+        )
         return glyphs[cell.mixed]
 
     def styled(self, cell: Cell) -> tuple[str, str]:
@@ -108,6 +118,8 @@ class Legend:
             return TERMINAL_RESERVED[cell.mixed], RESERVED_STYLE
         if cell.kind == "quarantined":
             return TERMINAL_QUARANTINED[cell.mixed], QUARANTINED_STYLE
+        if cell.kind == "delegated":
+            return TERMINAL_DELEGATED[cell.mixed], DELEGATED_STYLE
         return TERMINAL_FREE[cell.mixed], FREE_STYLE
 
 
@@ -143,9 +155,13 @@ def figures(m: DeviceMap) -> str:
     leases = len({s.lease_id for s in m.spans if s.kind == "leased"})
     f = m.frag
     quarantined = f", quarantined {format_size(held['quarantined'])}" if held["quarantined"] else ""
+    delegated = (
+        f", delegated (unleased) {format_size(held['delegated'])}" if held["delegated"] else ""
+    )
     return (
         f"leased {format_size(held['leased'])} in {leases} lease(s), reserved "
-        f"{format_size(held['reserved'])}{quarantined}, free {format_size(f.free_bytes)} in "
+        f"{format_size(held['reserved'])}{quarantined}{delegated}, "
+        f"free {format_size(f.free_bytes)} in "
         f"{f.free_extents} extent(s); largest free extent {format_size(f.largest_free_bytes)} "
         f"({_pct(f.largest_free_ratio)} of free); largest lease that fits "
         f"{format_size(m.device.largest_free_bytes)}"
@@ -168,15 +184,18 @@ def legend_text(legend: Legend, *, colour: bool, totals: dict[str, int]) -> Text
         text.append(TERMINAL_QUARANTINED[0], style=QUARANTINED_STYLE)
         text.append(" quarantined  ")
         text.append(TERMINAL_FREE[0], style=FREE_STYLE)
-        text.append(" free;  ")
+        text.append(" free  ")
+        text.append(TERMINAL_DELEGATED[0], style=DELEGATED_STYLE)
+        text.append(" delegated (reserved for a host's agent, unleased);  ")
         text.append(f"{TERMINAL_LEASED[1]} {TERMINAL_FREE[1]}", style="white")
         text.append(" (a lighter glyph)")
     else:
         text.append(
-            f"{RESERVED[0]} reserved  {QUARANTINED[0]} quarantined  {FREE[0]} free;  "
+            f"{RESERVED[0]} reserved  {QUARANTINED[0]} quarantined  {FREE[0]} free  "
+            f"{DELEGATED[0]} delegated;  "
             "a lower-case letter, "
         )
-        text.append(f"{RESERVED[1]!r}, {QUARANTINED[1]!r} or {FREE[1]!r}")
+        text.append(f"{RESERVED[1]!r}, {QUARANTINED[1]!r}, {DELEGATED[1]!r} or {FREE[1]!r}")
     text.append(": the cell also holds bytes of another kind or tenant")
     return text
 
@@ -213,6 +232,7 @@ def as_json(m: DeviceMap) -> dict[str, Any]:
         "leased_bytes": held["leased"],
         "reserved_bytes": held["reserved"],
         "quarantined_bytes": held["quarantined"],
+        "delegated_bytes": held["delegated"],
         "free_bytes": m.frag.free_bytes,
         "free_extents": m.frag.free_extents,
         "largest_free_extent_bytes": m.frag.largest_free_bytes,

@@ -53,7 +53,15 @@ LEASE_COLUMNS = [
     "state",
     "epoch",
     "expires",
+    # "central" (granted by poold) or "<host>:<reservation id's first 8>" (by its agent)
+    "granted",
 ]
+
+
+def granted_where(x: Any) -> str:
+    """Where a lease was granted, as `poolctl leases list` shows it."""
+    rid = getattr(x, "reservation_id", None)
+    return "central" if rid is None else f"{x.host}:{rid[:8]}"
 
 
 def _lease_rows(items: Sequence[Any]) -> list[tuple[Any, ...]]:
@@ -68,6 +76,7 @@ def _lease_rows(items: Sequence[Any]) -> list[tuple[Any, ...]]:
             x.state,
             x.epoch,
             x.expires_at.isoformat(timespec="seconds"),
+            granted_where(x),
         )
         for x in items
     ]

@@ -15,20 +15,22 @@ from cli.units import format_size
 @json_option
 @pass_ctx
 def status(c: Ctx, as_json: bool) -> None:
-    """Capacity per host and device: total, leased, free."""
+    """Capacity per host and device: total, leased, delegated (reserved for a host's agent,
+    not leased yet), free."""
     st = run(lambda: c.client.status())
     if wants_json(as_json):
         emit_json(st)
         return
     table(
         "hosts",
-        ["host", "status", "capacity", "leased", "free", "leases"],
+        ["host", "status", "capacity", "leased", "delegated", "free", "leases"],
         [
             (
                 h.name,
                 h.status,
                 format_size(h.capacity_bytes),
                 format_size(h.leased_bytes),
+                format_size(h.delegated_bytes),
                 format_size(h.free_bytes),
                 h.live_leases,
             )
@@ -46,6 +48,7 @@ def status(c: Ctx, as_json: bool) -> None:
             "hosts",
             "capacity",
             "leased",
+            "delegated",
             "free",
             "leases",
         ],
@@ -59,6 +62,7 @@ def status(c: Ctx, as_json: bool) -> None:
                 ",".join(d.hosts),
                 format_size(d.capacity_bytes),
                 format_size(d.leased_bytes),
+                format_size(d.delegated_bytes),
                 format_size(d.free_bytes),
                 d.live_leases,
             )
@@ -67,5 +71,5 @@ def status(c: Ctx, as_json: bool) -> None:
     )
     click.echo(
         f"pool: {format_size(st.capacity_bytes)} total, {format_size(st.leased_bytes)} "
-        f"leased, {format_size(st.free_bytes)} free"
+        f"leased, {format_size(st.delegated_bytes)} delegated, {format_size(st.free_bytes)} free"
     )

@@ -30,10 +30,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["leased", "quarantined", "reserved", "free"]
+# "delegated": reserved for a host whose agent grants inside it (its leases win over it).
+Kind = Literal["leased", "quarantined", "reserved", "delegated", "free"]
 
 # Lower wins: where claims overlap, and where a cell's kinds tie.
-_RANK: dict[Kind, int] = {"leased": 0, "quarantined": 1, "reserved": 2, "free": 3}
+_RANK: dict[Kind, int] = {"leased": 0, "quarantined": 1, "reserved": 2, "delegated": 3, "free": 4}
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Claim:
 
     offset: int
     length: int
-    kind: Literal["leased", "quarantined", "reserved"]
+    kind: Literal["leased", "quarantined", "reserved", "delegated"]
     tenant: str | None = None
     lease_id: str | None = None
     state: str | None = None
@@ -195,7 +196,13 @@ def fragmentation(spans: Iterable[Span]) -> Fragmentation:
 
 def bytes_by_kind(spans: Iterable[Span]) -> dict[Kind, int]:
     """Leased, quarantined, reserved and free bytes of a partition (they sum to the capacity)."""
-    out: dict[Kind, int] = {"leased": 0, "quarantined": 0, "reserved": 0, "free": 0}
+    out: dict[Kind, int] = {
+        "leased": 0,
+        "quarantined": 0,
+        "reserved": 0,
+        "delegated": 0,
+        "free": 0,
+    }
     for s in spans:
         out[s.kind] += s.length
     return out

@@ -1,7 +1,8 @@
 """How much is there, how much is leased, how much is free: per host and per device.
 
-Free is what no live lease, quarantined range or reserved extent (a dax device poold did
-not place, as the agent reports it) occupies.
+Free is what no live lease, quarantined range, reserved extent (a dax device poold did
+not place, as the agent reports it) or reservation (delegated to a host) occupies. The
+bytes of a reservation no lease in it uses are "delegated": neither leased nor free.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from poold import extents
 from poold.errors import UnknownDevice
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATE_VALUES
+from poold.ledger import delegation
 from poold.ledger.db import Ledger
 from poold.ledger.devices import admin_annotation, reserved
 from poold.ledger.hosts import DELETED
-from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine
-from poold.wire.admin import DeviceStatus, HostStatus, PoolStatus
+from poold.ledger.models import Device, DevicePath, Host, Lease, Quarantine, Reservation
+from poold.wire.admin import DelegatedExtent, DeviceStatus, HostStatus, PoolStatus
 
 
 def pool_status(ledger: Ledger) -> PoolStatus:
@@ -52,6 +54,33 @@ def pool_status(ledger: Ledger) -> PoolStatus:
         ):
             used[device_id].append(Extent(offset, length))
             quarantined[device_id].append(Extent(offset, length))
+        unleased = delegation.unleased_by_reservation(session.connection())
+        delegated: dict[int, list[DelegatedExtent]] = defaultdict(list)
+        host_delegated: dict[int, int] = defaultdict(int)
+        for r in session.execute(
+            select(
+                Reservation.id,
+                Reservation.host_id,
+                Reservation.device_id,
+                Reservation.offset_bytes,
+                Reservation.length_bytes,
+                Reservation.state,
+                Reservation.expires_at,
+            ).order_by(Reservation.device_id, Reservation.offset_bytes)
+        ):
+            used[r.device_id].append(Extent(r.offset_bytes, r.length_bytes))
+            delegated[r.device_id].append(
+                DelegatedExtent(
+                    id=r.id,
+                    host=host_names.get(r.host_id, str(r.host_id)),
+                    offset_bytes=r.offset_bytes,
+                    length_bytes=r.length_bytes,
+                    unleased_bytes=unleased.get(r.id, 0),
+                    state=r.state,
+                    expires_at=r.expires_at,
+                )
+            )
+            host_delegated[r.host_id] += unleased.get(r.id, 0)
 
     device_rows = []
     host_capacity: dict[int, int] = defaultdict(int)
@@ -100,6 +129,8 @@ def pool_status(ledger: Ledger) -> PoolStatus:
                     e.length
                     for e in extents.normalise_used(dev.capacity_bytes, quarantined[dev.id])
                 ),
+                delegations=delegated[dev.id],
+                delegated_bytes=sum(x.unleased_bytes for x in delegated[dev.id]),
             )
         )
     host_rows = [
@@ -111,6 +142,7 @@ def pool_status(ledger: Ledger) -> PoolStatus:
             leased_bytes=host_leased[h.id],
             free_bytes=host_free[h.id],
             live_leases=host_live[h.id],
+            delegated_bytes=host_delegated[h.id],
         )
         for h in hosts
     ]
@@ -120,6 +152,7 @@ def pool_status(ledger: Ledger) -> PoolStatus:
         capacity_bytes=sum(d.capacity_bytes for d in device_rows),
         leased_bytes=sum(d.leased_bytes for d in device_rows),
         free_bytes=sum(d.free_bytes for d in device_rows),
+        delegated_bytes=sum(d.delegated_bytes for d in device_rows),
     )
 
 

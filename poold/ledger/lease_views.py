@@ -46,6 +46,7 @@ _LEASE_OUT = (
         Lease.labels,
         Lease.exclusive_bytes,
         Lease.replica_bytes,
+        Lease.reservation_id,
     )
     .join(Tenant, Tenant.id == Lease.tenant_id)
     .join(Host, Host.id == Lease.host_id)
@@ -84,6 +85,7 @@ def lease_out(row: Mapping[Any, Any]) -> LeaseOut:
         labels=dict(row["labels"]),
         exclusive_bytes=row["exclusive_bytes"],
         replica_bytes=row["replica_bytes"],
+        reservation_id=row.get("reservation_id"),
     )
 
 

@@ -84,6 +84,18 @@ class DeviceAnnotate(DeviceAnnotation):
     )
 
 
+class DelegatedExtent(Model):
+    """One reservation of a device, as poolctl shows it."""
+
+    id: str
+    host: str
+    offset_bytes: int
+    length_bytes: int
+    unleased_bytes: int
+    state: str  # held / returning
+    expires_at: datetime
+
+
 class DeviceStatus(Model):
     id: int
     uid: str
@@ -117,6 +129,11 @@ class DeviceStatus(Model):
     # their union inside the device.
     quarantined_extents: list[tuple[int, int]] = Field(default_factory=list)
     quarantined_bytes: int = 0
+    # Delegated capacity: extents reserved for a host whose agent grants inside them;
+    # delegated_bytes is what no lease in them uses yet (reserved-but-unleased: neither
+    # leased nor free).
+    delegations: list[DelegatedExtent] = Field(default_factory=list)
+    delegated_bytes: int = 0
 
 
 DeviceScope = Literal["host", "shared"]
@@ -142,6 +159,8 @@ class HostStatus(Model):
     leased_bytes: int
     free_bytes: int
     live_leases: int
+    # Reserved for this host and not leased yet (its delegation), on the devices it reaches.
+    delegated_bytes: int = 0
 
 
 class PoolStatus(Model):
@@ -150,6 +169,7 @@ class PoolStatus(Model):
     capacity_bytes: int
     leased_bytes: int
     free_bytes: int
+    delegated_bytes: int = 0
 
 
 class RevokeRequest(Model):

@@ -90,6 +90,9 @@ class LeaseOut(Model):
     labels: dict[str, str] = Field(default_factory=dict)
     exclusive_bytes: int = 0
     replica_bytes: int = 0
+    # Where it was granted: the host's reservation its agent placed it in (delegated
+    # capacity), or None: centrally, by poold.
+    reservation_id: str | None = None
 
 
 class EndRequest(Model):

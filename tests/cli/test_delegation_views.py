@@ -1,0 +1,117 @@
+"""poolctl against a real poold with delegated capacity: status and devices show the
+reserved-but-unleased bytes apart from leased and free, `leases list` says where each
+lease was granted, and `devices map` draws reservations in a class of their own."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from click.testing import CliRunner, Result
+
+from cli.poolctl import main
+from poold.api.client import PooldClient
+from poold.ledger.types import utcnow
+from poold.wire.admin import TenantSpec
+from poold.wire.agent import GrantRequest, Heartbeat, InventoryDevice, LeaseOp
+from poold.wire.delegation import BudgetWant, DelegationRequest, LocalGrant, ReserveWant
+from tests.conftest import ADMIN_TOKEN, ThreadedServer
+
+MiB = 1 << 20
+NODE = "h1/numa:node3"
+
+
+def poolctl(api: ThreadedServer, *args: str) -> Result:
+    return CliRunner().invoke(
+        main, ["--url", api.url, "--token", ADMIN_TOKEN, *args], env={"COLUMNS": "250"}
+    )
+
+
+@pytest.fixture
+def agent(api: ThreadedServer, admin: PooldClient) -> Iterator[PooldClient]:
+    """A 256 MiB NUMA node; one 16 MiB reservation (a 4 MiB local lease in it), and a
+    2 MiB central lease."""
+    credential = admin.add_host("h1").credential
+    admin.create_tenant(TenantSpec(name="alpha", quota_bytes=1 << 30, allowed_uids=[1000]))
+    with PooldClient(api.url, credential) as client:
+        client.register(
+            Heartbeat(
+                inventory=[
+                    InventoryDevice(
+                        uid=NODE, kind="numa", capacity_bytes=256 * MiB, local_name="node3"
+                    )
+                ]
+            )
+        )
+        client.grant(GrantRequest(size_bytes=2 * MiB, uid=1000, pid=7, activate=True))
+        d = client.delegate(
+            DelegationRequest(
+                reserve=[ReserveWant(bytes=16 * MiB)],
+                budgets=[BudgetWant(tenant="alpha", bytes=8 * MiB, leases=4)],
+            )
+        )
+        res = d.reservations[0]
+        grant = LocalGrant(
+            lease_id="local-lease-1",
+            reservation_id=res.id,
+            tenant="alpha",
+            offset_bytes=res.offset_bytes,
+            length_bytes=4 * MiB,
+            requested_bytes=4 * MiB,
+            epoch=res.epoch_base,
+            ttl_s=60,
+            granted_at=utcnow(),
+            uid=1000,
+            pid=8,
+        )
+        (done,) = client.apply_ops(
+            [LeaseOp(lease_id=grant.lease_id, op="local_grant", grant=grant)]
+        )
+        assert done.code is None
+        yield client
+
+
+def test_status_and_devices_show_delegated_bytes(api: ThreadedServer, agent: PooldClient) -> None:
+    out = poolctl(api, "status", "--json")
+    assert out.exit_code == 0, out.output
+    st = json.loads(out.output)
+    # 16 MiB reserved, 4 MiB of it leased: 12 MiB delegated; free excludes the reservation.
+    assert st["delegated_bytes"] == 12 * MiB
+    assert st["leased_bytes"] == 6 * MiB
+    assert st["free_bytes"] == (256 - 2 - 16) * MiB
+    assert st["hosts"][0]["delegated_bytes"] == 12 * MiB
+    text = poolctl(api, "status").output
+    assert "delegated" in text
+    assert "12.0 MiB delegated" in text
+
+    shown = poolctl(api, "devices", "show", NODE)
+    assert shown.exit_code == 0, shown.output
+    assert "12.0 MiB: [" in shown.output and "h1 (12.0 MiB unleased)" in shown.output
+    listed = poolctl(api, "devices")
+    assert "delegated" in listed.output
+
+
+def test_leases_list_says_where_a_lease_was_granted(
+    api: ThreadedServer, agent: PooldClient
+) -> None:
+    out = poolctl(api, "leases", "list")
+    assert out.exit_code == 0, out.output
+    rows = {line.split()[0]: line for line in out.output.splitlines() if line.strip()}
+    assert rows["local-lease-1"].rstrip().split()[-1].startswith("h1:")
+    central = [line for line in out.output.splitlines() if line.rstrip().endswith("central")]
+    assert len(central) == 1
+    js = json.loads(poolctl(api, "leases", "list", "--json").output)
+    assert sorted(x["reservation_id"] is None for x in js) == [False, True]
+
+
+def test_devices_map_draws_reservations_apart(api: ThreadedServer, agent: PooldClient) -> None:
+    out = poolctl(api, "devices", "map", "--json")
+    assert out.exit_code == 0, out.output
+    (m,) = json.loads(out.output)
+    kinds = [(e["kind"], e["length_bytes"]) for e in m["extents"]]
+    assert ("delegated", 12 * MiB) in kinds
+    assert m["delegated_bytes"] == 12 * MiB
+    plain = poolctl(api, "devices", "map")
+    assert "= delegated" in plain.output
+    assert "=" in plain.output.splitlines()[1]
