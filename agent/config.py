@@ -129,6 +129,9 @@ class AgentConfig(DaemonSettings):
     socket_max_frame_bytes: ByteCount = Field(
         default=64 << 10, gt=0, description="largest request frame"
     )
+    socket_max_queued_events: int = Field(
+        default=256, gt=0, description="events queued for one tenant session that does not read"
+    )
     # Lease work in flight (agent/admission.py InFlightLimits).
     in_flight_max_requests_per_uid: int = Field(
         default=16, gt=0, description="lease requests at once from one uid"

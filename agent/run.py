@@ -126,6 +126,7 @@ def run(config: AgentConfig) -> int:
             idle_timeout_s=config.socket_idle_timeout_s,
             reply_timeout_s=config.socket_reply_timeout_s,
             max_frame_bytes=config.socket_max_frame_bytes,
+            max_queued_events=config.socket_max_queued_events,
         ),
     )
     metrics = None

@@ -586,7 +586,7 @@ class AgentServer:
             return sum(1 for c in self._connections.values() if c.outbox is not None)
 
     def _start_session(self, connection: _Connection) -> None:
-        """The hello that asked for events has been answered: events may flow from now."""
+        """The hello asked for events: queue them from now (under the send lock)."""
         outbox = _Outbox(self.limits.max_queued_events)
         writer = threading.Thread(
             target=self._write_events,
@@ -835,11 +835,13 @@ class AgentServer:
                 return
             reply, fd = self._dispatch(connection, frame)
             with connection.send_lock:
+                if connection.wants_events and connection.outbox is None:
+                    # Events may queue from now; its writer waits for this lock, so the
+                    # hello's reply is the first frame the session sees.
+                    self._start_session(connection)
                 sock.settimeout(limits.reply_timeout_s)  # a peer that never reads pins nothing
                 if not self._send(sock, reply, fd):
                     return
-            if connection.wants_events and connection.outbox is None:
-                self._start_session(connection)
             self._end(connection)
 
     def _hang_up(self, connection: _Connection, peer: Peer, err: PoolError) -> None:
