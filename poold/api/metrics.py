@@ -192,6 +192,8 @@ class _LedgerCollector(Collector):
             f["free"].add_metric(dev, d.free_bytes)
             f["largest"].add_metric(dev, d.largest_free_bytes)
             f["dev_leases"].add_metric(dev, d.live_leases)
+            f["delegated"].add_metric(dev, d.delegated_bytes)
+            f["delegated_unleased"].add_metric(dev, d.delegated_unleased_bytes)
             for health in _with(HEALTH_STATES, d.health):
                 f["health"].add_metric([d.uid, health], 1.0 if health == d.health else 0.0)
             for state in _with(DEVICE_STATES, d.state):
@@ -205,6 +207,8 @@ class _LedgerCollector(Collector):
             f["t_used"].add_metric(ten, t.used_bytes)
             f["t_exclusive"].add_metric(ten, t.exclusive_bytes)
             f["t_replica"].add_metric(ten, t.replica_bytes)
+            f["t_budget"].add_metric(ten, t.budget_bytes)
+            f["t_budget_leases"].add_metric(ten, t.budget_leases)
         for h in view.hosts:
             host = [h.name]
             f["host_up"].add_metric(host, 0.0 if h.status == "down" else 1.0)
@@ -212,6 +216,7 @@ class _LedgerCollector(Collector):
                 f["host_status"].add_metric([h.name, status], 1.0 if status == h.status else 0.0)
             f["h_leased"].add_metric(host, h.leased_bytes)
             f["h_leases"].add_metric(host, h.live_leases)
+            f["h_delegated"].add_metric(host, h.delegated_bytes)
             if h.last_heartbeat_at is not None:
                 f["heard_at"].add_metric(host, h.last_heartbeat_at.timestamp())
                 age = (view.read_at - h.last_heartbeat_at).total_seconds()
@@ -270,6 +275,23 @@ def _pool_families() -> dict[str, GaugeMetricFamily]:
             dev,
         ),
         "dev_leases": _gauge("poold_device_live_leases", "Live leases on the device", dev),
+        "delegated": _gauge(
+            "poold_device_delegated_bytes", "Bytes of the device reserved for hosts' agents", dev
+        ),
+        "delegated_unleased": _gauge(
+            "poold_device_delegated_unleased_bytes",
+            "Bytes reserved for hosts' agents that no lease uses yet",
+            dev,
+        ),
+        "t_budget": _gauge(
+            "poold_tenant_budget_bytes", "The tenant's quota bytes delegated to hosts", ten
+        ),
+        "t_budget_leases": _gauge(
+            "poold_tenant_budget_leases", "The tenant's lease quota delegated to hosts", ten
+        ),
+        "h_delegated": _gauge(
+            "poold_host_delegated_bytes", "Bytes reserved for the host's agent", host
+        ),
         "health": _gauge(
             "poold_device_health", "1 for the device's health, 0 for the others", (*dev, "health")
         ),

@@ -23,10 +23,20 @@ from sqlalchemy import Connection, event, select
 from poold import extents
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATE_VALUES
+from poold.ledger import delegation
 from poold.ledger.accounting import MEMORY_HELD
 from poold.ledger.db import Ledger
 from poold.ledger.devices import reserved
-from poold.ledger.models import AuditRun, Device, Host, Lease, Quarantine, Tenant
+from poold.ledger.models import (
+    AuditRun,
+    Budget,
+    Device,
+    Host,
+    Lease,
+    Quarantine,
+    Reservation,
+    Tenant,
+)
 from poold.ledger.transitions import PENDING_EVENTS
 from poold.ledger.types import utcnow
 
@@ -47,6 +57,9 @@ class DeviceGauges:
     free_bytes: int
     largest_free_bytes: int
     live_leases: int
+    # Delegated capacity: bytes reserved for hosts, and the part no lease in them uses.
+    delegated_bytes: int = 0
+    delegated_unleased_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +74,9 @@ class TenantGauges:
     used_bytes: int
     exclusive_bytes: int
     replica_bytes: int
+    # Its quota delegated to hosts' agents (summed over its per-host budgets).
+    budget_bytes: int = 0
+    budget_leases: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +88,7 @@ class HostGauges:
     last_heartbeat_at: datetime | None
     leased_bytes: int
     live_leases: int
+    delegated_bytes: int = 0  # bytes reserved for the host (its agent grants inside)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +158,19 @@ def pool_view(ledger: Ledger) -> PoolView:
                 select(Quarantine.device_id, Quarantine.offset_bytes, Quarantine.length_bytes)
             )
         )
+        reservations = list(
+            session.execute(
+                select(
+                    Reservation.id,
+                    Reservation.host_id,
+                    Reservation.device_id,
+                    Reservation.offset_bytes,
+                    Reservation.length_bytes,
+                )
+            )
+        )
+        budgets = list(session.execute(select(Budget.tenant_id, Budget.bytes, Budget.leases)))
+        unleased = delegation.unleased_by_reservation(session.connection()) if reservations else {}
         audit = session.execute(
             select(AuditRun.finished_at, AuditRun.exit_code)
             .where(AuditRun.finished_at.is_not(None))
@@ -175,10 +205,22 @@ def pool_view(ledger: Ledger) -> PoolView:
     for device_id, offset, length in quarantined:
         quarantine[device_id].append(Extent(offset, length))
 
+    delegated: dict[int, list[Extent]] = defaultdict(list)
+    dev_unleased: dict[int, int] = defaultdict(int)
+    host_delegated: dict[int, int] = defaultdict(int)
+    for rid, host_id, device_id, offset, length in reservations:
+        delegated[device_id].append(Extent(offset, length))
+        dev_unleased[device_id] += unleased.get(rid, 0)
+        host_delegated[host_id] += length
+    tenant_budget: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for tenant_id, b_bytes, b_leases in budgets:
+        tenant_budget[tenant_id][0] += b_bytes
+        tenant_budget[tenant_id][1] += b_leases
+
     devices = []
     for dev_id, uid, kind, media, state, health, capacity, alignment, stored in device_rows:
         held = reserved(stored)
-        taken = [*used[dev_id], *quarantine[dev_id], *held]
+        taken = [*used[dev_id], *quarantine[dev_id], *held, *delegated[dev_id]]
         devices.append(
             DeviceGauges(
                 uid=uid,
@@ -193,6 +235,8 @@ def pool_view(ledger: Ledger) -> PoolView:
                 free_bytes=extents.free_bytes(capacity, taken),
                 largest_free_bytes=extents.largest_free(capacity, alignment, taken),
                 live_leases=device_count[dev_id],
+                delegated_bytes=_covered(capacity, delegated[dev_id]),
+                delegated_unleased_bytes=dev_unleased[dev_id],
             )
         )
     tenants = []
@@ -208,6 +252,8 @@ def pool_view(ledger: Ledger) -> PoolView:
                 used_bytes=used_bytes,
                 exclusive_bytes=exclusive,
                 replica_bytes=replica,
+                budget_bytes=tenant_budget[tenant_id][0],
+                budget_leases=tenant_budget[tenant_id][1],
             )
         )
     hosts = [
@@ -217,6 +263,7 @@ def pool_view(ledger: Ledger) -> PoolView:
             last_heartbeat_at=heard,
             leased_bytes=host_leased[host_id],
             live_leases=host_count[host_id],
+            delegated_bytes=host_delegated[host_id],
         )
         for host_id, name, status, heard in host_rows
     ]

@@ -16,7 +16,9 @@ from poold.wire.delegation import (
     LocalGrant,
     ReserveWant,
 )
+from tests.conftest import ThreadedServer
 from tests.poold.api.conftest import Agent, Raw
+from tests.poold.api.test_metrics import scrape
 from tests.poold.conftest import UID, MiB
 
 
@@ -102,3 +104,20 @@ def test_delegation_needs_an_agent_and_a_valid_body(raw: Raw, agent: Agent) -> N
         json={"reserve": [{"bytes": 2097152, "device_uid": "nope"}]},
     )
     assert (resp.status_code, resp.json()["code"]) == (404, "unknown_device")
+
+
+def test_metrics_show_the_delegation(api: ThreadedServer, agent: Agent) -> None:
+    agent.client.delegate(
+        DelegationRequest(
+            reserve=[ReserveWant(bytes=8 * MiB)],
+            budgets=[BudgetWant(tenant="t1", bytes=4 * MiB, leases=2)],
+        )
+    )
+    got = scrape(api.url)
+    dev = (("device", "h1/emulated:0"),)
+    assert got[("poold_device_delegated_bytes", dev)] == 8 * MiB
+    assert got[("poold_device_delegated_unleased_bytes", dev)] == 8 * MiB
+    assert got[("poold_device_free_bytes", dev)] == 56 * MiB
+    assert got[("poold_host_delegated_bytes", (("host", "h1"),))] == 8 * MiB
+    assert got[("poold_tenant_budget_bytes", (("tenant", "t1"),))] == 4 * MiB
+    assert got[("poold_tenant_budget_leases", (("tenant", "t1"),))] == 2
