@@ -2,9 +2,12 @@
 
 Through adapters for the KV layers they already load by configuration (DESIGN.md
 "Engines"): :mod:`agent.engines.lmcache` is an LMCache storage plugin (which vLLM and
-SGLang reach through LMCache). Each adapter imports its engine lazily: this package
-imports without any engine installed, and an adapter says which extra to install when
-its engine is missing (``pip install 'poold[lmcache]'``; scripts/engines-venv).
+SGLang reach through LMCache), :mod:`agent.engines.vllm` an offloading spec for vLLM's
+own ``OffloadingConnector``, :mod:`agent.engines.sglang` a HiCache host allocator;
+:mod:`agent.engines.mapping` maps a lease for the last two and moves their tier off it
+on revocation. Each adapter imports its engine lazily: this package imports without any
+engine installed, and an adapter says which extra to install when its engine is missing
+(``pip install 'poold[lmcache]'``; scripts/engines-venv).
 """
 
 from __future__ import annotations
