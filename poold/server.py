@@ -13,6 +13,7 @@ from poold import notify
 from poold.api.app import create_app
 from poold.ledger import migrate
 from poold.ledger.db import Ledger
+from poold.ledger.delegation import DelegationPolicy
 from poold.ledger.reaper import Reaper, ReaperPolicy, ReaperThread
 from poold.settings import PooldSettings
 
@@ -63,6 +64,7 @@ def serve(settings: PooldSettings) -> None:
     app.state.ddr5_cost_per_gib_month = settings.ddr5_cost_per_gib_month
     app.state.pressure_watermark = settings.pressure_watermark
     app.state.shrink_deadline_s = settings.shrink_deadline_s
+    app.state.delegation_policy = DelegationPolicy(ttl_s=settings.reservation_ttl_s)
     reaper = Reaper(ledger, policy)
     # One pass before serving: leases of hosts this poold has not heard yet are
     # held before their agents' first (replayed) heartbeat can arrive, so a

@@ -106,6 +106,14 @@ class PooldSettings(DaemonSettings):
     ddr5_cost_per_gib_month: float | None = Field(
         default=None, ge=0, description="price of new DDR5 per GiB-month, for accounting"
     )
+    # Delegated capacity (poold/ledger/delegation.py): how long a host's reservations and
+    # budgets live without a heartbeat renewing them, so how long its agent keeps granting
+    # alone while poold is down.
+    reservation_ttl_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="seconds a host's reservations and budgets live unrenewed (poold down)",
+    )
     log_level: LogLevel = Field(default="info", description="least level logged")
     log_format: LogFormat = Field(default="text", description="log lines as text or json")
 

@@ -697,7 +697,15 @@ def create_app(
             shrink_deadline_s=float(
                 getattr(app.state, "shrink_deadline_s", pressure.DEFAULT_DEADLINE_S)
             ),
+            delegation_policy=delegation_policy(),
         )
+
+    def delegation_policy() -> delegation.DelegationPolicy:
+        # server.py sets the configured one (reservation_ttl_s); a test's app the default.
+        found = getattr(app.state, "delegation_policy", None)
+        if isinstance(found, delegation.DelegationPolicy):
+            return found
+        return delegation.DEFAULT_POLICY
 
     @bind
     async def health() -> dict[str, str]:
@@ -782,7 +790,7 @@ def create_app(
 
     @bind
     def delegate(body: DelegationRequest, p: Caller) -> Delegation:
-        return delegation.delegate(ledger, _host_of(p), body, p.actor)
+        return delegation.delegate(ledger, _host_of(p), body, p.actor, delegation_policy())
 
     # --- leases ----------------------------------------------------------
     @bind

@@ -537,6 +537,7 @@ def receive_heartbeat(
     register: bool = False,
     pressure_watermark: float = pressure.DEFAULT_WATERMARK,
     shrink_deadline_s: float = pressure.DEFAULT_DEADLINE_S,
+    delegation_policy: delegation.DelegationPolicy = delegation.DEFAULT_POLICY,
 ) -> HeartbeatReply:
     """One heartbeat (or the agent's first, `register`, journalled) in one transaction.
 
@@ -566,6 +567,7 @@ def receive_heartbeat(
                 beat,
                 pressure_watermark=pressure_watermark,
                 shrink_deadline_s=shrink_deadline_s,
+                delegation_policy=delegation_policy,
             )
 
     return transitions.retrying(attempt, what=f"heartbeat of {host_name}")
