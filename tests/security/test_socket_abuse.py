@@ -242,8 +242,10 @@ def test_at_the_global_cap_the_biggest_holder_gives_way(hostile: Cluster) -> Non
     ]
     try:
         admitted = [flood.wait_ready()["admitted"] for flood in floods]
-        # Three uids fill the cap; the fourth still got in, at the others' expense.
-        assert sum(admitted) == MAX_CONNECTIONS
+        # Three uids fill the cap; the fourth still got in, at the others' expense. A
+        # connection admitted and counted, then given way for a newcomer, counts in two
+        # floods' tallies: the sum reaches the cap, and what stays open is checked below.
+        assert sum(admitted) >= MAX_CONNECTIONS
         assert admitted[-1] > 0
 
         def tenant() -> Any:
