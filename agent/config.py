@@ -156,6 +156,14 @@ class AgentConfig(DaemonSettings):
     warm_pool_bytes: ByteCount = Field(
         default=64 << 20, ge=0, description="fresh memfds kept ready for small leases; 0: off"
     )
+    # Delegated capacity (agent/delegation.py RefillPolicy): the least the agent keeps
+    # reserved and budgeted ahead of demand, so a burst (or poold down) finds room.
+    delegation_min_reserve_bytes: ByteCount = Field(
+        default=64 << 20, ge=0, description="least free reserved bytes kept per media class"
+    )
+    delegation_min_budget_leases: int = Field(
+        default=16, ge=0, description="least free budgeted leases kept per tenant"
+    )
     annotations: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="per memdev serial or device uid: media, recycled, provenance, cost",

@@ -364,6 +364,7 @@ class DelegatedCapacity:
             labels=dict(req.labels),
             exclusive_bytes=0,
             replica_bytes=0,
+            reservation_id=res.id,
         )
         grant = LocalGrant.model_construct(
             lease_id=lease_id,

@@ -21,6 +21,7 @@ from agent.backends.emulated import EmulatedBackend
 from agent.backends.numa import NumaBackend
 from agent.client import PoolClient
 from agent.config import AgentConfig, metrics_address
+from agent.delegation import RefillPolicy
 from agent.inventory import InventoryWatcher, host_inventory
 from agent.journal import Journal
 from agent.link import PooldLink
@@ -93,7 +94,12 @@ def run(config: AgentConfig) -> int:
         max_bytes_per_uid=config.in_flight_max_bytes_per_uid,
         wait_s=config.in_flight_wait_s,
     )
-    service = AgentService(config.host, link, backends, warm, in_flight=in_flight)
+    refill = RefillPolicy(
+        min_reserve_bytes=config.delegation_min_reserve_bytes,
+        max_reserve_bytes=max(RefillPolicy.max_reserve_bytes, config.delegation_min_reserve_bytes),
+        min_budget_leases=config.delegation_min_budget_leases,
+    )
+    service = AgentService(config.host, link, backends, warm, in_flight=in_flight, refill=refill)
     service.journal = Journal(config.state_dir / "journal.db")
     adopted, orphaned = service.adopt()
     if adopted or orphaned:
