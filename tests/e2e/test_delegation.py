@@ -1,0 +1,286 @@
+"""Delegated capacity end to end (issue 12): real `poold serve` and `pool-agent serve`.
+
+The agent grants inside the reservations and budgets poold delegated to it while poold
+is down, journals each grant, and commits them when poold is back; past the
+reservations' TTL it refuses with `delegation_expired`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from agent.client import Lease, PoolClient
+from poold import procs
+from poold.api.client import PooldClient
+from poold.errors import PoolError
+from poold.wire.admin import TenantSpec
+
+MiB = 1 << 20
+LEASE = 2 * MiB
+TENANT = "delta"
+
+
+@dataclass
+class Pool:
+    work: Path
+    state_dir: Path
+    port: int
+    database_url: str
+    poold: procs.Child
+    agent: procs.Child
+    sock: Path
+    admin: PooldClient
+    poold_env: dict[str, str]
+    agent_args: dict[str, Any]
+
+    def start_poold(self) -> None:
+        self.poold = procs.start_poold(self.state_dir, self.port, env=self.poold_env)
+
+    def kill_agent_and_restart(self) -> None:
+        self.agent.kill()
+        self.agent = procs.start_agent(self.work, **self.agent_args)
+
+    def query(self, sql: str) -> list[tuple[Any, ...]]:
+        engine = create_engine(self.database_url)
+        try:
+            with engine.connect() as conn:
+                return [tuple(r) for r in conn.execute(text(sql))]
+        finally:
+            engine.dispose()
+
+
+def _pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, ttl_s: float = 600.0
+) -> Iterator[Pool]:
+    # Room for 200 leases ahead of any demand (the agent inherits the environment).
+    monkeypatch.setenv("POOL_AGENT_DELEGATION_MIN_RESERVE_BYTES", "512MiB")
+    monkeypatch.setenv("POOL_AGENT_DELEGATION_MIN_BUDGET_LEASES", "300")
+    state = tmp_path / "poold"
+    port = procs.free_port()
+    env = {
+        "POOLD_REAP_INTERVAL_S": "0.2",
+        "POOLD_EXPIRY_GRACE_S": "1",
+        "POOLD_RESERVATION_TTL_S": str(ttl_s),
+    }
+    poold = procs.start_poold(state, port, env=env)
+    children = [poold]
+    run_dir = Path(tempfile.mkdtemp(prefix="poold-deleg-"))
+    try:
+        admin = procs.admin_client(state, port)
+        cred = tmp_path / "cred"
+        cred.write_text(admin.add_host("deleg-host").credential)
+        admin.create_tenant(
+            TenantSpec(
+                name=TENANT,
+                quota_bytes=2048 * MiB,
+                quota_leases=1000,
+                allowed_uids=[os.getuid()],
+            )
+        )
+        args: dict[str, Any] = {
+            "host": "deleg-host",
+            "poold_url": f"http://127.0.0.1:{port}",
+            "credential_file": cred,
+            "socket_path": run_dir / "agent.sock",
+            # memfds are lazy: a big emulated device costs nothing, and its 25 % cap
+            # leaves room for a 512 MiB reservation.
+            "emulated_capacity_bytes": 4096 * MiB,
+            "heartbeat_interval_s": 0.2,
+        }
+        agent = procs.start_agent(tmp_path, **args)
+        children.append(agent)
+        pool = Pool(
+            tmp_path,
+            state,
+            port,
+            f"sqlite:///{state / 'ledger.db'}",
+            poold,
+            agent,
+            run_dir / "agent.sock",
+            admin,
+            env,
+            args,
+        )
+        yield pool
+        children[:] = [pool.poold, pool.agent]
+        admin.close()
+    finally:
+        for child in reversed(children):
+            child.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pool]:
+    yield from _pool(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def short_ttl_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pool]:
+    yield from _pool(tmp_path, monkeypatch, ttl_s=3.0)
+
+
+def _delegated(pool: Pool, client: PoolClient, timeout_s: float = 15) -> None:
+    """Lease until one is granted inside the delegation (the first, central, one makes
+    the demand the agent's refill asks poold for)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lease = client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False)
+        lease.release()
+        time.sleep(0.5)  # a local grant is committed within LOCAL_FLUSH_S (0.25 s)
+        local = pool.query(f"SELECT reservation_id FROM leases WHERE id = '{lease.lease_id}'")
+        if local and local[0][0] is not None:
+            budgets = pool.query("SELECT leases FROM budgets")
+            if budgets and budgets[0][0] >= 250:
+                return
+    raise AssertionError("the agent never held a delegation big enough")
+
+
+def _wait_committed(pool: Pool, ids: set[str], timeout_s: float) -> float:
+    """Seconds until every lease in ``ids`` is in the ledger, released."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        rows = pool.query("SELECT id, state FROM leases WHERE reservation_id IS NOT NULL")
+        done = {r[0] for r in rows if r[1] == "released"}
+        if ids <= done:
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    raise AssertionError(f"{len(ids - done)} of {len(ids)} local leases not committed")
+
+
+def _events_of(pool: Pool, ids: set[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {i: [] for i in ids}
+    for lease_id, kind in pool.query("SELECT lease_id, kind FROM events ORDER BY id"):
+        if lease_id in out:
+            out[lease_id].append(kind)
+    return out
+
+
+def _poolctl(pool: Pool, *argv: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "POOLD_URL": f"http://127.0.0.1:{pool.port}",
+        "POOLD_TOKEN_FILE": str(pool.state_dir / "admin.token"),
+        "COLUMNS": "250",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "cli", *argv], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def _cycle(client: PoolClient, n: int) -> list[Lease]:
+    """Grant ``n`` leases that fit the delegation, renew each, release each."""
+    leases = [client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False) for _ in range(n)]
+    for lease in leases:
+        client.renew(lease.lease_id, ttl_s=120)
+    for lease in leases:
+        lease.release()
+    return leases
+
+
+def test_poold_down_200_local_leases_committed_on_return(pool: Pool) -> None:
+    with PoolClient(pool.sock, timeout_s=10) as client:
+        _delegated(pool, client)
+        pool.poold.kill()
+        t0 = time.perf_counter()
+        leases = _cycle(client, 200)
+        elapsed = time.perf_counter() - t0
+        ids = {lease.lease_id for lease in leases}
+        assert len(ids) == 200
+        pool.start_poold()
+        took = _wait_committed(pool, ids, timeout_s=2.0 + 3.0)  # poold's start, then 2 s
+    print(f"200 local lease+renew+release with poold down: {elapsed:.2f} s; committed {took:.2f} s")
+    events = _events_of(pool, ids)
+    for lease_id, kinds in events.items():
+        assert kinds[:2] == ["lease.grant", "lease.activate"], (lease_id, kinds)
+        assert kinds.count("lease.grant") == 1
+        assert kinds[-1] == "lease.release", (lease_id, kinds)
+    # Inside the host's reservation; and no two of the 200 share bytes (poold was down,
+    # so no release was applied and no extent freed for another while they were granted).
+    rows = [
+        r[1:]
+        for r in pool.query(
+            "SELECT l.id, l.offset_bytes, l.length_bytes, r.offset_bytes, r.length_bytes "
+            "FROM leases l JOIN reservations r ON r.id = l.reservation_id"
+        )
+        if r[0] in ids
+    ]
+    assert len(rows) == 200
+    spans = sorted((r[0], r[0] + r[1]) for r in rows)
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert end <= start
+    assert all(r[2] <= r[0] and r[0] + r[1] <= r[2] + r[3] for r in rows)
+    shown = _poolctl(pool, "leases", "list")
+    assert shown.returncode == 0, shown.stderr
+    assert "deleg-host:" in shown.stdout, shown.stdout[:2000]
+    audit = _poolctl(pool, "audit")
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+
+
+def test_agent_killed_mid_way_journal_readopts(pool: Pool) -> None:
+    with PoolClient(pool.sock, timeout_s=10) as client:
+        _delegated(pool, client)
+        pool.poold.kill()
+        first = _cycle(client, 100)
+        held = [client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False) for _ in range(20)]
+        # -9 with 20 held (their holder, this process, is alive) and 100 ended, none of
+        # them committed: the journal is all there is.
+        pool.kill_agent_and_restart()
+        listed = {lease.lease_id for lease in client.list()}
+        assert {lease.lease_id for lease in held} <= listed
+        second = _cycle(client, 80)
+        for lease in held:
+            lease.release()
+        ids = {lease.lease_id for lease in first + held + second}
+        assert len(ids) == 200
+        pool.start_poold()
+        _wait_committed(pool, ids, timeout_s=5.0)
+    events = _events_of(pool, ids)
+    for lease_id, kinds in events.items():
+        assert kinds.count("lease.grant") == 1, (lease_id, kinds)  # nothing doubled
+        assert kinds.count("lease.release") == 1, (lease_id, kinds)
+    assert pool.query("SELECT count(*) FROM leases WHERE state <> 'released'") == [(0,)]
+    audit = _poolctl(pool, "audit")
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+
+
+def test_reservation_ttl_passes_with_poold_down(short_ttl_pool: Pool) -> None:
+    pool = short_ttl_pool
+    with PoolClient(pool.sock, timeout_s=10) as client:
+        _delegated(pool, client)
+        kept = client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False)
+        pool.poold.kill()
+        client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False).release()  # still local
+        time.sleep(3.5)  # the reservation's TTL (3 s) passes unrenewed
+        with pytest.raises(PoolError) as refused:
+            client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False)
+        assert refused.value.code == "delegation_expired"
+        pool.start_poold()
+        # The lease granted inside it is reported: the ledger has it, in its reservation.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            rows = pool.query(
+                f"SELECT state, reservation_id FROM leases WHERE id = '{kept.lease_id}'"
+            )
+            if rows:
+                break
+            time.sleep(0.05)
+        assert rows and rows[0][0] == "active" and rows[0][1] is not None, rows
+        kept.release()
+        # It outlived its reservation's TTL, so poold kept that reservation (returning,
+        # no new lease) until the lease ended; then it goes.
+        _wait_committed(pool, {kept.lease_id}, timeout_s=5.0)
+        assert _poolctl(pool, "audit").returncode == 0
