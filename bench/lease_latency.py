@@ -226,12 +226,14 @@ def main() -> int:
 
 
 def _granted_locally(admin: PooldClient, lease_id: str) -> bool:
-    """Whether poold has not heard of the lease yet: a local grant's local_grant op goes
-    up to a quarter second after the reply, a central grant is in the ledger before it."""
-    try:
-        admin.show_lease(lease_id)
-    except UnknownLease:
-        return True
+    """Whether poold recorded the lease inside a reservation (granted by the agent): a
+    local grant reaches the ledger within the outbox's flush (0.25 s), so wait a little."""
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        try:
+            return admin.show_lease(lease_id).reservation_id is not None
+        except UnknownLease:
+            time.sleep(0.1)
     return False
 
 
