@@ -605,8 +605,9 @@ class AgentServer:
             with connection.send_lock:
                 delivered = self._send_within(connection.sock, frame, self.limits.reply_timeout_s)
             if not delivered:
-                log.warning(
-                    "connection %d (pid %d uid %d): an event was not read within %.0f s; closing",
+                log.info(
+                    "connection %d (pid %d uid %d): an event was not delivered (hung up, or "
+                    "not read within %.0f s); closing",
                     connection.connection_id,
                     connection.peer.pid,
                     connection.peer.uid,
