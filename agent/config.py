@@ -156,8 +156,14 @@ class AgentConfig(DaemonSettings):
     warm_pool_bytes: ByteCount = Field(
         default=64 << 20, ge=0, description="fresh memfds kept ready for small leases; 0: off"
     )
-    # Delegated capacity (agent/delegation.py RefillPolicy): the least the agent keeps
-    # reserved and budgeted ahead of demand, so a burst (or poold down) finds room.
+    # Delegated capacity (agent/delegation.py): off by default until issue 12 is done
+    # (pressure does not yet ask reservations back, and a host's budget can leave its
+    # own central grants quota_exceeded when the reservation is spent).
+    delegation: bool = Field(
+        default=False, description="grant leases locally inside reservations poold delegates"
+    )
+    # RefillPolicy: the least the agent keeps reserved and budgeted ahead of demand, so a
+    # burst (or poold down) finds room.
     delegation_min_reserve_bytes: ByteCount = Field(
         default=64 << 20, ge=0, description="least free reserved bytes kept per media class"
     )

@@ -100,6 +100,7 @@ def run(config: AgentConfig) -> int:
         min_budget_leases=config.delegation_min_budget_leases,
     )
     service = AgentService(config.host, link, backends, warm, in_flight=in_flight, refill=refill)
+    service.delegation.enabled = config.delegation
     service.journal = Journal(config.state_dir / "journal.db")
     adopted, orphaned = service.adopt()
     if adopted or orphaned:

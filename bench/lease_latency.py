@@ -131,6 +131,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="length of each throughput run")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    # Local grants are what this measures; the agent's delegation is off by default.
+    os.environ.setdefault("POOL_AGENT_DELEGATION", "true")
 
     floor: list[float] = []
     floor_touch: list[float] = []

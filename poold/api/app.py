@@ -733,7 +733,9 @@ def create_app(
 
     @bind
     def update_tenant(name: str, change: TenantUpdate, p: Caller) -> TenantOut:
-        return tenants.update_tenant(ledger, name, change, p.actor)
+        return tenants.update_tenant(
+            ledger, name, change, p.actor, on_quota_change=delegation.claw_back
+        )
 
     @bind
     def delete_tenant(name: str, p: Caller) -> Response:

@@ -300,6 +300,10 @@ def count_committed_events(ledger: Ledger, committed: Callable[[list[str]], None
         return found
 
     def forget(conn: Connection) -> None:
+        if conn.invalidated:
+            # The connection died under the transaction (the database went away): its
+            # info is unreachable until the rollback, and a new one starts empty.
+            return
         pending(conn).clear()
 
     def on_commit(conn: Connection) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, func, select
@@ -96,7 +97,18 @@ def _claim(session: Session, tenant: Tenant) -> None:
     set_committed_value(tenant, "generation", seen + 1)  # what the row now holds
 
 
-def update(session: Session, name: str, change: TenantUpdate, actor: str) -> Tenant:
+# Called in the same transaction when a tenant's quota changes (the delegation's claw
+# back, poold/ledger/delegation.py, which imports this module: passed in, not imported).
+QuotaHook = Callable[[Connection, int], None]
+
+
+def update(
+    session: Session,
+    name: str,
+    change: TenantUpdate,
+    actor: str,
+    on_quota_change: QuotaHook | None = None,
+) -> Tenant:
     """Change a tenant; `transitions.LostRace` when a grant moved it since it was read."""
     tenant = get_by_name(session, name)
     fields = change.model_dump(exclude_none=True)
@@ -104,11 +116,9 @@ def update(session: Session, name: str, change: TenantUpdate, actor: str) -> Ten
     _claim(session, tenant)
     for key, value in fields.items():
         setattr(tenant, key, sorted(set(value)) if isinstance(value, list) else value)
-    if "quota_bytes" in fields or "quota_leases" in fields:
-        from poold.ledger import delegation  # delegation -> leases -> tenants
-
+    if on_quota_change is not None and ("quota_bytes" in fields or "quota_leases" in fields):
         session.flush()
-        delegation.claw_back(session.connection(), tenant.id)  # a cut below what is delegated
+        on_quota_change(session.connection(), tenant.id)  # a cut below what is delegated
     transitions.record(
         session,
         transitions.event_row(
@@ -215,12 +225,18 @@ def get_tenant(ledger: Ledger, name: str) -> TenantOut:
         return to_out(session, get_by_name(session, name))
 
 
-def update_tenant(ledger: Ledger, name: str, change: TenantUpdate, actor: str) -> TenantOut:
+def update_tenant(
+    ledger: Ledger,
+    name: str,
+    change: TenantUpdate,
+    actor: str,
+    on_quota_change: QuotaHook | None = None,
+) -> TenantOut:
     """`update` in a transaction of its own, again from a fresh read when it loses a race."""
 
     def attempt() -> TenantOut:
         with ledger.write() as session:
-            return to_out(session, update(session, name, change, actor))
+            return to_out(session, update(session, name, change, actor, on_quota_change))
 
     return transitions.retrying(attempt, what=f"the update of tenant {name!r}")
 

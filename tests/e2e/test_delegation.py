@@ -66,6 +66,7 @@ def _pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, ttl_s: float = 600.0
 ) -> Iterator[Pool]:
     # Room for 200 leases ahead of any demand (the agent inherits the environment).
+    monkeypatch.setenv("POOL_AGENT_DELEGATION", "true")
     monkeypatch.setenv("POOL_AGENT_DELEGATION_MIN_RESERVE_BYTES", "512MiB")
     monkeypatch.setenv("POOL_AGENT_DELEGATION_MIN_BUDGET_LEASES", "300")
     state = tmp_path / "poold"

@@ -240,7 +240,9 @@ def test_a_quota_cut_claws_budgets_back_but_not_below_what_is_granted(ledger: Le
         budgets=[BudgetWant(tenant="t1", bytes=16 * MiB, leases=8)],
     )
     assert _ops(ledger, _local(d, "L1", length=4 * MiB)) == [("active", None)]
-    tenants.update_tenant(ledger, "t1", TenantUpdate(quota_bytes=2 * MiB), "admin")
+    tenants.update_tenant(
+        ledger, "t1", TenantUpdate(quota_bytes=2 * MiB), "admin", delegation.claw_back
+    )
     with ledger.read() as s:
         assert list(s.execute(select(Budget.bytes))) == [(4 * MiB,)]
     # The agent learns it from its next heartbeat reply.

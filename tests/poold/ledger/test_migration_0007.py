@@ -39,7 +39,9 @@ def test_0007_turns_paths_into_bindings_and_comes_off_cleanly(empty_url: str) ->
         with engine.begin() as conn:
             for statement in ROWS:
                 conn.execute(text(statement), {"now": NOW})
-        migrate.upgrade(empty_url, "0007")
+        # To the head, not 0007: the heartbeat code below is today's, which reads the
+        # tables of later migrations (reservations); they leave the bindings alone.
+        migrate.upgrade(empty_url)
         ledger = Ledger(empty_url)
         try:
             with ledger.read() as s:
