@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
 import pwd
@@ -186,3 +187,29 @@ def pg_cluster(pg_server: pg.PgServer, tmp_path: Path) -> Iterator[Cluster]:
         yield from _start(tmp_path, pg_server.url(name))
     finally:
         conftest.drop_pg_database(pg_server, name)
+
+
+# A second agent's heartbeat interval when a test must tell news from heartbeats.
+SLOW_HEARTBEAT_S = 30.0
+
+
+@contextlib.contextmanager
+def slow_agent(cluster: Cluster, host: str) -> Iterator[Path]:
+    """A second agent that heartbeats every 30 s: what it learns sooner came as news."""
+    cred = cluster.work / f"{host}.credential"
+    cred.write_text(cluster.admin.add_host(host).credential)
+    sock = cluster.socket_path.parent / f"{host}.sock"
+    agent = procs.start_agent(
+        cluster.work,
+        host=host,
+        poold_url=cluster.url,
+        credential_file=cred,
+        socket_path=sock,
+        emulated_capacity_bytes=AGENT_CAPACITY,
+        heartbeat_interval_s=SLOW_HEARTBEAT_S,
+    )
+    try:
+        time.sleep(1)  # its first wait for news is in poold
+        yield sock
+    finally:
+        agent.stop()

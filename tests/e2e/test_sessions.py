@@ -8,16 +8,13 @@ a periodic heartbeat. DESIGN.md "Tenant sessions and pushed events".
 
 from __future__ import annotations
 
-import contextlib
 import os
 import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
 from agent.client import LOST_CONNECTION, Lease, PoolClient
 from agent.protocol import (
@@ -29,13 +26,11 @@ from agent.protocol import (
     encode_request,
     read_frame,
 )
-from poold import procs
 from poold.wire.admin import TenantSpec
-from tests.e2e.conftest import AGENT_CAPACITY, Cluster
+from tests.e2e.conftest import AGENT_CAPACITY, Cluster, slow_agent
 
 MiB = 1 << 20
 HOST = "session-host"
-SLOW_HEARTBEAT_S = 30.0
 PROMPT_S = 2.0  # how soon a pushed event reaches a callback, news and push included
 
 
@@ -73,28 +68,6 @@ class Heard:
         return True
 
 
-@contextlib.contextmanager
-def slow_agent(cluster: Cluster, host: str = HOST) -> Iterator[Path]:
-    """A second agent that heartbeats every 30 s: what it learns sooner came as news."""
-    cred = cluster.work / f"{host}.credential"
-    cred.write_text(cluster.admin.add_host(host).credential)
-    sock = cluster.socket_path.parent / f"{host}.sock"
-    agent = procs.start_agent(
-        cluster.work,
-        host=host,
-        poold_url=cluster.url,
-        credential_file=cred,
-        socket_path=sock,
-        emulated_capacity_bytes=AGENT_CAPACITY,
-        heartbeat_interval_s=SLOW_HEARTBEAT_S,
-    )
-    try:
-        time.sleep(1)  # its first wait for news is in poold
-        yield sock
-    finally:
-        agent.stop()
-
-
 def lease_with(client: PoolClient, heard: Heard, size_bytes: int = 4 * MiB) -> Lease:
     return client.lease(
         size_bytes,
@@ -111,7 +84,7 @@ def test_revoke_is_heard_before_its_deadline_and_the_loss_at_it(any_cluster: Clu
     keeps the lease, so at the deadline the agent takes it back and on_lost fires."""
     c = any_cluster
     heard = Heard()
-    with slow_agent(c) as sock, PoolClient(sock, timeout_s=10) as client:
+    with slow_agent(c, HOST) as sock, PoolClient(sock, timeout_s=10) as client:
         lease = lease_with(client, heard)
         assert client.in_session
         revoked_at = time.monotonic()
@@ -156,7 +129,7 @@ def test_a_tenant_releasing_in_on_revoke_is_reclaimed_early_and_not_lost(
         heard.on_revoke(lease, deadline_at)
         lease.release()
 
-    with slow_agent(c) as sock, PoolClient(sock, timeout_s=10) as client:
+    with slow_agent(c, HOST) as sock, PoolClient(sock, timeout_s=10) as client:
         lease = client.lease(
             4 * MiB, ttl_s=120, renew=False, on_revoke=let_go, on_lost=heard.on_lost
         )
@@ -235,7 +208,7 @@ def test_a_lease_the_ledger_ends_is_lost_promptly(any_cluster: Cluster) -> None:
     """(5) `poolctl leases end`: no notice, so no on_revoke; on_lost (ended) at once."""
     c = any_cluster
     heard = Heard()
-    with slow_agent(c) as sock, PoolClient(sock, timeout_s=10) as client:
+    with slow_agent(c, HOST) as sock, PoolClient(sock, timeout_s=10) as client:
         lease = lease_with(client, heard)
         ended_at = time.monotonic()
         c.admin.end_lease(lease.lease_id, reason="operator")
