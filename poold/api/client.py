@@ -79,7 +79,7 @@ AUDIT_TIMEOUT_S = 600.0  # an audit of a large ledger takes seconds, not the def
 # poold is sent again to another: a heartbeat (or registration) and a renewal set the
 # same state from a later now. Reads are replayable by their method; grants and op
 # batches only when they name themselves with a request id (see `_replayable`).
-_REPLAYABLE_ROUTES = frozenset({"register", "heartbeat", "renew", "wait_news"})
+_REPLAYABLE_ROUTES = frozenset({"register", "heartbeat", "renew", "wait_news", "activate"})
 
 # Transport errors raised before the request left this process: no poold saw it, so
 # any request may go to the next URL.

@@ -1017,13 +1017,21 @@ def _expire_if_due(conn: Connection, lease: _Held, now: datetime) -> None:
 
 
 def activate(ledger: Ledger, host_name: str, lease_id: str, actor: str) -> LeaseOut:
-    """The agent made the memory of a granted lease: granted → active, its ttl from now."""
+    """The agent made the memory of a granted lease: granted → active, its ttl from now.
+
+    Idempotent: activating an active lease answers it as it is, so the agent may send
+    the call again to another poold when a reply is lost.
+    """
 
     def attempt() -> LeaseOut:
         with ledger.write_conn() as conn:
             host_id = _host_id(ledger, conn, host_name)
             lease = _lock_one(conn, lease_id)
             _owned_by_host(lease, host_id, host_name)
+            if lease.state == LeaseState.ACTIVE.value:
+                # A repeat whose first reply was lost (poold died, the agent failed over):
+                # the first activation stands, ttl and all.
+                return lease_views.show_in(conn, lease_id)
             now = utcnow()
             _move(
                 conn,

@@ -289,6 +289,19 @@ def test_renew_after_release_is_lease_not_active(ledger: Ledger) -> None:
     assert snapshot(ledger) == before
 
 
+def test_activating_an_active_lease_again_answers_it_unchanged(ledger: Ledger) -> None:
+    # The agent repeats an activation whose reply was lost (it failed over to another
+    # poold): the first activation stands, no second event, the expiry not moved.
+    seed(ledger)
+    lease = grant(ledger, MiB)
+    first = leases.activate(ledger, "h1", lease.id, "agent:test")
+    before = snapshot(ledger)
+    again = leases.activate(ledger, "h1", lease.id, "agent:test")
+    assert again.state == "active" and again.expires_at == first.expires_at
+    assert snapshot(ledger) == before
+    assert [e[0] for e in lease_events(ledger, lease.id)] == ["lease.grant", "lease.activate"]
+
+
 def test_foreign_and_unknown_leases(ledger: Ledger) -> None:
     seed(ledger)
     seed(ledger, host="h2", devices=[device("dev-1")], tenant=None)
