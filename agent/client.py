@@ -18,9 +18,11 @@ reader thread then takes every frame: replies go to the caller waiting, events t
 callback thread per client (a slow callback never stalls a reply). Renewal replies
 still carry revocations and shrink requests; each callback fires once per lease and
 event, whichever way it came first. When the session's connection drops, the client
-reconnects (for up to ``reconnect_s``) and asks ``list``: a lease the agent no longer
-holds is lost (``not_held``); no agent to reconnect to, every lease is lost
-(``connection_lost``).
+reconnects and asks ``list``: a lease the agent no longer holds is lost (``not_held``).
+With no agent to reconnect to, a lease is lost (``connection_lost``) once its ttl has run
+out with nobody to renew it, or after ``reconnect_s`` if that is given: an agent that
+restarts (systemd does in well under a lease's ttl) re-adopts the leases whose memory is
+still mapped, and their holders go on as if nothing happened.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, TypeVar
@@ -440,6 +442,14 @@ class _Ended:
         self.error = error  # None: a clean EOF
 
 
+def _expired(lease: Lease, now: datetime) -> bool:
+    """Has the lease's ttl run out (as its last grant or renewal said)?"""
+    expires_at = lease.expires_at
+    if expires_at.tzinfo is None:
+        expires_at = expires_at.replace(tzinfo=UTC)  # the wire speaks UTC
+    return expires_at <= now
+
+
 class _ConnectionLost:
     """A dispatcher item: the session's connection dropped (not by this client)."""
 
@@ -567,7 +577,8 @@ class PoolClient:
     ``events`` (default on): hold a tenant session while leases are held (see the
     module docstring); off, the client learns of revocations and shrink requests only
     from renewals, as agents before protocol 2 tell it. ``reconnect_s``: how long a
-    dropped session tries to reach the agent again before its leases are lost.
+    dropped session tries to reach the agent again before its leases are lost; by
+    default, until each lease expires (the agent may come back and re-adopt it).
     """
 
     def __init__(
@@ -576,7 +587,7 @@ class PoolClient:
         *,
         timeout_s: float = 30.0,
         events: bool = True,
-        reconnect_s: float = 2.0,
+        reconnect_s: float | None = None,
     ) -> None:
         self.socket_path = Path(socket_path) if socket_path is not None else client_socket_path()
         self.timeout_s = timeout_s
@@ -785,7 +796,7 @@ class PoolClient:
         held = [lease for lease in self.leases if not lease.lost and not lease.released]
         if not held or self._closed:
             return
-        deadline = time.monotonic() + self.reconnect_s
+        give_up = None if self.reconnect_s is None else time.monotonic() + self.reconnect_s
         while True:
             try:
                 listing = self.list()  # reconnects; a session again while leases are held
@@ -793,9 +804,13 @@ class PoolClient:
             except PoolError as err:
                 if self._closed:
                     return
-                if time.monotonic() >= deadline:
-                    for lease in held:
+                out_of_time = give_up is not None and time.monotonic() >= give_up
+                now = datetime.now(UTC)
+                for lease in held:
+                    if out_of_time or _expired(lease, now):
                         lease._lost(LOST_CONNECTION, err.message)
+                held = [lease for lease in held if not lease.lost and not lease.released]
+                if not held:
                     return
                 time.sleep(_RESYNC_RETRY_S)
         there = {listed.lease_id: listed for listed in listing}

@@ -481,6 +481,39 @@ def test_a_dropped_session_reconnects_and_keeps_what_the_agent_holds(
         client.close()
 
 
+def test_by_default_a_lease_is_lost_when_its_ttl_runs_out_not_before(
+    sock_dir: Path, handler: EmulatedHandler
+) -> None:
+    # The agent is away (a restart takes seconds; under systemd well under a ttl): a
+    # lease stays the tenant's until nobody renewed it for its whole ttl.
+    lost: list[tuple[str, float]] = []
+    with AgentServer(sock_dir / "agent.sock", handler) as server:
+        server.start_in_thread()
+        client = PoolClient(server.socket_path, timeout_s=5)
+        short = client.lease(
+            MIB,
+            ttl_s=2,
+            renew=False,
+            on_lost=lambda le: lost.append((le.lease_id, time.monotonic())),
+        )
+        long = client.lease(
+            MIB,
+            ttl_s=60,
+            renew=False,
+            on_lost=lambda le: lost.append((le.lease_id, time.monotonic())),
+        )
+        gone_at = time.monotonic()
+    try:
+        assert wait_for(lambda: bool(lost), timeout_s=6)
+        ((lease_id, at),) = lost
+        assert lease_id == short.lease_id and short.lost_reason == "connection_lost"
+        assert 1.0 < at - gone_at < 3.5  # at its expiry (2 s from its grant), not at once
+        time.sleep(0.5)
+        assert not long.lost  # its ttl has a minute to go: the agent may still come back
+    finally:
+        client.close()
+
+
 def test_no_agent_to_reconnect_to_loses_every_lease(
     sock_dir: Path, handler: EmulatedHandler
 ) -> None:

@@ -257,7 +257,7 @@ def stack(machine: GuestMachine, poold_process: PooldProcess) -> Iterator[Stack]
 
 
 @pytest.fixture
-def pool(stack: Stack, machine: GuestMachine) -> Iterator[Stack]:
+def pool(stack: Stack, machine: GuestMachine, poold_process: PooldProcess) -> Iterator[Stack]:
     """The stack, checked idle before and after each test: no live lease in the ledger, no
     sub-device holding memory in the region (the stack never leaves one behind), dax0.0
     reported reserved before and untouched after (the stack never writes to it)."""
@@ -272,7 +272,8 @@ def pool(stack: Stack, machine: GuestMachine) -> Iterator[Stack]:
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while (stack.live_leases() or stack.sub_devices()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert stack.live_leases() == [], stack.logs()
+    left = stack.live_leases()
+    assert left == [], f"{lease_histories(poold_process, left)}\n{stack.logs()}"
     assert stack.sub_devices() == {}, stack.logs()
     assert dax_device_state(machine.claimed_device) == claimed
 
@@ -834,6 +835,21 @@ def ledger_rows(poold: PooldProcess, query: str, *params: Any) -> list[tuple[Any
         return list(conn.execute(query, params))
     finally:
         conn.close()
+
+
+def lease_histories(poold: PooldProcess, leases: list[str]) -> str:
+    """Each lease's events (``"<id> <state>"`` strings, as `Stack.live_leases` says)."""
+    lines = []
+    for lease in leases:
+        lease_id = lease.split()[0]
+        lines.append(f"--- events of {lease_id} ---")
+        for at, actor, kind, reason in ledger_rows(
+            poold,
+            "SELECT at, actor, kind, reason FROM events WHERE lease_id = ? ORDER BY id",
+            lease_id,
+        ):
+            lines.append(f"{at} {actor} {kind} {reason or ''}")
+    return "\n".join(lines)
 
 
 def overlapping_live_leases(poold: PooldProcess) -> list[str]:
