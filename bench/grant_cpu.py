@@ -1,0 +1,326 @@
+"""poold's CPU per central grant and per release, measured on a real poold process.
+
+    .venv/bin/python bench/grant_cpu.py [--backends sqlite,postgresql] [--rounds 20]
+                                        [--block 100] [--warmup 200] [--json]
+
+For each backend (SQLite: a temp file; PostgreSQL: a throwaway server from tests/pg.py)
+it starts one `poold serve` (reaper off), registers one host with a large emulated
+device and one tenant, and then, acting as that host's agent over HTTP, runs `--rounds`
+rounds of: `--block` sequential grants (2 MiB, activated, with a request id, as
+pool-agent sends them), then the `--block` releases (one op batch each, with a request
+id, as the agent's outbox sends them when nothing rides on a grant).
+
+poold's CPU (user + system, all threads, psutil) is read before and after each block:
+one figure per round for "ms of poold CPU per grant" and per release. CPU time is what
+to trust on a loaded machine (wall times move with the other processes; CPU time
+hardly does); the tables print the median and the worst round, and the client-seen
+latency p50/p99 of every request.
+
+Floors, in the same run, interleaved with the rounds:
+- `health`: poold CPU per `GET /v1/health` (HTTP, routing, JSON; no auth, no ledger),
+- `empty write txn`: CPU of this process for one write transaction of the ledger's own
+  kind (BEGIN IMMEDIATE on SQLite) with one trivial UPDATE, through `Ledger.write_conn`.
+- `idle`: poold CPU per second with no request (what the grant figures include anyway).
+
+The target (issue "poold under load and faults"): poold CPU per central grant <= 1.5 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+from sqlalchemy import update  # noqa: E402
+
+from poold import procs  # noqa: E402
+from poold.api.client import PooldClient  # noqa: E402
+from poold.ledger import migrate  # noqa: E402
+from poold.ledger.db import Ledger  # noqa: E402
+from poold.ledger.models import Host  # noqa: E402
+from poold.wire.admin import TenantSpec  # noqa: E402
+from poold.wire.agent import GrantRequest, Heartbeat, InventoryDevice, LeaseOp  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+LEASE_BYTES = 2 * MiB
+TARGET_CPU_MS = 1.5
+HOST = "grant-cpu-h0"
+TENANT = "grant-cpu-t0"
+IDLE_S = 1.0
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def cpu_s(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
+@contextlib.contextmanager
+def database(backend: str, tmp: Path) -> Iterator[str]:
+    if backend == "sqlite":
+        yield f"sqlite:///{tmp / 'ledger.db'}"
+        return
+    import psycopg
+
+    from tests import pg
+
+    server = pg.start_server()
+    try:
+        with psycopg.connect(
+            f"host=127.0.0.1 port={server.port} user=postgres dbname=postgres", autocommit=True
+        ) as conn:
+            conn.execute("CREATE DATABASE poold_grant_cpu")
+        yield server.url("poold_grant_cpu")
+    finally:
+        with contextlib.suppress(Exception):
+            server.stop()
+        shutil.rmtree(server.root, ignore_errors=True)
+
+
+class Series:
+    """CPU per operation, one figure per block, and every request's latency."""
+
+    def __init__(self) -> None:
+        self.cpu_ms: list[float] = []
+        self.latency_ms: list[float] = []
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "blocks": len(self.cpu_ms),
+            "cpu_ms_median": round(statistics.median(self.cpu_ms), 3),
+            "cpu_ms_min": round(min(self.cpu_ms), 3),
+            "cpu_ms_max": round(max(self.cpu_ms), 3),
+            "latency_ms_p50": round(pct(self.latency_ms, 0.5), 3),
+            "latency_ms_p99": round(pct(self.latency_ms, 0.99), 3),
+        }
+
+
+def timed_block(
+    pid: int, series: Series, calls: Sequence[Callable[[], object]], *, measure: bool = True
+) -> None:
+    c0 = cpu_s(pid)
+    for call in calls:
+        t0 = time.perf_counter()
+        call()
+        if measure:
+            series.latency_ms.append((time.perf_counter() - t0) * 1000)
+    if measure:
+        series.cpu_ms.append((cpu_s(pid) - c0) * 1000 / len(calls))
+
+
+def write_floor(ledger: Ledger, n: int) -> tuple[float, float]:
+    """(this process's CPU ms, wall ms) per empty write transaction, medians of 4 quarters."""
+    stmt = update(Host).where(Host.name == HOST).values(agent_version=Host.agent_version)
+    cpu, wall = [], []
+    for _ in range(4):
+        c0, t0 = time.thread_time(), time.perf_counter()
+        for _ in range(n // 4):
+            with ledger.write_conn() as conn:
+                conn.execute(stmt)
+        cpu.append((time.thread_time() - c0) * 1000 / (n // 4))
+        wall.append((time.perf_counter() - t0) * 1000 / (n // 4))
+    return statistics.median(cpu), statistics.median(wall)
+
+
+def run_backend(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    work = tmp / backend
+    work.mkdir()
+    with database(backend, work) as url:
+        migrate.upgrade(url)
+        state = work / "poold"
+        state.mkdir(mode=0o700)
+        admin_token = f"pt1.admin.{secrets.token_urlsafe(32)}"
+        (state / "admin.token").write_text(admin_token + "\n")
+        (state / "admin.token").chmod(0o600)
+        port = procs.free_port()
+        child = procs.start_poold(
+            state,
+            port,
+            database_url=url,
+            timeout_s=60.0,
+            env={"POOLD_REAP_INTERVAL_S": "0"},
+            extra=["--no-upgrade-db"],
+        )
+        base = f"http://127.0.0.1:{port}"
+        ledger = Ledger(url)
+        try:
+            with PooldClient(base, admin_token) as admin:
+                cred = admin.add_host(HOST).credential
+                admin.create_tenant(
+                    TenantSpec(
+                        name=TENANT,
+                        quota_bytes=1 << 40,
+                        quota_leases=1_000_000,
+                        allowed_uids=[os.getuid()],
+                    )
+                )
+            with PooldClient(base, cred) as agent, httpx.Client(base_url=base) as http:
+                agent.register(
+                    Heartbeat(
+                        agent_version="bench-grant-cpu",
+                        inventory=[
+                            InventoryDevice(
+                                uid=f"{HOST}/emulated:0",
+                                kind="emulated",
+                                media="emulated",
+                                capacity_bytes=64 * GiB,
+                                alignment_bytes=LEASE_BYTES,
+                                health="ok",
+                                local_name="memfd",
+                            )
+                        ],
+                    )
+                )
+                return measure(child.proc.pid, agent, http, ledger, args) | {"backend": backend}
+        finally:
+            ledger.dispose()
+            child.stop()
+
+
+def measure(
+    pid: int,
+    agent: PooldClient,
+    http: httpx.Client,
+    ledger: Ledger,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    grants, releases, health = Series(), Series(), Series()
+    held: list[str] = []
+
+    def grant() -> None:
+        req = GrantRequest(
+            request_id=str(uuid.uuid4()),
+            tenant=TENANT,
+            size_bytes=LEASE_BYTES,
+            ttl_s=600,
+            uid=os.getuid(),
+            gids=[os.getgid()],
+            pid=os.getpid(),
+            activate=True,
+        )
+        held.append(agent.grant(req).id)
+
+    def release() -> None:
+        lease_id = held.pop()
+        results = agent.apply_ops(
+            [LeaseOp(lease_id=lease_id, op="release")], request_id=str(uuid.uuid4())
+        )
+        if results[0].code is not None:
+            raise RuntimeError(f"release refused: {results[0].code} {results[0].message}")
+
+    def get_health() -> None:
+        http.get("/v1/health").raise_for_status()
+
+    # Warm-up: the first requests compile statements, fill caches, start threads.
+    for _ in range(max(1, args.warmup // args.block)):
+        timed_block(pid, grants, [grant] * args.block, measure=False)
+        timed_block(pid, releases, [release] * args.block, measure=False)
+    timed_block(pid, health, [get_health] * args.block, measure=False)
+    floor_cpu: list[float] = []
+    floor_wall: list[float] = []
+    idle: list[float] = []
+    for _ in range(args.rounds):
+        timed_block(pid, grants, [grant] * args.block)
+        timed_block(pid, releases, [release] * args.block)
+        timed_block(pid, health, [get_health] * args.block)
+        c, w = write_floor(ledger, 40)
+        floor_cpu.append(c)
+        floor_wall.append(w)
+        c0 = cpu_s(pid)
+        time.sleep(IDLE_S / 4)
+        idle.append((cpu_s(pid) - c0) * 1000 / (IDLE_S / 4))
+    return {
+        "rounds": args.rounds,
+        "block": args.block,
+        "grant": grants.summary(),
+        "release": releases.summary(),
+        "health": health.summary(),
+        "empty_write_txn_cpu_ms": round(statistics.median(floor_cpu), 3),
+        "empty_write_txn_wall_ms": round(statistics.median(floor_wall), 3),
+        "idle_cpu_ms_per_s": round(statistics.median(idle), 1),
+        "target_met": statistics.median(grants.cpu_ms) <= TARGET_CPU_MS,
+    }
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    print(
+        f"{'backend':<11}{'series':<22}{'CPU ms median':>14}{'min':>8}{'max':>8}"
+        f"{'lat p50 ms':>12}{'lat p99 ms':>12}"
+    )
+    for r in results:
+        for name in ("grant", "release", "health"):
+            s = r[name]
+            label = {"grant": "grant (poold)", "release": "release (poold)"}.get(
+                name, "floor: health (poold)"
+            )
+            print(
+                f"{r['backend']:<11}{label:<22}{s['cpu_ms_median']:>14.3f}{s['cpu_ms_min']:>8.3f}"
+                f"{s['cpu_ms_max']:>8.3f}{s['latency_ms_p50']:>12.3f}{s['latency_ms_p99']:>12.3f}"
+            )
+        print(
+            f"{r['backend']:<11}{'floor: empty write txn':<22}{r['empty_write_txn_cpu_ms']:>14.3f}"
+            f"{'':>16}{r['empty_write_txn_wall_ms']:>12.3f}   (this process)"
+        )
+        print(f"{r['backend']:<11}idle poold: {r['idle_cpu_ms_per_s']} ms CPU per s")
+    print()
+    for r in results:
+        verdict = "met" if r["target_met"] else "NOT MET"
+        print(
+            f"target poold CPU per central grant <= {TARGET_CPU_MS} ms ({r['backend']}): "
+            f"{r['grant']['cpu_ms_median']:.3f} ms, {verdict}"
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--backends", default="sqlite,postgresql")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--block", type=int, default=100, help="requests per CPU reading")
+    ap.add_argument("--warmup", type=int, default=200, help="grants+releases before measuring")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = set(backends) - {"sqlite", "postgresql"}
+    if unknown or args.rounds < 1 or args.block < 1:
+        ap.error(f"bad arguments (unknown backends {sorted(unknown)})")
+    tmp = Path(tempfile.mkdtemp(prefix="poold-bench-grant-cpu-"))
+    load0 = Path("/proc/loadavg").read_text().strip()
+    try:
+        results = [run_backend(b, args, tmp) for b in backends]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    load1 = Path("/proc/loadavg").read_text().strip()
+    if args.json:
+        print(json.dumps({"loadavg_start": load0, "loadavg_end": load1, "results": results}))
+    else:
+        print(f"loadavg at start: {load0}")
+        print_table(results)
+        print(f"loadavg at end: {load1}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
