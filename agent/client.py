@@ -22,7 +22,8 @@ reconnects and asks ``list``: a lease the agent no longer holds is lost (``not_h
 With no agent to reconnect to, a lease is lost (``connection_lost``) once its ttl has run
 out with nobody to renew it, or after ``reconnect_s`` if that is given: an agent that
 restarts (systemd does in well under a lease's ttl) re-adopts the leases whose memory is
-still mapped, and their holders go on as if nothing happened.
+still mapped, and their holders go on as if nothing happened. The session's reader, its
+event thread and the resync are :mod:`agent.session`; this module is the API.
 """
 
 from __future__ import annotations
@@ -33,13 +34,11 @@ import logging
 import math
 import mmap
 import os
-import queue
-import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, TypeVar
@@ -53,7 +52,6 @@ from agent.protocol import (
     MAX_FRAME_BYTES,
     MAX_REPLY_FRAME_BYTES,
     OPERATIONS,
-    Event,
     HelloArgs,
     HelloResult,
     LeaseArgs,
@@ -61,7 +59,6 @@ from agent.protocol import (
     LeaseResult,
     ListArgs,
     ListResult,
-    LostEvent,
     Model,
     OpSpec,
     ReleaseArgs,
@@ -70,23 +67,21 @@ from agent.protocol import (
     RenewResult,
     ReportArgs,
     ReportResult,
-    RevokeEvent,
     ShrinkArgs,
-    ShrinkEvent,
     ShrinkResult,
     StatsArgs,
     StatsResult,
     encode_request,
-    is_event,
-    parse_event,
     parse_reply,
     read_frame,
     validation_error,
 )
+from agent.session import LOST_CONNECTION as LOST_CONNECTION
+from agent.session import LOST_NOT_HELD as LOST_NOT_HELD
+from agent.session import Events, Session, close_fds, open_session, resync
 from poold.errors import (
     AgentProtocolError,
     AgentUnreachable,
-    BadRequest,
     FrameTooLarge,
     InvalidSize,
     LeaseNotActive,
@@ -107,11 +102,6 @@ _PREFAULT_BYTES_PER_S: Final = 1 << 30
 # Renew at a third of the ttl: two more tries before the lease can expire.
 _RENEW_FRACTION: Final = 1 / 3
 _MIN_RENEW_RETRY_S: Final = 0.1
-_RESYNC_RETRY_S: Final = 0.2
-# Why on_lost fired (Lease.lost_reason): the agent's own (agent.protocol LOST_*), or
-# the client's when the session's connection dropped.
-LOST_CONNECTION: Final = "connection_lost"  # no agent to reconnect to within reconnect_s
-LOST_NOT_HELD: Final = "not_held"  # reconnected: the agent no longer holds it
 
 # on_shrink(lease, target_bytes, deadline_at): poold asks for memory back (pressure).
 # on_revoke(lease, deadline_at): poold revoked the lease; the memory goes at deadline_at.
@@ -435,137 +425,6 @@ class _Renewer:
                 self._cond.notify()
 
 
-class _Ended:
-    """What a session's reader hands a waiting caller once the connection is over."""
-
-    def __init__(self, error: BaseException | None) -> None:
-        self.error = error  # None: a clean EOF
-
-
-def _expired(lease: Lease, now: datetime) -> bool:
-    """Has the lease's ttl run out (as its last grant or renewal said)?"""
-    expires_at = lease.expires_at
-    if expires_at.tzinfo is None:
-        expires_at = expires_at.replace(tzinfo=UTC)  # the wire speaks UTC
-    return expires_at <= now
-
-
-class _ConnectionLost:
-    """A dispatcher item: the session's connection dropped (not by this client)."""
-
-
-_Reply = tuple[dict[str, Any], builtins.list[int]] | _Ended
-_EventItem = RevokeEvent | ShrinkEvent | LostEvent | _ConnectionLost | None
-
-
-class _Session:
-    """The reader of a connection that is a tenant session: replies and events apart.
-
-    It reads on a dup of the connection's fd, so its socket timeouts are its own and
-    closing the client's socket never races its reads; it closes its dup as it ends.
-    """
-
-    def __init__(self, client: PoolClient, sock: socket.socket) -> None:
-        self._client = client
-        self._sock = socket.socket(fileno=os.dup(sock.fileno()))
-        self.replies: queue.SimpleQueue[_Reply] = queue.SimpleQueue()
-        self.closing = False  # the client hung up itself: no resync
-        self._thread = threading.Thread(target=self._run, name="poold-session", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        error: BaseException | None = None
-        readable = select.poll()
-        readable.register(self._sock.fileno(), select.POLLIN)
-        try:
-            while True:
-                readable.poll()  # as long as it takes: a session may be quiet for hours
-                fds: builtins.list[int] = []
-                try:
-                    frame = read_frame(
-                        self._sock,
-                        max_frame_bytes=MAX_REPLY_FRAME_BYTES,
-                        fds=fds,
-                        deadline=time.monotonic() + self._client.timeout_s,
-                    )
-                except BaseException:
-                    PoolClient._close_fds(fds)
-                    raise
-                if frame is None:
-                    return
-                if not is_event(frame):
-                    self.replies.put((frame, fds))
-                    continue
-                PoolClient._close_fds(fds)  # an event never carries memory
-                try:
-                    event = parse_event(frame)
-                except AgentProtocolError as err:
-                    log.warning("ignoring a malformed event from the agent: %s", err.message)
-                    continue
-                if event is not None:
-                    self._client._events.put(event)
-        except (OSError, PoolError) as err:
-            error = err
-        finally:
-            self.replies.put(_Ended(error))
-            self._sock.close()
-            if not self.closing:
-                self._client._events.put(_ConnectionLost())
-
-    def join(self, timeout_s: float) -> None:
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
-
-
-class _Events:
-    """One thread per client running the lease callbacks events bring, in order."""
-
-    def __init__(self, client: PoolClient) -> None:
-        self._client = client
-        self._queue: queue.SimpleQueue[_EventItem] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stopped = False
-
-    def put(self, item: _EventItem) -> None:
-        with self._lock:
-            if self._stopped:
-                return
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="poold-events", daemon=True)
-                self._thread.start()
-        self._queue.put(item)
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-            thread = self._thread
-        self._queue.put(None)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(5)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            try:
-                if isinstance(item, _ConnectionLost):
-                    self._client._resync()
-                else:
-                    self._deliver(item)
-            except Exception:
-                log.exception("handling %r failed", item)
-
-    def _deliver(self, event: Event) -> None:
-        lease = self._client._held(event.lease_id)
-        if lease is None:
-            return  # another client's in this process, or released already
-        if isinstance(event, RevokeEvent):
-            lease._revoked(event.deadline_at)
-        elif isinstance(event, ShrinkEvent):
-            lease._shrink(event.target_bytes, event.deadline_at, event.replica_bytes)
-        else:
-            lease._lost(event.reason, event.message)
-
-
 class PoolClient:
     """A tenant's connection to its host's pool agent; thread-safe.
 
@@ -595,12 +454,12 @@ class PoolClient:
         self.reconnect_s = reconnect_s
         self._lock = threading.Lock()  # one request/reply at a time on the connection
         self._sock: socket.socket | None = None
-        self._session: _Session | None = None  # the connection's reader, once a session
+        self._session: Session | None = None  # the connection's reader, once a session
         self._closed = False
         self._leases_lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._renewer = _Renewer(self)
-        self._events = _Events(self)
+        self._events = Events(self._held, self._resync)
 
     # --- operations -------------------------------------------------------
 
@@ -765,61 +624,21 @@ class PoolClient:
             except (OSError, PoolError) as err:
                 log.warning("could not open a session with the pool agent: %s", err)
                 self._disconnect()
-                self._events.put(_ConnectionLost())
+                self._events.connection_lost()
 
     def _subscribe(self, sock: socket.socket) -> None:
-        """``hello`` with ``events`` on a fresh connection, read here before any reader runs.
+        """Make a fresh connection a session (agent.session.open_session); under ``_lock``.
 
-        An agent that does not know the field (protocol 1) refuses it: the connection
-        stays a plain one, and renewals tell what events would have. Under ``_lock``.
+        An agent without tenant sessions leaves it a plain connection, and ``events``
+        off: renewals tell what events would have.
         """
-        sock.settimeout(self.timeout_s)
-        sock.sendall(encode_request("hello", HelloArgs(events=True)), socket.MSG_NOSIGNAL)
-        fds: builtins.list[int] = []
-        try:
-            frame = read_frame(sock, max_frame_bytes=MAX_REPLY_FRAME_BYTES, fds=fds)
-        finally:
-            self._close_fds(fds)
-        if frame is None:
-            raise ConnectionResetError("the agent hung up before answering hello")
-        try:
-            parse_reply(OPERATIONS["hello"], frame)
-        except BadRequest as err:
-            log.info("the pool agent has no tenant sessions (%s): renewals only", err.message)
+        self._session = open_session(sock, self._events, lambda: self.timeout_s)
+        if self._session is None:
             self.events = False
-            return
-        self._session = _Session(self, sock)
 
     def _resync(self) -> None:
-        """The session's connection dropped: reconnect and ask which leases the agent
-        still holds (on the event thread; see the module docstring)."""
-        held = [lease for lease in self.leases if not lease.lost and not lease.released]
-        if not held or self._closed:
-            return
-        give_up = None if self.reconnect_s is None else time.monotonic() + self.reconnect_s
-        while True:
-            try:
-                listing = self.list()  # reconnects; a session again while leases are held
-                break
-            except PoolError as err:
-                if self._closed:
-                    return
-                out_of_time = give_up is not None and time.monotonic() >= give_up
-                now = datetime.now(UTC)
-                for lease in held:
-                    if out_of_time or _expired(lease, now):
-                        lease._lost(LOST_CONNECTION, err.message)
-                held = [lease for lease in held if not lease.lost and not lease.released]
-                if not held:
-                    return
-                time.sleep(_RESYNC_RETRY_S)
-        there = {listed.lease_id: listed for listed in listing}
-        for lease in held:
-            listed = there.get(lease.lease_id)
-            if listed is None:
-                lease._lost(LOST_NOT_HELD, "the agent does not hold it after reconnecting")
-            elif listed.revoke_deadline_at is not None:
-                lease._revoked(listed.revoke_deadline_at)
+        """The session's connection dropped: see which leases the agent still holds."""
+        resync(self.leases, self.list, reconnect_s=self.reconnect_s, closed=lambda: self._closed)
 
     # --- lifecycle --------------------------------------------------------
 
@@ -891,7 +710,7 @@ class PoolClient:
                 try:
                     frame = self._read_reply(sock, fds, timeout_s or self.timeout_s)
                 except OSError as err:
-                    self._close_fds(fds)
+                    close_fds(fds)
                     self._disconnect()
                     retry = spec.name in _IDEMPOTENT_OPS and not isinstance(err, TimeoutError)
                     if attempt == 1 and retry:
@@ -899,13 +718,13 @@ class PoolClient:
                     raise self._unreachable(spec, err) from err
                 except PoolError as err:
                     # The reply stream itself is garbled (not an error reply): drop it.
-                    self._close_fds(fds)
+                    close_fds(fds)
                     self._disconnect()
                     raise AgentProtocolError(
                         f"unreadable reply to {spec.name!r}: {err.message}"
                     ) from err
                 if frame is None:
-                    self._close_fds(fds)
+                    close_fds(fds)
                     self._disconnect()
                     if attempt == 1 and spec.name in _IDEMPOTENT_OPS:
                         continue
@@ -916,7 +735,7 @@ class PoolClient:
                 try:
                     return self._take_reply(spec, frame, fds, result_type)
                 except BaseException:
-                    self._close_fds(fds)
+                    close_fds(fds)
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -928,17 +747,7 @@ class PoolClient:
         session = self._session
         if session is None:
             return read_frame(sock, max_frame_bytes=MAX_REPLY_FRAME_BYTES, fds=fds)
-        try:
-            reply = session.replies.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError("no reply in time") from None
-        if isinstance(reply, _Ended):
-            if reply.error is not None:
-                raise reply.error
-            return None
-        frame, received = reply
-        fds.extend(received)
-        return frame
+        return session.next_reply(fds, timeout_s)
 
     def _take_reply(
         self,
@@ -951,7 +760,7 @@ class PoolClient:
         if not isinstance(result, result_type):
             raise AgentProtocolError(f"reply to {spec.name!r} is a {type(result).__name__}")
         if not spec.carries_fd:
-            self._close_fds(fds)  # never expected; never leaked
+            close_fds(fds)  # never expected; never leaked
             return result, None
         if len(fds) != 1:
             raise AgentProtocolError(f"reply to {spec.name!r} carried {len(fds)} fds instead of 1")
@@ -1023,10 +832,3 @@ class PoolClient:
             f"{spec.name!r}: {err.strerror or err}",
             socket_path=str(self.socket_path),
         )
-
-    @staticmethod
-    def _close_fds(fds: builtins.list[int]) -> None:
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        fds.clear()
