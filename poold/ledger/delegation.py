@@ -25,6 +25,7 @@ lease and goes once no live lease lies in it).
 from __future__ import annotations
 
 import dataclasses
+import math
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, delete, insert, select, text, update
+from sqlalchemy import Connection, and_, bindparam, delete, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from poold import extents, placement
@@ -47,7 +48,16 @@ from poold.extents import Extent
 from poold.lease_states import LIVE_STATES_SQL
 from poold.ledger import agent_requests, leases, transitions
 from poold.ledger.db import Ledger
-from poold.ledger.models import Budget, Device, DevicePath, Host, Lease, Reservation, Tenant
+from poold.ledger.models import (
+    Budget,
+    Device,
+    DevicePath,
+    Event,
+    Host,
+    Lease,
+    Reservation,
+    Tenant,
+)
 from poold.ledger.transitions import event_row
 from poold.ledger.types import utcnow
 from poold.wire.delegation import EPOCH_BLOCK, Delegation, DelegationRequest
@@ -56,6 +66,11 @@ from poold.wire.delegation import Reservation as ReservationOut
 
 HELD = "held"
 RETURNING = "returning"
+# Asked back under pressure (poold/pressure.py): no lease inside as poold knows, takes no
+# new lease once its agent has the reply that omits it, and goes when the agent gives it
+# back (or its TTL passes: it is not renewed). Not dropped at once: the agent may have
+# granted inside it a lease whose local_grant is still on its way.
+RECALLED = "recalled"
 # agent_requests kind of a remembered `delegate` answer.
 REQUEST_KIND = "delegation"
 
@@ -70,6 +85,10 @@ class DelegationPolicy:
     # One request reserves at most this share of a device's free bytes (so that one
     # host cannot strand the pool).
     cap_fraction: float = 0.25
+    # Never reserve into this share of a device's capacity (the pressure watermark's
+    # default): a reservation that would put the device under pressure would only be
+    # asked back by the next heartbeat.
+    keep_free_fraction: float = 0.05
 
 
 DEFAULT_POLICY = DelegationPolicy()
@@ -128,6 +147,24 @@ def host_delegation(conn: Connection, host_id: int, now: datetime) -> Delegation
             .order_by(Device.uid, Reservation.offset_bytes)
         )
     ]
+    rows = conn.execute(
+        select(
+            Tenant.id,
+            Tenant.name,
+            Tenant.quota_bytes,
+            Tenant.quota_leases,
+            Budget.bytes,
+            Budget.leases,
+            Budget.expires_at,
+            Tenant.allowed_uids,
+            Tenant.allowed_gids,
+            Tenant.allowed_media,
+        )
+        .join(Tenant, Tenant.id == Budget.tenant_id)
+        .where(Budget.host_id == host_id)
+        .order_by(Tenant.name)
+    ).all()
+    shares = _shares(conn, host_id, rows)
     budgets = [
         BudgetOut(
             tenant=b.name,
@@ -137,21 +174,12 @@ def host_delegation(conn: Connection, host_id: int, now: datetime) -> Delegation
             allowed_gids=list(b.allowed_gids or []),
             allowed_media=list(b.allowed_media or []),
             expires_at=b.expires_at,
+            share_bytes=shares[b.id][0] if b.id in shares else None,
+            share_leases=shares[b.id][1] if b.id in shares else None,
         )
-        for b in conn.execute(
-            select(
-                Tenant.name,
-                Budget.bytes,
-                Budget.leases,
-                Budget.expires_at,
-                Tenant.allowed_uids,
-                Tenant.allowed_gids,
-                Tenant.allowed_media,
-            )
-            .join(Tenant, Tenant.id == Budget.tenant_id)
-            .where(Budget.host_id == host_id)
-            .order_by(Tenant.name)
-        )
+        for b in rows
+        # A zero budget only says that this host wants some (`fair_share`): nothing to spend.
+        if b.bytes or b.leases
     ]
     return Delegation(server_time=now, reservations=reservations, budgets=budgets)
 
@@ -245,7 +273,7 @@ def _give_back(
     rows = {
         r.id: r
         for r in conn.execute(
-            select(Reservation.id, Reservation.host_id, Reservation.device_id)
+            select(Reservation.id, Reservation.host_id, Reservation.device_id, Reservation.state)
             .where(Reservation.id.in_(sorted(set(ids))))
             .with_for_update()
         )
@@ -254,10 +282,14 @@ def _give_back(
     for rid in sorted(set(ids)):
         row = rows.get(rid)
         if row is None:
+            if _was_returned(conn, rid, host_id):
+                continue  # poold returned it already (drain, expiry, pressure): nothing to do
             raise UnknownReservation(f"no reservation {rid!r}", reservation_id=rid)
         if row.host_id != host_id:
             raise NotOwner(f"reservation {rid} is not held by host {host_name!r}")
         inside = _leases_inside(conn, rid)
+        if inside and row.state != HELD:
+            continue  # asked back or returning already: it goes when its last lease ends
         if inside:
             raise ReservationInUse(
                 f"reservation {rid} still has {len(inside)} live lease(s) in it",
@@ -268,6 +300,23 @@ def _give_back(
         freed.add(row.device_id)
     for device_id in sorted(freed):  # freed bytes change what the allocator may hand out
         transitions.bump(conn, Device, device_id)
+
+
+def _was_returned(conn: Connection, reservation_id: str, host_id: int) -> bool:
+    """Did this host hold the reservation once (its return event is in the journal)? The
+    agent may give back what poold already returned: the reply told it too late."""
+    return (
+        conn.execute(
+            select(Event.id)
+            .where(
+                Event.kind == "reservation.return",
+                Event.host_id == host_id,
+                Event.detail["reservation_id"].as_string() == reservation_id,
+            )
+            .limit(1)
+        ).first()
+        is not None
+    )
 
 
 def _leases_inside(conn: Connection, reservation_id: str) -> list[str]:
@@ -320,7 +369,14 @@ def _reserve(
     # The cap is of each device's free bytes as this request found them.
     cap_left = {
         d: extents.align_down(
-            int(extents.free_bytes(c.capacity_bytes, c.used) * policy.cap_fraction),
+            max(
+                0,
+                min(
+                    int(extents.free_bytes(c.capacity_bytes, c.used) * policy.cap_fraction),
+                    extents.free_bytes(c.capacity_bytes, c.used)
+                    - math.ceil(c.capacity_bytes * policy.keep_free_fraction),
+                ),
+            ),
             c.alignment_bytes,
         )
         for d, c in candidates.items()
@@ -430,6 +486,12 @@ _TENANT = select(
 ).where(Tenant.name == bindparam("name"))
 
 
+def fair_share(quota: int, central: int, hosts: int) -> int:
+    """One host's fair share of what a tenant's central leases leave of its quota, among
+    the `hosts` that hold (or asked for) a budget of it."""
+    return max(0, math.ceil((quota - central) / max(1, hosts)))
+
+
 def _set_budget(
     conn: Connection,
     host_id: int,
@@ -440,22 +502,48 @@ def _set_budget(
     now: datetime,
     expires_at: datetime,
 ) -> None:
-    """The tenant's budget on this host: what it asks, as far as its quota allows."""
+    """The tenant's budget on this host: what it asks, as far as its quota allows, and no
+    more than a fair share when other hosts of the tenant want some too.
+
+    The rule (docs/design-changes.md "Budgets that never starve"):
+    * raised to at most min(want, what the quota leaves, max(fair share, local use
+      here)), where the fair share is `fair_share` over the hosts holding a budget row of
+      the tenant (a host that asked and got nothing keeps a zero row: it wants some);
+    * never lowered below min(old, want): the agent may be spending up to what it last
+      held, and it lowered its own view to `want` before it asked (agent/delegation.py),
+      so only the agent lowers its budget (a quota cut: `claw_back`; a central grant of
+      this host: `spend_for_central`). A host holding more than its share hears it
+      (`Budget.share_bytes`) and asks less next time.
+    """
     tenant = conn.execute(_TENANT, {"name": tenant_name}).one_or_none()
     if tenant is None:
         raise UnknownTenant(f"no tenant named {tenant_name!r}", tenant=tenant_name)
     if tenant.allowed_hosts and host_name not in tenant.allowed_hosts:
         raise NotOwner(f"tenant {tenant_name!r} may not lease on host {host_name!r}")
     use = leases.quota_use(conn, tenant.id)
-    new_bytes = max(0, min(want_bytes, tenant.quota_bytes - use.bytes(skip_host=host_id)))
-    new_leases = max(0, min(want_leases, tenant.quota_leases - use.leases(skip_host=host_id)))
     old = use.budgets.get(host_id)
+    hosts = len(set(use.budgets) | {host_id})
+    local_bytes, local_leases = use.local.get(host_id, (0, 0))
+    if hosts > 1:
+        fair_bytes = fair_share(tenant.quota_bytes, use.central_bytes, hosts)
+        fair_leases = fair_share(tenant.quota_leases, use.central_leases, hosts)
+    else:
+        fair_bytes, fair_leases = tenant.quota_bytes, tenant.quota_leases
+    cap_bytes = min(tenant.quota_bytes - use.bytes(skip_host=host_id), max(fair_bytes, local_bytes))
+    cap_leases = min(
+        tenant.quota_leases - use.leases(skip_host=host_id), max(fair_leases, local_leases)
+    )
+    new_bytes = max(0, min(want_bytes, cap_bytes))
+    new_leases = max(0, min(want_leases, cap_leases))
+    if old is not None:
+        new_bytes = max(new_bytes, min(old[0], want_bytes))
+        new_leases = max(new_leases, min(old[1], want_leases))
     if old == (new_bytes, new_leases):
         _renew_budget(conn, tenant.id, host_id, expires_at)
         return
     if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
         raise transitions.LostRace
-    if new_bytes == 0 and new_leases == 0:
+    if want_bytes == 0 and want_leases == 0:
         conn.execute(delete(Budget).where(Budget.tenant_id == tenant.id, Budget.host_id == host_id))
     elif old is None:
         conn.execute(
@@ -475,6 +563,92 @@ def _set_budget(
             .where(Budget.tenant_id == tenant.id, Budget.host_id == host_id)
             .values(bytes=new_bytes, leases=new_leases, expires_at=expires_at)
         )
+
+
+def _shares(conn: Connection, host_id: int, rows: Sequence[Any]) -> dict[int, tuple[int, int]]:
+    """Per tenant id: the fair share of this host, where it holds more than that while
+    other hosts hold (or asked for) a budget of the same tenant."""
+    if not rows:
+        return {}
+    ids = [r.id for r in rows]
+    hosts = dict(
+        conn.execute(
+            select(Budget.tenant_id, func.count(Budget.id))
+            .where(Budget.tenant_id.in_(ids))
+            .group_by(Budget.tenant_id)
+        ).all()
+    )
+    out: dict[int, tuple[int, int]] = {}
+    for r in rows:
+        n = int(hosts.get(r.id, 1))
+        if n <= 1:
+            continue
+        use = leases.quota_use(conn, r.id)
+        share = (
+            fair_share(r.quota_bytes, use.central_bytes, n),
+            fair_share(r.quota_leases, use.central_leases, n),
+        )
+        if r.bytes > share[0] or r.leases > share[1]:
+            out[r.id] = share
+    return out
+
+
+def spend_for_central(
+    conn: Connection,
+    tenant_id: int,
+    host_id: int,
+    use: leases.QuotaUse,
+    quota_bytes: int,
+    quota_leases: int,
+    length_bytes: int,
+    actor: str,
+) -> leases.QuotaUse:
+    """A central grant of `length_bytes` asked by host `host_id` that the tenant's quota
+    refuses only because of the tenant's unspent budget on that same host: spend that
+    budget on it (the budget shrinks by what the grant needs, never below the host's
+    local use, with a `budget.spend` event) and return the quota use after. Unchanged
+    when the budget cannot cover the excess: the caller refuses `quota_exceeded`.
+
+    Safe because the agent asking lowered its own view of the budget by the request
+    before it sent it (agent/delegation.py), and delivered its local grants of the
+    tenant first: what it may still grant alone fits what is left here. Runs inside the
+    grant's transaction, which swaps the tenant's generation: a racing local grant,
+    budget change or clawback makes one of them read again.
+    """
+    budget = use.budgets.get(host_id)
+    if budget is None:
+        return use
+    local_bytes, local_leases = use.local.get(host_id, (0, 0))
+    over_bytes = max(0, use.bytes() + length_bytes - quota_bytes)
+    over_leases = max(0, use.leases() + 1 - quota_leases)
+    give_bytes = min(over_bytes, max(0, budget[0] - local_bytes))
+    give_leases = min(over_leases, max(0, budget[1] - local_leases))
+    if (give_bytes, give_leases) != (over_bytes, over_leases) or not (give_bytes or give_leases):
+        return use
+    new = (budget[0] - give_bytes, budget[1] - give_leases)
+    conn.execute(
+        update(Budget)
+        .where(Budget.tenant_id == tenant_id, Budget.host_id == host_id)
+        .values(bytes=new[0], leases=new[1])
+    )
+    transitions.record(
+        conn,
+        event_row(
+            actor=actor,
+            kind="budget.spend",
+            tenant_id=tenant_id,
+            host_id=host_id,
+            reason="a central grant of this host spent its unspent budget",
+            detail={
+                "bytes": new[0],
+                "leases": new[1],
+                "spent_bytes": give_bytes,
+                "spent_leases": give_leases,
+                "length_bytes": length_bytes,
+            },
+        ),
+    )
+    return dataclasses.replace(use, budgets={**use.budgets, host_id: new})
 
 
 def _renew_budget(conn: Connection, tenant_id: int, host_id: int, expires_at: datetime) -> None:
@@ -585,6 +759,45 @@ def return_unleased(
     for dev in sorted(freed):
         transitions.bump(conn, Device, dev)
     return len([r for r in rows if r.id not in busy])
+
+
+def recall(conn: Connection, reservation_ids: Sequence[str], actor: str, reason: str) -> list[str]:
+    """Ask held reservations back (pressure): each with no live lease inside becomes
+    `recalled` (the others are left alone); the ids recalled, with an event each.
+
+    Not dropped here: its agent may have granted inside it a lease poold has not heard
+    of yet. The heartbeat reply's delegation omits it, so the agent grants no more there
+    and gives it back (`delegate` give_back) once no local lease of its lies inside; its
+    bytes are free then. If the agent never does, its TTL returns it (it is not renewed).
+    """
+    if not reservation_ids:
+        return []
+    rows = conn.execute(
+        select(Reservation.id, Reservation.host_id, Reservation.device_id)
+        .where(
+            Reservation.id.in_(sorted(set(reservation_ids))),
+            Reservation.state == HELD,
+            ~select(Lease.id).where(Lease.reservation_id == Reservation.id, _LIVE_SQL).exists(),
+        )
+        .order_by(Reservation.id)
+        .with_for_update()
+    ).all()
+    now = utcnow()
+    for r in rows:
+        conn.execute(update(Reservation).where(Reservation.id == r.id).values(state=RECALLED))
+        transitions.record(
+            conn,
+            event_row(
+                at=now,
+                actor=actor,
+                kind="reservation.recall",
+                host_id=r.host_id,
+                device_id=r.device_id,
+                reason=reason,
+                detail={"reservation_id": r.id},
+            ),
+        )
+    return [r.id for r in rows]
 
 
 def renew(

@@ -295,6 +295,16 @@ def _grant_once(
             free_by_device={paths[k]["uid"]: v for k, v in choice.free_by_device.items()},
         )
     length = choice.extent.length
+    if host_id in use.budgets and (
+        used_leases + 1 > tenant.quota_leases or used_bytes + length > tenant.quota_bytes
+    ):
+        # The quota is held by this host's own unspent budget: the grant spends it.
+        from poold.ledger import delegation  # here: delegation imports this module
+
+        use = delegation.spend_for_central(
+            conn, tenant.id, host_id, use, tenant.quota_bytes, tenant.quota_leases, length, actor
+        )
+        used_bytes, used_leases = use.bytes(), use.leases()
     if used_leases + 1 > tenant.quota_leases:
         mapped, why = _still_mapped(conn, tenant.id)
         raise QuotaExceeded(

@@ -225,11 +225,12 @@ def test_budgets_stay_within_the_quota_and_count_against_it(ledger: Ledger) -> N
         _delegate(ledger, "h2", budgets=[BudgetWant(tenant="t1", bytes=MiB, leases=1)]).budgets
         == []
     )
+    # h1's budget holds the rest of the quota against every other host's central grant.
     with pytest.raises(QuotaExceeded):
-        leases.grant(ledger, "h1", _grant(), "agent:h1")
+        leases.grant(ledger, "h2", _grant(), "agent:h2")
     # Smaller totals give quota back to central grants.
     _delegate(ledger, budgets=[BudgetWant(tenant="t1", bytes=8 * MiB, leases=2)])
-    leases.grant(ledger, "h1", _grant(4 * MiB), "agent:h1")
+    leases.grant(ledger, "h2", _grant(4 * MiB), "agent:h2")
 
 
 def test_a_quota_cut_claws_budgets_back_but_not_below_what_is_granted(ledger: Ledger) -> None:

@@ -1,0 +1,198 @@
+"""Does a budget leave its own host's central path, and other hosts of its tenant, room?
+
+A central grant asked by the host that holds the tenant's budget spends that budget
+(never below what the host granted locally, with an event), so a tenant whose budget
+holds its whole quota still gets central grants from that host; racing local grants
+never push the quota over. A second host of the tenant is not starved: the first hears
+its fair share and asks less, and the second gets the rest (SQLite and PostgreSQL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+from sqlalchemy import select
+
+from poold.errors import QuotaExceeded
+from poold.ledger import delegation, heartbeat, leases
+from poold.ledger.db import Ledger
+from poold.ledger.models import Budget, Event
+from poold.ledger.types import utcnow
+from poold.wire.agent import GrantRequest, Heartbeat, LeaseOp
+from poold.wire.delegation import BudgetWant, Delegation, DelegationRequest, LocalGrant, ReserveWant
+from tests.poold.conftest import UID, MiB, at_once, device, seed
+
+
+def _delegate(ledger: Ledger, host: str = "h1", **kw: object) -> Delegation:
+    return delegation.delegate(ledger, host, DelegationRequest(**kw), f"agent:{host}")  # type: ignore[arg-type]
+
+
+def _grant(size_bytes: int = 2 * MiB) -> GrantRequest:
+    return GrantRequest(tenant="t1", size_bytes=size_bytes, uid=UID, pid=1, ttl_s=60, activate=True)
+
+
+def _local(d: Delegation, lease_id: str, offset: int, epoch: int, length: int = 2 * MiB) -> LeaseOp:
+    res = d.reservations[0]
+    return LeaseOp(
+        lease_id=lease_id,
+        op="local_grant",
+        grant=LocalGrant(
+            lease_id=lease_id,
+            reservation_id=res.id,
+            tenant="t1",
+            offset_bytes=res.offset_bytes + offset,
+            length_bytes=length,
+            requested_bytes=length,
+            epoch=res.epoch_base + epoch,
+            ttl_s=60,
+            granted_at=utcnow(),
+            uid=UID,
+            pid=7,
+        ),
+    )
+
+
+def _budget(ledger: Ledger, host_id: int = 1) -> tuple[int, int] | None:
+    with ledger.read() as s:
+        row = s.execute(
+            select(Budget.bytes, Budget.leases).where(Budget.host_id == host_id)
+        ).one_or_none()
+    return None if row is None else (int(row[0]), int(row[1]))
+
+
+def _use(ledger: Ledger) -> tuple[int, int]:
+    with ledger.write_conn() as conn:
+        use = leases.quota_use(conn, 1)
+    return use.bytes(), use.leases()
+
+
+def test_a_central_grant_spends_its_own_hosts_budget_never_past_the_quota(ledger: Ledger) -> None:
+    seed(ledger, quota_bytes=16 * MiB, quota_leases=4)
+    d = _delegate(
+        ledger,
+        reserve=[ReserveWant(bytes=2 * MiB)],
+        budgets=[BudgetWant(tenant="t1", bytes=64 * MiB, leases=16)],
+    )
+    assert [(b.bytes, b.leases) for b in d.budgets] == [(16 * MiB, 4)]
+    # The reservation is spent by one local lease; the next request goes central.
+    assert [r.code for r in leases.apply_ops(ledger, "h1", [_local(d, "L1", 0, 0)], "a")] == [None]
+    lease = leases.grant(ledger, "h1", _grant(4 * MiB), "agent:h1")
+    assert lease.reservation_id is None
+    # Shrunk by what the grant needed: 2 MiB local + 4 MiB central + 10 MiB budget.
+    assert _budget(ledger) == (12 * MiB, 3)
+    assert _use(ledger) == (16 * MiB, 4)
+    with ledger.read() as s:
+        spent = s.execute(select(Event.detail).where(Event.kind == "budget.spend")).scalars().all()
+    assert [(e["spent_bytes"], e["spent_leases"], e["length_bytes"]) for e in spent] == [
+        (4 * MiB, 1, 4 * MiB)
+    ]
+    leases.grant(ledger, "h1", _grant(4 * MiB), "agent:h1")
+    leases.grant(ledger, "h1", _grant(2 * MiB), "agent:h1")
+    assert _budget(ledger) == (6 * MiB, 1)
+    assert _use(ledger) == (16 * MiB, 4)
+    # Its one lease is the local lease it holds: never spent, so this is refused, and
+    # nothing was spent by the refusal.
+    with pytest.raises(QuotaExceeded):
+        leases.grant(ledger, "h1", _grant(2 * MiB), "agent:h1")
+    assert _budget(ledger) == (6 * MiB, 1)
+    # The agent learns the smaller budget from its next heartbeat reply.
+    reply = heartbeat.receive_heartbeat(ledger, "h1", Heartbeat(), "agent:h1")
+    assert reply.delegation is not None
+    assert [(b.bytes, b.leases) for b in reply.delegation.budgets] == [(6 * MiB, 1)]
+
+
+def test_a_budget_spent_by_local_grants_is_not_spent_again(ledger: Ledger) -> None:
+    seed(ledger, quota_bytes=16 * MiB, quota_leases=16)
+    d = _delegate(
+        ledger,
+        reserve=[ReserveWant(bytes=16 * MiB)],
+        budgets=[BudgetWant(tenant="t1", bytes=16 * MiB, leases=16)],
+    )
+    ops = [_local(d, f"L{i}", i * 2 * MiB, i) for i in range(6)]
+    assert all(r.code is None for r in leases.apply_ops(ledger, "h1", ops, "agent:h1"))
+    # 12 MiB granted locally: a central 6 MiB would need 2 MiB more than the budget has.
+    with pytest.raises(QuotaExceeded):
+        leases.grant(ledger, "h1", _grant(6 * MiB), "agent:h1")
+    assert _budget(ledger) == (16 * MiB, 16)
+    leases.grant(ledger, "h1", _grant(4 * MiB), "agent:h1")
+    assert _budget(ledger) == (12 * MiB, 15)
+    assert _use(ledger) == (16 * MiB, 16)
+
+
+def test_central_grants_racing_local_grants_never_exceed_the_quota(ledger: Ledger) -> None:
+    seed(ledger, quota_bytes=24 * MiB, quota_leases=64, devices=[device(capacity_bytes=256 * MiB)])
+    d = _delegate(
+        ledger,
+        reserve=[ReserveWant(bytes=24 * MiB)],
+        budgets=[BudgetWant(tenant="t1", bytes=24 * MiB, leases=64)],
+    )
+    over: list[tuple[int, int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            used = _use(ledger)
+            if used[0] > 24 * MiB:
+                over.append(used)
+
+    def local() -> object:
+        for i in range(12):
+            leases.apply_ops(ledger, "h1", [_local(d, f"L{i}", i * 2 * MiB, i)], "agent:h1")
+        return None
+
+    def central() -> object:
+        for _ in range(8):
+            with contextlib.suppress(QuotaExceeded):
+                leases.grant(ledger, "h1", _grant(2 * MiB), "agent:h1")
+        return None
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        at_once(local, central, central)
+    finally:
+        stop.set()
+        sampler.join()
+    assert over == []
+    used_bytes, _ = _use(ledger)
+    assert used_bytes <= 24 * MiB
+    budget = _budget(ledger)
+    assert budget is not None
+    with ledger.write_conn() as conn:
+        use = leases.quota_use(conn, 1)
+    # The budget never went under what was granted inside it.
+    assert budget[0] >= use.local.get(1, (0, 0))[0]
+
+
+def test_a_second_host_of_the_tenant_is_not_starved_by_the_first(ledger: Ledger) -> None:
+    seed(ledger, quota_bytes=32 * MiB, quota_leases=8)
+    seed(ledger, host="h2", devices=[device("dev-1")], tenant=None)
+    d1 = _delegate(ledger, budgets=[BudgetWant(tenant="t1", bytes=64 * MiB, leases=16)])
+    assert [(b.bytes, b.leases, b.share_bytes) for b in d1.budgets] == [(32 * MiB, 8, None)]
+    # h2 wants some: it gets none yet (h1 holds it all; only h1 lowers its own budget),
+    # but now counts as a host of the tenant.
+    assert (
+        _delegate(ledger, "h2", budgets=[BudgetWant(tenant="t1", bytes=MiB, leases=1)]).budgets
+        == []
+    )
+    # h1 hears its fair share; asking more keeps what it has, never less than it holds.
+    reply = heartbeat.receive_heartbeat(ledger, "h1", Heartbeat(), "agent:h1")
+    assert reply.delegation is not None
+    [b1] = reply.delegation.budgets
+    assert (b1.bytes, b1.share_bytes, b1.share_leases) == (32 * MiB, 16 * MiB, 4)
+    again = _delegate(ledger, budgets=[BudgetWant(tenant="t1", bytes=64 * MiB, leases=16)])
+    assert [(b.bytes, b.leases) for b in again.budgets] == [(32 * MiB, 8)]
+    # h1 asks its share (as its agent does on hearing it); h2 then gets the rest.
+    _delegate(ledger, budgets=[BudgetWant(tenant="t1", bytes=16 * MiB, leases=4)])
+    d2 = _delegate(ledger, "h2", budgets=[BudgetWant(tenant="t1", bytes=64 * MiB, leases=16)])
+    assert [(b.bytes, b.leases) for b in d2.budgets] == [(16 * MiB, 4)]
+    assert _use(ledger) == (32 * MiB, 8)
+    # And each host's central grants spend its own budget.
+    leases.grant(ledger, "h2", _grant(4 * MiB), "agent:h2")
+    leases.grant(ledger, "h1", _grant(4 * MiB), "agent:h1")
+    assert _use(ledger) == (32 * MiB, 8)
+    # A host that no longer wants the tenant (asks 0) leaves the share to the other.
+    _delegate(ledger, "h2", budgets=[BudgetWant(tenant="t1", bytes=0, leases=0)])
+    assert _budget(ledger, 2) is None
