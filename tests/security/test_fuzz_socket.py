@@ -30,6 +30,7 @@ from tests.security.conftest import (
     raw_connect,
     read_reply,
 )
+from tests.security.fuzzvalues import FuzzValues
 from tests.security.test_socket_abuse import assert_up
 
 # What a stranger's frames may earn (and nothing else: never internal).
@@ -49,28 +50,21 @@ def _frame(body: bytes) -> bytes:
     return struct.pack(">I", len(body)) + body
 
 
-def _value(rng: random.Random, depth: int = 0) -> Any:
-    kind = rng.randrange(9 if depth < 3 else 6)
-    if kind == 0:
-        return None
-    if kind == 1:
-        return rng.choice([True, False])
-    if kind == 2:
-        return rng.choice([0, -1, 1, 2**31, 2**63, -(2**63), 10**30, 4096, 1 << 30])
-    if kind == 3:
-        return rng.random() * rng.choice([1, 1e300, -1])
-    if kind == 4:
-        return "".join(chr(rng.randrange(1, 0x2FFF)) for _ in range(rng.randrange(12)))
-    if kind == 5:
-        return "x" * rng.choice([0, 1, 64, 65, 129, 1025, 5000])
-    if kind == 6:
-        return [_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+def _mapping(rng: random.Random, depth: int) -> dict[str, Any]:
+    """An object of the agent's field names (and some that are none), random values."""
     return {
         rng.choice(["size_bytes", "lease_id", "ttl_s", "tenant", "labels", "x", ""]): _value(
             rng, depth + 1
         )
         for _ in range(rng.randrange(4))
     }
+
+
+# Beyond the common scalars: strings of the lengths the agent's limits sit at.
+_value = FuzzValues(
+    scalars=(lambda rng: "x" * rng.choice([0, 1, 64, 65, 129, 1025, 5000]),),
+    obj=_mapping,
+)
 
 
 def _args(rng: random.Random, op: str) -> Any:
