@@ -37,7 +37,13 @@ from agent.journal import Entry as JournalEntry
 from agent.journal import Journal
 from agent.link import PooldLink
 from poold import placement
-from poold.errors import DelegationExpired, PoolError
+from poold.errors import (
+    DelegationExpired,
+    LedgerUnavailable,
+    PooldUnreachable,
+    PoolError,
+    QuotaExceeded,
+)
 from poold.extents import Extent
 from poold.lease_states import LeaseState
 from poold.wire.agent import GrantRequest, LeaseOp
@@ -103,6 +109,37 @@ class _Budget:
     deadline: float
 
 
+# A central grant whose outcome is unknown (no answer) may still commit while poold
+# retries it under the same request id: its debit lasts this much longer.
+UNKNOWN_OUTCOME_S = 60.0
+# After poold asks a reservation back (pressure), no refill of that media for this long:
+# the bytes are for whoever waits for them, not for this host's headroom again.
+RECALL_COOLDOWN_S = 30.0
+# How long a central grant waits for the tenant's local grants before it to reach poold.
+CENTRAL_WAIT_S = 10.0
+
+
+@dataclass(eq=False)
+class _Limit:
+    """A lowering of the agent's own view of a tenant's budget, on top of what poold's
+    last delegation says: a debit (a central grant in flight, which poold may pay from
+    this host's budget) or a cap (a smaller budget asked for, not yet answered).
+
+    It holds until a delegation arrives whose request left this agent after
+    ``settled_at``: poold answered that request after the grant (or the ask) committed,
+    since the commit came before its reply, so its budget already says it. A reply to
+    an earlier request may have left poold before the commit: it must not raise the
+    view again (local monotonic times only; poold's clocks play no part)."""
+
+    tenant: str
+    bytes: int
+    leases: int
+    cap: bool = False
+    settled_at: float | None = None  # None: its request is still on its way
+    # The tenant's local leases when a debit was taken (poold must have them first).
+    before: frozenset[str] = frozenset()
+
+
 @dataclass(frozen=True)
 class RefillPolicy:
     """How much the agent asks to hold: headroom for ``horizon_intervals`` of recent
@@ -152,19 +189,55 @@ class DelegatedCapacity:
         # picks emulated memory then unless asked by name; poold sees all its devices).
         self.host_has_real: Callable[[], bool] = lambda: False
         self.replaced_at: float | None = None
+        self._limits: list[_Limit] = []
+        # When the request of the last delegation taken left (a stale reply is ignored).
+        self._applied_sent_at: float | None = None
+        # Reservations poold stopped listing with no local lease inside: given back (so
+        # that one it asked back under pressure goes at once), and those still busy.
+        self._withdrawn: set[str] = set()
+        self._withdrawn_busy: dict[str, str] = {}  # reservation id -> media
+        self._recalled_at: dict[str, float] = {}  # media -> when one went
+        # Reservations a pending request gives back: no local lease goes there meanwhile.
+        self._giving: set[str] = set()
+        self._asking: list[_Limit] = []  # caps of the request on its way
+        self._asked_give: set[str] = set()  # what it gives back
+        self._gone: dict[str, float] = {}  # given back: reservation id -> settled at
+        # Bytes central grants were refused (quota) per tenant this interval: demand too.
+        self._refused: dict[str, int] = {}
 
     # --- what poold says is held ----------------------------------------------------
-    def replace(self, delegation: Delegation, *, received_at: float | None = None) -> list[str]:
+    def replace(
+        self,
+        delegation: Delegation,
+        *,
+        received_at: float | None = None,
+        sent_at: float | None = None,
+    ) -> list[str]:
         """Hold ``delegation`` instead of whatever was held (the whole of it, always).
 
         TTLs are read against poold's ``server_time`` and kept on the local monotonic
         clock, so clock skew between the hosts does not shorten or lengthen them. Returns
         the local leases whose reservation poold no longer lists (kept, flagged).
+
+        ``sent_at`` is when the request it answers left this agent (monotonic). A reply
+        to a request older than the last one taken is dropped whole: it may have left
+        poold before a give-back or a central grant that the newer one already says.
         """
         now = self._clock() if received_at is None else received_at
         with self._lock:
+            if sent_at is not None:
+                if self._applied_sent_at is not None and sent_at < self._applied_sent_at:
+                    return sorted(x.lease_id for x in self._leases.values() if x.stray)
+                self._applied_sent_at = sent_at
+                self._limits = [
+                    x for x in self._limits if x.settled_at is None or x.settled_at >= sent_at
+                ]
+                self._gone = {r: t for r, t in self._gone.items() if t >= sent_at}
+            previous = self._reservations
             held: dict[str, _Held] = {}
             for res in delegation.reservations:
+                if res.id in self._gone:
+                    continue  # given back: this reply left poold before it knew
                 ttl = (res.expires_at - delegation.server_time).total_seconds()
                 old = self._reservations.get(res.id)
                 used = 0
@@ -175,6 +248,15 @@ class DelegatedCapacity:
                     used = max(used, seen - res.epoch_base + 1)
                 held[res.id] = _Held(res, now + ttl, used)
             self._reservations = held
+            for rid, old in previous.items():
+                if rid in held or rid in self._gone or rid in self._giving:
+                    continue  # still held, or this agent gave it back
+                if any(x.reservation_id == rid for x in self._leases.values()):
+                    self._withdrawn_busy[rid] = old.reservation.media
+                else:
+                    self._withdrawn.add(rid)
+                self._recalled_at[old.reservation.media] = now
+            self._giving &= set(held)
             self._budgets = {
                 b.tenant: _Budget(b, now + (b.expires_at - delegation.server_time).total_seconds())
                 for b in delegation.budgets
@@ -305,9 +387,14 @@ class DelegatedCapacity:
                 return None
             budget = entry.budget
             used_bytes, used_leases = self._used_by(budget.tenant)
-            if used_leases + 1 > budget.leases:
+            view_bytes, view_leases = self._view(budget)
+            if used_leases + 1 > view_leases:
                 return None
-            usable = [h for h in self._reservations.values() if h.epochs_used < EPOCH_BLOCK]
+            usable = [
+                h
+                for h in self._reservations.values()
+                if h.epochs_used < EPOCH_BLOCK and h.reservation.id not in self._giving
+            ]
             if self.host_has_real() and req.media is None:
                 # As poold's placement: no silent DRAM for a far-memory request, however
                 # the delegation happens to be made up.
@@ -325,7 +412,7 @@ class DelegatedCapacity:
                     raise _expired(req, "reservations")
                 return None
             held, extent = choice
-            if used_bytes + extent.length > budget.bytes:
+            if used_bytes + extent.length > view_bytes:
                 return None
             if entry.deadline <= now:
                 raise _expired(req, f"budget of tenant {budget.tenant!r}")
@@ -437,7 +524,102 @@ class DelegatedCapacity:
         """A local grant whose memory could not be made: its extent is free again (its
         epoch stays spent), and poold never hears of it."""
         with self._lock:
-            self._leases.pop(lease_id, None)
+            lease = self._leases.pop(lease_id, None)
+            if lease is not None:
+                self._freed_in(lease.reservation_id)
+
+    def _freed_in(self, reservation_id: str) -> None:
+        """A local lease left a reservation poold no longer lists: give it back if empty."""
+        if reservation_id in self._withdrawn_busy and not any(
+            x.reservation_id == reservation_id for x in self._leases.values()
+        ):
+            del self._withdrawn_busy[reservation_id]
+            self._withdrawn.add(reservation_id)
+
+    # --- the agent's own view of a budget --------------------------------------------
+    def _view(self, budget: Budget) -> tuple[int, int]:
+        """What the agent may spend of ``budget``: poold's figure, lowered by the caps
+        and debits that poold's last delegation may not say yet (`_Limit`)."""
+        nbytes, nleases = budget.bytes, budget.leases
+        for x in self._limits:
+            if x.tenant != budget.tenant:
+                continue
+            if x.cap:
+                nbytes, nleases = min(nbytes, x.bytes), min(nleases, x.leases)
+        for x in self._limits:
+            if x.tenant == budget.tenant and not x.cap:
+                nbytes, nleases = nbytes - x.bytes, nleases - x.leases
+        return nbytes, nleases
+
+    def has_withdrawn(self) -> bool:
+        """Reservations poold stopped listing wait to be given back."""
+        with self._lock:
+            return bool(self._withdrawn)
+
+    def budget_view(self, tenant: str) -> tuple[int, int] | None:
+        """(bytes, leases) the agent may spend of the tenant's budget now (None: none)."""
+        with self._lock:
+            entry = self._budgets.get(tenant)
+            return None if entry is None else self._view(entry.budget)
+
+    def debit(self, req: GrantRequest, alignment_bytes: int) -> _Limit | None:
+        """A central grant of ``req`` is about to leave: lower the view of the caller's
+        tenant's budget by it first (rounded up to ``alignment_bytes``, the most any
+        device here asks), since poold may pay the grant from this host's budget
+        (poold/ledger/delegation.py spend_for_central). None: no budget to lower."""
+        with self._lock:
+            entry = self._resolve(req)
+            if entry is None:
+                return None
+            tenant = entry.budget.tenant
+            size = -(-req.size_bytes // max(1, alignment_bytes)) * max(1, alignment_bytes)
+            before = frozenset(x.lease_id for x in self._leases.values() if x.tenant == tenant)
+            limit = _Limit(tenant, size, 1, before=before)
+            self._limits.append(limit)
+            return limit
+
+    def settle(self, limit: _Limit, length_bytes: int | None, *, known: bool) -> None:
+        """The central grant of ``limit`` came back (``known``: with a verdict; its lease's
+        length if granted): later delegations may say it."""
+        now = self._clock()
+        with self._lock:
+            if length_bytes is not None:
+                limit.bytes = max(limit.bytes, length_bytes)
+            limit.settled_at = now if known else now + UNKNOWN_OUTCOME_S
+
+    def drop(self, limit: _Limit) -> None:
+        """The central grant of ``limit`` never left: nothing to wait for."""
+        with self._lock:
+            if limit in self._limits:
+                self._limits.remove(limit)
+
+    def note_refused(self, tenant: str, size_bytes: int) -> None:
+        """poold refused a central grant of the tenant (quota): demand the refill sees, so
+        this host asks a budget and counts as one of the tenant's hosts (fair share)."""
+        with self._lock:
+            self._refused[tenant] = self._refused.get(tenant, 0) + size_bytes
+
+    def asked(self, sent_at: float, *, ok: bool) -> list[str]:
+        """The request of the last :meth:`wants` came back (``ok``) or failed: its caps
+        hold until a later reply, its give-backs are done (or usable again). Returns the
+        reservations given back."""
+        now = self._clock()
+        settled = now if ok else now + UNKNOWN_OUTCOME_S
+        with self._lock:
+            for x in self._asking:
+                x.settled_at = settled
+            self._asking = []
+            # Given back (or maybe, without an answer): a reply to a request that left
+            # before this one came back may still list them; they take no lease here
+            # until a later reply (as `_Limit`).
+            for rid in self._asked_give:
+                self._gone[rid] = settled
+            given = sorted(self._asked_give) if ok else []
+            if ok:
+                self._withdrawn -= self._asked_give
+            self._asked_give = set()
+            self._giving = set()
+            return given
 
     def delivered(self, lease_id: str, op: str, length_bytes: int | None = None) -> None:
         """poold applied ``op`` of a local lease: a freeing op frees its extent; a shrink
@@ -448,6 +630,7 @@ class DelegatedCapacity:
                 return
             if op in FREEING_OPS:
                 del self._leases[lease_id]
+                self._freed_in(lease.reservation_id)
             elif op == "shrink" and length_bytes is not None:
                 lease.length_bytes = min(lease.length_bytes, length_bytes)
 
@@ -491,9 +674,15 @@ class DelegatedCapacity:
                 by_media[media] = by_media.get(media, 0.0) + rate
                 b, n = by_tenant.get(tenant, (0.0, 0.0))
                 by_tenant[tenant] = (b + rate, n + d.leases_ewma.get((tenant, media), 0.0))
+            for tenant, refused in self._refused.items():
+                b, n = by_tenant.get(tenant, (0.0, 0.0))
+                by_tenant[tenant] = (b + refused, n + 1)
+            self._refused.clear()
             reserve: list[ReserveWant] = []
-            give_back: list[str] = []
+            give_back: list[str] = sorted(self._withdrawn)
             for media, rate in sorted(by_media.items()):
+                if now - self._recalled_at.get(media, -RECALL_COOLDOWN_S) < RECALL_COOLDOWN_S:
+                    continue  # poold asked one back lately: leave the bytes to others
                 target = int(
                     min(p.max_reserve_bytes, max(p.min_reserve_bytes, rate * p.horizon_intervals))
                 )
@@ -513,6 +702,7 @@ class DelegatedCapacity:
                         if self._occupied(h.reservation) or free - size < target:
                             continue
                         give_back.append(h.reservation.id)
+                        self._giving.add(h.reservation.id)
                         free -= size
             spent = [
                 h.reservation.id
@@ -520,6 +710,7 @@ class DelegatedCapacity:
                 if h.epochs_used >= EPOCH_BLOCK and not self._occupied(h.reservation)
             ]
             give_back.extend(spent)
+            self._giving.update(spent)
             budgets: list[BudgetWant] = []
             for tenant, (rate, leases_rate) in sorted(by_tenant.items()):
                 used_bytes, used_leases = self._used_by(tenant)
@@ -528,8 +719,7 @@ class DelegatedCapacity:
                 )
                 head_leases = int(max(p.min_budget_leases, leases_rate * p.horizon_intervals))
                 entry = self._budgets.get(tenant)
-                held_bytes = entry.budget.bytes if entry is not None else 0
-                held_leases = entry.budget.leases if entry is not None else 0
+                held_bytes, held_leases = (0, 0) if entry is None else self._view(entry.budget)
                 free_bytes = held_bytes - used_bytes
                 free_leases = held_leases - used_leases
                 low = (
@@ -538,16 +728,24 @@ class DelegatedCapacity:
                     or free_leases < head_leases * p.low_fraction
                 )
                 high = free_bytes > head_bytes * p.high_factor
+                want_bytes, want_leases = used_bytes + head_bytes, used_leases + head_leases
+                if entry is not None and entry.budget.share_bytes is not None:
+                    # Other hosts of the tenant want some: ask no more than a fair share
+                    # (never less than what is granted here).
+                    share_leases = entry.budget.share_leases or 0
+                    want_bytes = min(want_bytes, max(used_bytes, entry.budget.share_bytes))
+                    want_leases = min(want_leases, max(used_leases, share_leases))
+                    high = high or held_bytes > want_bytes or held_leases > want_leases
                 if low or high:
-                    budgets.append(
-                        BudgetWant(
-                            tenant=tenant,
-                            bytes=used_bytes + head_bytes,
-                            leases=used_leases + head_leases,
-                        )
-                    )
-        if not (reserve or give_back or budgets):
-            return None
+                    budgets.append(BudgetWant(tenant=tenant, bytes=want_bytes, leases=want_leases))
+                    if want_bytes < held_bytes or want_leases < held_leases:
+                        # poold sets a smaller budget as asked: spend no more meanwhile.
+                        cap = _Limit(tenant, want_bytes, want_leases, cap=True)
+                        self._limits.append(cap)
+                        self._asking.append(cap)
+            self._asked_give = set(give_back)
+            if not (reserve or give_back or budgets):
+                return None
         return DelegationRequest(reserve=reserve, give_back=give_back, budgets=budgets)
 
 
@@ -590,6 +788,7 @@ class LocalGrants:
         self.link = link
         self.held = held
         self._lock = threading.Lock()
+        self._changed = threading.Condition()  # a local lease committed or given up
         self._plans: dict[str, LocalPlan] = {}  # granted, memory being made
         self._uncommitted: set[str] = set()  # journalled, local_grant not yet applied
         self._seq_of: dict[int, tuple[LeaseOp, int]] = {}  # id(op) -> (op, journal seq)
@@ -655,6 +854,8 @@ class LocalGrants:
         if plan is None:
             return False
         self.capacity.abandon(lease_id)
+        with self._changed:
+            self._changed.notify_all()
         return True
 
     # --- what the link tells ------------------------------------------------------
@@ -680,6 +881,8 @@ class LocalGrants:
                     self._uncommitted.discard(op.lease_id)
         for op in ops:
             self.capacity.delivered(op.lease_id, op.op, op.length_bytes)
+        with self._changed:
+            self._changed.notify_all()
         journal = self.journal
         if journal is not None and seqs:
             journal.local.acked(seqs)
@@ -691,13 +894,87 @@ class LocalGrants:
         with self._lock:
             return len(self._uncommitted)
 
+    # --- the central path --------------------------------------------------------
+    def central(self, req: GrantRequest, grant: Callable[[GrantRequest], LeaseOut]) -> LeaseOut:
+        """poold's grant of ``req`` (``grant``: the link's), which poold may pay from this
+        host's budget of the tenant: the agent's view of that budget is lowered by the
+        request before it leaves (so no local grant meanwhile spends what poold takes),
+        and the tenant's earlier local grants reach poold first (poold spends the budget
+        only down to the local leases it knows of)."""
+        limit = self.capacity.debit(req, self._alignment())
+        if limit is None:
+            return self._central(req, grant)
+        try:
+            self._deliver_first(limit.before)
+        except BaseException:
+            self.capacity.drop(limit)
+            raise
+        try:
+            lease = grant(req)
+        except PoolError as err:
+            unknown = isinstance(err, (PooldUnreachable, LedgerUnavailable)) or (
+                err.http_status >= 500
+            )
+            self.capacity.settle(limit, None, known=not unknown)
+            if isinstance(err, QuotaExceeded):
+                self.capacity.note_refused(limit.tenant, req.size_bytes)
+            raise
+        except BaseException:
+            self.capacity.settle(limit, None, known=False)
+            raise
+        self.capacity.settle(limit, lease.length_bytes, known=True)
+        return lease
+
+    def _central(self, req: GrantRequest, grant: Callable[[GrantRequest], LeaseOut]) -> LeaseOut:
+        try:
+            return grant(req)
+        except QuotaExceeded:
+            if req.tenant is not None:
+                self.capacity.note_refused(req.tenant, req.size_bytes)
+            raise
+
+    def _alignment(self) -> int:
+        """The largest alignment of any device here: a central lease is at most its
+        request rounded up to it."""
+        aligns = [d.alignment_bytes for d in self.link.inventory]
+        aligns += [r.alignment_bytes for r in self.capacity.reservations()]
+        return max(aligns, default=1)
+
+    def _deliver_first(self, lease_ids: frozenset[str]) -> None:
+        """Wait (at most CENTRAL_WAIT_S) until poold has the local_grant of each of these
+        leases, or they were given up; the outbox is flushed meanwhile."""
+        deadline = time.monotonic() + CENTRAL_WAIT_S
+        flushed = False
+        while True:
+            with self._lock:
+                waiting = {i for i in lease_ids if i in self._uncommitted or i in self._plans}
+                queued = any(i in self._uncommitted for i in waiting)
+            if not waiting:
+                return
+            if queued and not flushed:
+                self.link.flush()  # waits for a flush on its way, then sends the rest
+                flushed = True
+                continue
+            if self.link.failing or time.monotonic() >= deadline:
+                raise PooldUnreachable(
+                    f"{len(waiting)} local lease(s) of this tenant are not yet committed to "
+                    "poold; a central grant waits for them (is poold answering?)",
+                    uncommitted=len(waiting),
+                )
+            with self._changed:
+                self._changed.wait(0.02)
+            flushed = False  # held back behind another exchange: send again
+
     # --- poold's side -----------------------------------------------------------------
-    def replace(self, delegation: Delegation) -> None:
-        """poold's whole delegation now (a heartbeat or ``delegate`` reply)."""
-        self.capacity.replace(delegation)
+    def replace(self, delegation: Delegation, sent_at: float | None = None) -> None:
+        """poold's whole delegation now (a heartbeat or ``delegate`` reply; ``sent_at``:
+        when its request left, monotonic)."""
+        self.capacity.replace(delegation, sent_at=sent_at)
         journal = self.journal
         if journal is not None:
             journal.local.delegation(delegation.model_dump_json(), time.time())
+        if self.capacity.has_withdrawn():
+            self.link.wake_delegation()  # give back what poold asked back, now
 
     def step(self) -> None:
         """Refill or give back off the request path: ask poold once at start (what is held
@@ -710,9 +987,11 @@ class LocalGrants:
             if self._asked:
                 return
             want = DelegationRequest()
+        sent_at = time.monotonic()
         try:
             delegation = self.link.delegate(want)
         except PoolError as err:
+            self.capacity.asked(sent_at, ok=False)
             if err.http_status in (404, 405) or err.code == "internal":
                 if not self._asked or now >= self._no_route_until:
                     log.info("poold grants no delegation (%s); every lease is central", err)
@@ -720,8 +999,12 @@ class LocalGrants:
                 self._asked = True
                 return
             raise
+        except BaseException:
+            self.capacity.asked(sent_at, ok=False)
+            raise
         self._asked = True
-        self.replace(delegation)
+        self.capacity.asked(sent_at, ok=True)
+        self.replace(delegation, sent_at)
 
     # --- restart ----------------------------------------------------------------------
     def restore(self) -> int:

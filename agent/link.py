@@ -228,7 +228,8 @@ class PooldLink:
         # Set by the agent service: its local grants (agent/delegation.py).
         self.local: LocalOps | None = None
         # Told every delegation a heartbeat reply carries (the whole of it: replaced).
-        self.on_delegation: Callable[[Delegation], None] | None = None
+        # With when the request it answers left (monotonic), which orders replies.
+        self.on_delegation: Callable[[Delegation, float | None], None] | None = None
         self._step_now = threading.Event()
         # Reports a failed heartbeat could not deliver wait here, unless a newer report of
         # the same lease replaces them.
@@ -279,13 +280,14 @@ class PooldLink:
     def register(self, inventory: list[InventoryDevice]) -> HeartbeatReply:
         self.inventory = inventory
         digest = inventory_digest(inventory)
+        sent_at = time.monotonic()
         reply = self.client.register(
             Heartbeat(
                 agent_version=self.agent_version, inventory_digest=digest, inventory=inventory
             )
         )
         self._sent_digest = digest
-        self._mark(reply)
+        self._mark(reply, sent_at)
         return reply
 
     def grant(self, req: GrantRequest) -> LeaseOut:
@@ -606,21 +608,22 @@ class PooldLink:
             held_leases=holdings[0] if holdings is not None else None,
             leftovers=holdings[1] if holdings is not None else [],
         )
+        sent_at = time.monotonic()  # the delegation's order (agent/delegation.py _Limit)
         reply = self.client.heartbeat(beat)
         for refusal in reply.report_errors:
             log.warning("report for lease %s refused: %s", refusal.lease_id, refusal.message)
         self._sent_digest = digest if beat.inventory is not None else self._sent_digest
         if reply.want_inventory:
             self._sent_digest = None
-        self._mark(reply)
+        self._mark(reply, sent_at)
         return reply
 
-    def _mark(self, reply: HeartbeatReply) -> None:
+    def _mark(self, reply: HeartbeatReply, sent_at: float | None = None) -> None:
         self._answered()
         self.last_heartbeat_at = reply.server_time
         if reply.delegation is not None and self.on_delegation is not None:
             try:
-                self.on_delegation(reply.delegation)
+                self.on_delegation(reply.delegation, sent_at)
             except Exception:
                 log.exception("taking the delegation of a heartbeat reply failed")
         if self.heartbeat_state is not None:
