@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 import time
 import typing
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -38,7 +40,14 @@ from poold import __version__
 from poold.errors import LedgerUnavailable
 from poold.lease_states import LeaseEvent
 from poold.ledger.db import Ledger
-from poold.ledger.metrics_views import PoolView, count_committed_events, pool_view
+from poold.ledger.metrics_views import (
+    DeviceGauges,
+    HostGauges,
+    PoolView,
+    TenantGauges,
+    count_committed_events,
+    pool_view,
+)
 from poold.wire.common import DeviceState, HealthState
 
 log = logging.getLogger("poold.metrics")
@@ -140,6 +149,258 @@ def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily
     return GaugeMetricFamily(name, doc, labels=list(labels))
 
 
+_Row = TypeVar("_Row")
+# A gauge's figure for one row: one sample, none (the row lacks it), or one sample per
+# value of the gauge's own labels (a state set, a device's kind and media).
+_Value = float | None | Mapping[tuple[str, ...], float]
+
+
+@dataclass(frozen=True)
+class _Gauge(Generic[_Row]):
+    """One gauge family of a table: its name, help, own labels and figure for a row.
+
+    ``value(row, view)`` reads the row; the view is there for what is relative to the
+    scrape (a heartbeat's age at ``view.read_at``).
+    """
+
+    name: str
+    help: str
+    value: Callable[[_Row, PoolView], _Value]
+    labels: tuple[str, ...] = ()  # after the table's own label (device, tenant, host)
+
+
+@dataclass(frozen=True)
+class _Table(Generic[_Row]):
+    """Gauges with one sample (or a set) per row of a ledger view: devices, tenants..."""
+
+    rows: Callable[[PoolView], Iterable[_Row]]
+    key: Callable[[_Row], tuple[str, ...]]  # the row's own label values
+    key_labels: tuple[str, ...]
+    gauges: tuple[_Gauge[_Row], ...]
+
+    def families(self) -> list[GaugeMetricFamily]:
+        return [_gauge(g.name, g.help, (*self.key_labels, *g.labels)) for g in self.gauges]
+
+    def collect(self, view: PoolView) -> list[GaugeMetricFamily]:
+        families = self.families()
+        for row in self.rows(view):
+            key = self.key(row)
+            for gauge, family in zip(self.gauges, families, strict=True):
+                value = gauge.value(row, view)
+                if value is None:
+                    continue
+                if isinstance(value, Mapping):
+                    for own, figure in value.items():
+                        family.add_metric([*key, *own], figure)
+                else:
+                    family.add_metric(list(key), value)
+        return families
+
+
+def _with(known: tuple[str, ...], value: str) -> tuple[str, ...]:
+    """A state set's values: the known ones, plus the row's own if a newer poold wrote it."""
+    return known if value in known else (*known, value)
+
+
+def _one_of(known: tuple[str, ...], value: str) -> dict[tuple[str, ...], float]:
+    """A state set as samples: 1 for ``value``, 0 for the others it could have been."""
+    return {(state,): 1.0 if state == value else 0.0 for state in _with(known, value)}
+
+
+def _heartbeat_age(h: HostGauges, view: PoolView) -> float | None:
+    if h.last_heartbeat_at is None:
+        return None
+    return max(0.0, (view.read_at - h.last_heartbeat_at).total_seconds())
+
+
+def _audit_code(pool: PoolView, _: PoolView) -> float | None:
+    if pool.last_audit_at is None:
+        return None
+    code = pool.last_audit_exit_code
+    return float(code) if code is not None else -1.0
+
+
+_DEVICES = _Table[DeviceGauges](
+    rows=lambda view: view.devices,
+    key=lambda d: (d.uid,),
+    key_labels=("device",),
+    gauges=(
+        _Gauge(
+            "poold_device_info",
+            "A pool device's kind and media (always 1)",
+            lambda d, _: {(d.kind, d.media): 1.0},
+            ("kind", "media"),
+        ),
+        _Gauge("poold_device_capacity_bytes", "Device capacity", lambda d, _: d.capacity_bytes),
+        _Gauge(
+            "poold_device_leased_bytes",
+            "Bytes of the device's live leases",
+            lambda d, _: d.leased_bytes,
+        ),
+        _Gauge(
+            "poold_device_reserved_bytes",
+            "Bytes held by dax devices poold did not create (never placed on)",
+            lambda d, _: d.reserved_bytes,
+        ),
+        _Gauge(
+            "poold_device_quarantined_bytes",
+            "Bytes quarantined (poison, failed scrub)",
+            lambda d, _: d.quarantined_bytes,
+        ),
+        _Gauge(
+            "poold_device_free_bytes",
+            "Bytes no live lease, quarantined range or reserved extent occupies",
+            lambda d, _: d.free_bytes,
+        ),
+        _Gauge(
+            "poold_device_largest_free_extent_bytes",
+            "The largest aligned lease the device could place now",
+            lambda d, _: d.largest_free_bytes,
+        ),
+        _Gauge("poold_device_live_leases", "Live leases on the device", lambda d, _: d.live_leases),
+        _Gauge(
+            "poold_device_delegated_bytes",
+            "Bytes of the device reserved for hosts' agents",
+            lambda d, _: d.delegated_bytes,
+        ),
+        _Gauge(
+            "poold_device_delegated_unleased_bytes",
+            "Bytes reserved for hosts' agents that no lease uses yet",
+            lambda d, _: d.delegated_unleased_bytes,
+        ),
+        _Gauge(
+            "poold_device_health",
+            "1 for the device's health, 0 for the others",
+            lambda d, _: _one_of(HEALTH_STATES, d.health),
+            ("health",),
+        ),
+        _Gauge(
+            "poold_device_state",
+            "1 for the device's state, 0 for the others",
+            lambda d, _: _one_of(DEVICE_STATES, d.state),
+            ("state",),
+        ),
+    ),
+)
+
+_TENANTS = _Table[TenantGauges](
+    rows=lambda view: view.tenants,
+    key=lambda t: (t.name,),
+    key_labels=("tenant",),
+    gauges=(
+        _Gauge("poold_tenant_quota_bytes", "The tenant's byte quota", lambda t, _: t.quota_bytes),
+        _Gauge(
+            "poold_tenant_quota_leases",
+            "The tenant's lease-count quota",
+            lambda t, _: t.quota_leases,
+        ),
+        _Gauge(
+            "poold_tenant_leased_bytes",
+            "Bytes of the tenant's live leases",
+            lambda t, _: t.leased_bytes,
+        ),
+        _Gauge("poold_tenant_live_leases", "The tenant's live leases", lambda t, _: t.live_leases),
+        _Gauge(
+            "poold_tenant_used_bytes",
+            "Bytes the tenant's holders last reported in use",
+            lambda t, _: t.used_bytes,
+        ),
+        _Gauge(
+            "poold_tenant_exclusive_bytes",
+            "Reported bytes holding the only copy of a KV block",
+            lambda t, _: t.exclusive_bytes,
+        ),
+        _Gauge(
+            "poold_tenant_replica_bytes",
+            "Reported bytes holding copies of blocks kept elsewhere",
+            lambda t, _: t.replica_bytes,
+        ),
+        _Gauge(
+            "poold_tenant_budget_bytes",
+            "The tenant's quota bytes delegated to hosts",
+            lambda t, _: t.budget_bytes,
+        ),
+        _Gauge(
+            "poold_tenant_budget_leases",
+            "The tenant's lease quota delegated to hosts",
+            lambda t, _: t.budget_leases,
+        ),
+    ),
+)
+
+_HOSTS = _Table[HostGauges](
+    rows=lambda view: view.hosts,
+    key=lambda h: (h.name,),
+    key_labels=("host",),
+    gauges=(
+        _Gauge(
+            "poold_host_up",
+            "1 unless the host is marked down",
+            lambda h, _: 0.0 if h.status == "down" else 1.0,
+        ),
+        _Gauge(
+            "poold_host_status",
+            "1 for the host's status, 0 for the others",
+            lambda h, _: _one_of(HOST_STATUSES, h.status),
+            ("status",),
+        ),
+        _Gauge(
+            "poold_host_leased_bytes",
+            "Bytes of the host's live leases",
+            lambda h, _: h.leased_bytes,
+        ),
+        _Gauge(
+            "poold_host_live_leases", "Live leases held on the host", lambda h, _: h.live_leases
+        ),
+        _Gauge(
+            "poold_host_delegated_bytes",
+            "Bytes reserved for the host's agent",
+            lambda h, _: h.delegated_bytes,
+        ),
+        _Gauge(
+            "poold_host_last_heartbeat_timestamp_seconds",
+            "When the host last heartbeated (Unix time)",
+            lambda h, _: (
+                h.last_heartbeat_at.timestamp() if h.last_heartbeat_at is not None else None
+            ),
+        ),
+        _Gauge(
+            "poold_host_heartbeat_age_seconds",
+            "Seconds since the host last heartbeated",
+            _heartbeat_age,
+        ),
+    ),
+)
+
+# The pool as a whole: one row, the view itself, with no label of its own.
+_POOL = _Table[PoolView](
+    rows=lambda view: (view,),
+    key=lambda _: (),
+    key_labels=(),
+    gauges=(
+        _Gauge(
+            "poold_live_leases",
+            "Live leases in the pool, by state",
+            lambda v, _: {(state,): n for state, n in sorted(v.live_leases_by_state.items())},
+            ("state",),
+        ),
+        _Gauge(
+            "poold_audit_last_run_timestamp_seconds",
+            "When the last audit finished (Unix time)",
+            lambda v, _: v.last_audit_at.timestamp() if v.last_audit_at is not None else None,
+        ),
+        _Gauge(
+            "poold_audit_last_exit_code",
+            "The last audit's exit code (0 clean, 1, 2)",
+            _audit_code,
+        ),
+    ),
+)
+
+# Every gauge read from the ledger view, by the row it has a sample for.
+_LEDGER_TABLES: tuple[_Table[Any], ...] = (_DEVICES, _TENANTS, _HOSTS, _POOL)
+
+
 class _LedgerCollector(Collector):
     """The pool's gauges, read from the ledger at each scrape (one read transaction)."""
 
@@ -178,61 +439,11 @@ class _LedgerCollector(Collector):
 
     @staticmethod
     def _families() -> list[GaugeMetricFamily]:
-        return [*_status_families(), *_pool_families().values()]
+        return [*_status_families(), *(f for t in _LEDGER_TABLES for f in t.families())]
 
     def _pool(self, view: PoolView) -> Iterator[Metric]:
-        f = _pool_families()
-        for d in view.devices:
-            dev = [d.uid]
-            f["info"].add_metric([d.uid, d.kind, d.media], 1.0)
-            f["capacity"].add_metric(dev, d.capacity_bytes)
-            f["leased"].add_metric(dev, d.leased_bytes)
-            f["reserved"].add_metric(dev, d.reserved_bytes)
-            f["quarantined"].add_metric(dev, d.quarantined_bytes)
-            f["free"].add_metric(dev, d.free_bytes)
-            f["largest"].add_metric(dev, d.largest_free_bytes)
-            f["dev_leases"].add_metric(dev, d.live_leases)
-            f["delegated"].add_metric(dev, d.delegated_bytes)
-            f["delegated_unleased"].add_metric(dev, d.delegated_unleased_bytes)
-            for health in _with(HEALTH_STATES, d.health):
-                f["health"].add_metric([d.uid, health], 1.0 if health == d.health else 0.0)
-            for state in _with(DEVICE_STATES, d.state):
-                f["state"].add_metric([d.uid, state], 1.0 if state == d.state else 0.0)
-        for t in view.tenants:
-            ten = [t.name]
-            f["quota"].add_metric(ten, t.quota_bytes)
-            f["quota_leases"].add_metric(ten, t.quota_leases)
-            f["t_leased"].add_metric(ten, t.leased_bytes)
-            f["t_leases"].add_metric(ten, t.live_leases)
-            f["t_used"].add_metric(ten, t.used_bytes)
-            f["t_exclusive"].add_metric(ten, t.exclusive_bytes)
-            f["t_replica"].add_metric(ten, t.replica_bytes)
-            f["t_budget"].add_metric(ten, t.budget_bytes)
-            f["t_budget_leases"].add_metric(ten, t.budget_leases)
-        for h in view.hosts:
-            host = [h.name]
-            f["host_up"].add_metric(host, 0.0 if h.status == "down" else 1.0)
-            for status in _with(HOST_STATUSES, h.status):
-                f["host_status"].add_metric([h.name, status], 1.0 if status == h.status else 0.0)
-            f["h_leased"].add_metric(host, h.leased_bytes)
-            f["h_leases"].add_metric(host, h.live_leases)
-            f["h_delegated"].add_metric(host, h.delegated_bytes)
-            if h.last_heartbeat_at is not None:
-                f["heard_at"].add_metric(host, h.last_heartbeat_at.timestamp())
-                age = (view.read_at - h.last_heartbeat_at).total_seconds()
-                f["heard_age"].add_metric(host, max(0.0, age))
-        for state, count in sorted(view.live_leases_by_state.items()):
-            f["leases"].add_metric([state], count)
-        if view.last_audit_at is not None:
-            f["audit_at"].add_metric([], view.last_audit_at.timestamp())
-            code = view.last_audit_exit_code
-            f["audit_code"].add_metric([], float(code) if code is not None else -1.0)
-        yield from f.values()
-
-
-def _with(known: tuple[str, ...], value: str) -> tuple[str, ...]:
-    """A state set's values: the known ones, plus the row's own if a newer poold wrote it."""
-    return known if value in known else (*known, value)
+        for table in _LEDGER_TABLES:
+            yield from table.collect(view)
 
 
 def _status_families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
@@ -244,96 +455,3 @@ def _status_families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetri
             "How long this process has found the ledger unreachable (0: reachable)",
         ),
     )
-
-
-def _pool_families() -> dict[str, GaugeMetricFamily]:
-    dev, ten, host = ("device",), ("tenant",), ("host",)
-    return {
-        "info": _gauge(
-            "poold_device_info",
-            "A pool device's kind and media (always 1)",
-            (*dev, "kind", "media"),
-        ),
-        "capacity": _gauge("poold_device_capacity_bytes", "Device capacity", dev),
-        "leased": _gauge("poold_device_leased_bytes", "Bytes of the device's live leases", dev),
-        "reserved": _gauge(
-            "poold_device_reserved_bytes",
-            "Bytes held by dax devices poold did not create (never placed on)",
-            dev,
-        ),
-        "quarantined": _gauge(
-            "poold_device_quarantined_bytes", "Bytes quarantined (poison, failed scrub)", dev
-        ),
-        "free": _gauge(
-            "poold_device_free_bytes",
-            "Bytes no live lease, quarantined range or reserved extent occupies",
-            dev,
-        ),
-        "largest": _gauge(
-            "poold_device_largest_free_extent_bytes",
-            "The largest aligned lease the device could place now",
-            dev,
-        ),
-        "dev_leases": _gauge("poold_device_live_leases", "Live leases on the device", dev),
-        "delegated": _gauge(
-            "poold_device_delegated_bytes", "Bytes of the device reserved for hosts' agents", dev
-        ),
-        "delegated_unleased": _gauge(
-            "poold_device_delegated_unleased_bytes",
-            "Bytes reserved for hosts' agents that no lease uses yet",
-            dev,
-        ),
-        "t_budget": _gauge(
-            "poold_tenant_budget_bytes", "The tenant's quota bytes delegated to hosts", ten
-        ),
-        "t_budget_leases": _gauge(
-            "poold_tenant_budget_leases", "The tenant's lease quota delegated to hosts", ten
-        ),
-        "h_delegated": _gauge(
-            "poold_host_delegated_bytes", "Bytes reserved for the host's agent", host
-        ),
-        "health": _gauge(
-            "poold_device_health", "1 for the device's health, 0 for the others", (*dev, "health")
-        ),
-        "state": _gauge(
-            "poold_device_state", "1 for the device's state, 0 for the others", (*dev, "state")
-        ),
-        "quota": _gauge("poold_tenant_quota_bytes", "The tenant's byte quota", ten),
-        "quota_leases": _gauge("poold_tenant_quota_leases", "The tenant's lease-count quota", ten),
-        "t_leased": _gauge("poold_tenant_leased_bytes", "Bytes of the tenant's live leases", ten),
-        "t_leases": _gauge("poold_tenant_live_leases", "The tenant's live leases", ten),
-        "t_used": _gauge(
-            "poold_tenant_used_bytes", "Bytes the tenant's holders last reported in use", ten
-        ),
-        "t_exclusive": _gauge(
-            "poold_tenant_exclusive_bytes",
-            "Reported bytes holding the only copy of a KV block",
-            ten,
-        ),
-        "t_replica": _gauge(
-            "poold_tenant_replica_bytes",
-            "Reported bytes holding copies of blocks kept elsewhere",
-            ten,
-        ),
-        "host_up": _gauge("poold_host_up", "1 unless the host is marked down", host),
-        "host_status": _gauge(
-            "poold_host_status", "1 for the host's status, 0 for the others", (*host, "status")
-        ),
-        "h_leased": _gauge("poold_host_leased_bytes", "Bytes of the host's live leases", host),
-        "h_leases": _gauge("poold_host_live_leases", "Live leases held on the host", host),
-        "heard_at": _gauge(
-            "poold_host_last_heartbeat_timestamp_seconds",
-            "When the host last heartbeated (Unix time)",
-            host,
-        ),
-        "heard_age": _gauge(
-            "poold_host_heartbeat_age_seconds", "Seconds since the host last heartbeated", host
-        ),
-        "leases": _gauge("poold_live_leases", "Live leases in the pool, by state", ("state",)),
-        "audit_at": _gauge(
-            "poold_audit_last_run_timestamp_seconds", "When the last audit finished (Unix time)"
-        ),
-        "audit_code": _gauge(
-            "poold_audit_last_exit_code", "The last audit's exit code (0 clean, 1, 2)"
-        ),
-    }
