@@ -14,7 +14,6 @@ scrub while one exists, so that it is never reported as a leftover meanwhile.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -25,11 +24,13 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from agent.backends import Backend, Materialised, Placement
+from agent.backends.emulated import MemfdMaterialised, OnceFd
 from agent.backends.numa import NumaBackend
 from agent.held import HeldLease, HeldLeases
 from agent.journal import SubDevice
 from agent.leftovers import LeftoverSweep, Tied
 from agent.link import PooldLink
+from agent.release_check import ReleaseCheck, close_copies
 from agent.warm import WarmPool
 from poold.errors import BackendFailed, PoolError
 from poold.wire.agent import InventoryDevice, LeaseOp, ScrubOrder
@@ -104,6 +105,10 @@ class LeaseMemory:
         self._scrubs_running: dict[str, _RunningScrub] = {}  # by lease id
         self._scrub_reissues: dict[str, datetime] = {}  # lease id -> reissued_at acted on
         self.timed: Timed | None = None
+        # Whether a released memfd is still held, asked of the kernel (agent/release_check.py).
+        self.release_check = ReleaseCheck.for_this_kernel()
+        # The tenant reopens not yet sent, by (connection id, fd): closed once sent.
+        self._unsent: dict[tuple[int, int], OnceFd] = {}
 
     # --- where devices live ---------------------------------------------------------
     def set_local_devices(self, devices: dict[str, LocalDevice]) -> None:
@@ -239,7 +244,27 @@ class LeaseMemory:
                 raise
             lease.state = activated.state
             lease.expires_at = activated.expires_at
-        return memory
+        return self.release_check.prepare(memory)
+
+    def fd_to_send(self, memory: Materialised, connection_id: int) -> int:
+        """The fd a lease's tenant is sent: a memfd's tenant reopen (the agent's copy of it
+        is closed by :meth:`sent`), or the memory's own fd."""
+        tenant = memory.tenant if isinstance(memory, MemfdMaterialised) else None
+        fd = tenant.fd if tenant is not None else None
+        if tenant is None or fd is None:
+            return memory.fd
+        with self._lock:
+            self._unsent[(connection_id, fd)] = tenant
+        return fd
+
+    def sent(self, connection_id: int, fd: int) -> None:
+        """The reply carrying ``fd`` left on that connection (or failed to): the agent's
+        copy of a tenant reopen goes, so the tenant's is the only one counted. Keyed by the
+        connection too: its replies are sent in turn, so the number was not reused there."""
+        with self._lock:
+            tenant = self._unsent.pop((connection_id, fd), None)
+        if tenant is not None:
+            tenant.close()
 
     # --- dropped --------------------------------------------------------------------
     def drop(self, held: HeldLease) -> None:
@@ -255,6 +280,7 @@ class LeaseMemory:
                     log.exception("destroying %s of lease %s", held.sub_device, held.lease.id)
             return
         backend = self.backends.get(held.memory.backend)
+        close_copies(held.memory, keep_fd=True)  # the backend closes the memory's own fd
         try:
             if backend is not None:
                 backend.release(held.memory)
@@ -266,8 +292,7 @@ class LeaseMemory:
     def close_copy(self, held: HeldLease) -> None:
         """Close the agent's own fd of a lease, whose holder keeps its mapping."""
         if held.memory is not None:
-            with contextlib.suppress(OSError):
-                os.close(held.memory.fd)
+            close_copies(held.memory)
 
     # --- scrubs ---------------------------------------------------------------------
     def scrub_later(

@@ -360,9 +360,12 @@ class Revocations:
         backend = self.memory.backend_of(held)
         if inode is None or (backend is not None and backend.revoke_unmaps):
             return False
-        self._close_copy(held)  # the agent's own fd is no reason to wait
         if found is None:
+            if self._unheld(held):
+                return False  # the kernel says nobody: no scan
             found = self.scan({inode})
+        else:
+            self._close_copy(held)  # the agent's own fd is no reason to wait
         pids = found.pids.get(inode)
         if not pids:
             return False
@@ -395,6 +398,16 @@ class Revocations:
             memory, held.memory = held.memory, None
         if memory is not None:
             self.memory.close_copy(dataclasses.replace(held, memory=memory))
+
+    def _unheld(self, held: HeldLease) -> bool:
+        """The agent's files of an ending memfd lease go (once, whoever calls), and True
+        when the kernel says no other process holds or maps it (agent/release_check.py):
+        then no /proc scan is needed. False: maybe held, scan."""
+        with self._lock:
+            memory, held.memory = held.memory, None
+        if memory is None:
+            return False
+        return self.memory.release_check.unheld(memory)
 
     def check_mapped(self) -> int:
         """Rescan the watched memfds (one pass); those nobody maps or holds any more are
@@ -429,10 +442,12 @@ class Revocations:
         if candidates is None:
             candidates = self.held.all()
         dead = [h for h in candidates if h.holder is not None and not holder_alive(h.holder)]
-        found: mappings.Scan | None = None
-        memfds = {h.inode for h in dead if h.inode is not None}
+        found = mappings.Scan()
+        # Their holders are gone: the agent's copies go first (the kernel may say at once
+        # that nobody holds a memfd any more), then one scan for all the others.
+        unheld = {h.lease.id for h in dead if h.inode is not None and self._unheld(h)}
+        memfds = {h.inode for h in dead if h.inode is not None and h.lease.id not in unheld}
         if memfds:
-            # Their holders are gone: the agent's copies go first, then one scan for all.
             for h in dead:
                 if h.inode is not None:
                     self._close_copy(h)
@@ -444,7 +459,7 @@ class Revocations:
                 if self.held.forget(held.lease.id, "revoked") is not None:
                     self.revoke([held.lease.id])
                 continue
-            mapped_elsewhere = found is not None and self.ended_mapped(held, "orphaned", found)
+            mapped_elsewhere = self.ended_mapped(held, "orphaned", found)
             if not mapped_elsewhere and self.held.forget(held.lease.id, "orphaned") is None:
                 continue
             log.warning(

@@ -148,7 +148,8 @@ class AgentHandler(Protocol):
     it). A reply that cannot be delivered ends the connection, so ``disconnected``
     follows: a lease granted on it then has no holder. A handler may also have
     ``holds_leases(peer) -> bool``: an idle connection for which it says yes stays open;
-    and ``attach_push(push)``: the server hands it :meth:`AgentServer.push` at start.
+    ``attach_push(push)``: the server hands it :meth:`AgentServer.push` at start; and
+    ``fd_sent(peer, fd)``: called once a reply carrying ``fd`` was sent (or failed to).
     """
 
     def hello(self, peer: Peer, args: HelloArgs) -> HelloResult: ...
@@ -379,6 +380,8 @@ class AgentServer:
         self._methods, self._disconnected = bind_handler(handler)
         holds: Callable[[Peer], bool] | None = getattr(handler, "holds_leases", None)
         self._holds_leases: Callable[[Peer], bool] = holds if callable(holds) else _holds_none
+        sent: Callable[[Peer, int], None] | None = getattr(handler, "fd_sent", None)
+        self._fd_sent: Callable[[Peer, int], None] | None = sent if callable(sent) else None
         limits = limits or SocketLimits()
         if max_connections is not None:
             limits = dataclasses.replace(limits, max_connections=max_connections)
@@ -841,7 +844,10 @@ class AgentServer:
                     # hello's reply is the first frame the session sees.
                     self._start_session(connection)
                 sock.settimeout(limits.reply_timeout_s)  # a peer that never reads pins nothing
-                if not self._send(sock, reply, fd):
+                sent = self._send(sock, reply, fd)
+                if fd is not None and self._fd_sent is not None:
+                    self._fd_sent(peer, fd)  # the kernel has its own reference now
+                if not sent:
                     return
             self._end(connection)
 

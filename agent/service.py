@@ -208,7 +208,12 @@ class AgentService:
             peer.uid,
             peer.pid,
         )
-        return self._result(held), memory.fd
+        return self._result(held), self.memory.fd_to_send(memory, peer.connection_id)
+
+    def fd_sent(self, peer: Peer, fd: int) -> None:
+        """The reply carrying ``fd`` left (or could not): the agent's copy of a memfd's
+        tenant reopen goes now (agent/release_check.py)."""
+        self.memory.sent(peer.connection_id, fd)
 
     def _authorise_then_make(self, peer: Peer, args: p.LeaseArgs) -> tuple[LeaseOut, Materialised]:
         """The one way to a lease's memory: poold authorises it (grants it), then the agent

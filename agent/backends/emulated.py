@@ -17,6 +17,7 @@ import errno
 import fcntl
 import mmap
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -191,9 +192,41 @@ def release(fd: int) -> None:
     os.close(fd)
 
 
+class OnceFd:
+    """An fd the agent closes once, whichever of its paths gets there first (a release and
+    a holder check may race); ``fd`` is None after."""
+
+    __slots__ = ("_lock", "fd")
+
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
 @dataclass(frozen=True, slots=True)
 class MemfdMaterialised(Materialised):
-    """A memfd lease (emulated or numa): it may shrink unless sealed against it."""
+    """A memfd lease (emulated or numa): it may shrink unless sealed against it.
+
+    ``fd`` is the memfd_create file, which stays the agent's alone. Once handed out
+    (agent/release_check.py ``prepare``): ``tenant``, the reopen the tenant is sent, and
+    ``probe``, the agent's read-only reopen that asks at release whether anyone still
+    holds the memfd; both None while the check is off (then ``fd`` is what is sent).
+    """
+
+    tenant: OnceFd | None = None
+    probe: OnceFd | None = None
+
+    @property
+    def sent_fd(self) -> int:
+        """The fd the tenant is sent."""
+        fd = self.tenant.fd if self.tenant is not None else None
+        return self.fd if fd is None else fd
 
     def can_shrink(self) -> bool:
         try:

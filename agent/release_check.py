@@ -1,0 +1,272 @@
+"""Does any process but the agent still hold a released memfd? The kernel says so in
+microseconds, where a pass over ``/proc`` (agent/mappings.py) takes milliseconds.
+
+A released memfd's bytes count against its tenant for as long as anyone maps or holds
+it (DESIGN.md "Memory follows the pages"). Asking ``/proc`` costs a pass over every
+process's ``maps`` and ``fd`` directory, on every release. The kernel keeps the answer
+already: an inode's ``i_writecount`` and ``i_readcount`` count its open files
+(fs/locks.c ``check_conflicting_open``), and ``fcntl(F_SETLEASE, F_WRLCK)`` is granted
+only when the caller's own file is the only one counted. A mapping holds its file, so
+a mapping whose fd was closed still counts; an fd passed over SCM_RIGHTS is the same
+file, counted even while it sits unreceived in a socket (which ``/proc`` cannot see).
+
+Two files are not counted, and the design works around both:
+
+* the ``memfd_create`` file itself (it is set up without ``get_write_access``): so the
+  tenant never gets it. It gets a *reopen* (``/proc/self/fd/N``, O_RDWR: a new open file
+  description, counted); the agent keeps the original, which no one else ever sees, and a
+  read-only reopen to ask the question on (:func:`prepare`).
+* ``O_PATH`` files: such an fd can neither read, write nor map, but it keeps the inode
+  (and its pages) and may be reopened later through ``/proc/self/fd``. So when the lease
+  is granted, while it is held, the pages are punched out (``FALLOC_FL_PUNCH_HOLE``,
+  allowed under ``F_SEAL_SHRINK``: the size stays) and the mode is set to 0, so only a
+  process with CAP_DAC_OVERRIDE (root, which needs no pool to take host memory) can open
+  it again; then the lease must still be unbroken (no open raced in) before the bytes are
+  called free.
+
+Anything else (``EAGAIN``, a broken lease, any error) answers "maybe held", and the caller
+scans ``/proc`` as before, to name the pids and watch the inode. So the check can only
+skip a scan that would have found nobody.
+
+Whether the kernel counts what this relies on is probed once per process
+(:func:`self_test`), never assumed: ``i_readcount`` exists only with CONFIG_IMA on some
+kernels, leases may be off (``fs.leases-enable=0``: EINVAL), or refused to a non-owner
+without CAP_LEASE (EACCES). Any failure means every release is scanned, and the log says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import signal
+import stat
+import threading
+
+from agent.backends import Materialised
+from agent.backends.emulated import MemfdMaterialised, OnceFd
+
+log = logging.getLogger("pool_agent")
+
+# In the fcntl module on Linux; the fallbacks are include/uapi/linux/fcntl.h's values.
+F_SETLEASE: int = getattr(fcntl, "F_SETLEASE", 1024)
+F_GETLEASE: int = getattr(fcntl, "F_GETLEASE", 1025)
+F_SETSIG: int = getattr(fcntl, "F_SETSIG", 10)
+FALLOC_FL_KEEP_SIZE = 0x01  # include/uapi/linux/falloc.h
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_fallocate = _libc.fallocate
+_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_fallocate.restype = ctypes.c_int
+
+
+def reopen(fd: int, flags: int) -> int:
+    """A new open file description of ``fd``'s inode (counted, unlike a memfd_create file)."""
+    return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
+
+
+def _quiet(probe_fd: int) -> None:
+    """A lease break signals its holder, SIGIO by default, whose default action ends the
+    process: point it at SIGURG, ignored by default, since the break is read with
+    F_GETLEASE instead (set per file; the lease itself is held for microseconds)."""
+    fcntl.fcntl(probe_fd, F_SETSIG, signal.SIGURG)
+
+
+def _lease(probe_fd: int) -> bool:
+    """F_SETLEASE F_WRLCK: True granted (held: the caller unlocks), False refused (EAGAIN)."""
+    try:
+        fcntl.fcntl(probe_fd, F_SETLEASE, fcntl.F_WRLCK)
+    except OSError as err:
+        if err.errno == errno.EAGAIN:
+            return False
+        raise
+    return True
+
+
+def _unlock(probe_fd: int) -> None:
+    fcntl.fcntl(probe_fd, F_SETLEASE, fcntl.F_UNLCK)
+
+
+def punch(fd: int, length_bytes: int) -> None:
+    """Free every page of the memfd, its size unchanged (F_SEAL_SHRINK allows it)."""
+    if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, length_bytes) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _sole(original_fd: int, probe_fd: int, length_bytes: int) -> bool:
+    """The agent's two files (the memfd_create original and the read-only probe) are the
+    only ones of the inode open anywhere, and no one can open it again: its pages are
+    gone, its mode is 0. False when anything else holds it; OSError when the kernel
+    refuses the lease for another reason."""
+    for _attempt in range(3):
+        if not _lease(probe_fd):
+            return False
+        try:
+            os.fchmod(probe_fd, 0)  # first: an open that starts now is refused (non-root)
+            punch(original_fd, length_bytes)  # what an O_PATH holder keeps is nothing
+            # An open since the grant broke the lease (the kernel orders the count and
+            # the lease so one of the two sees the other): ask again, it will be counted.
+            if fcntl.fcntl(probe_fd, F_GETLEASE) == fcntl.F_WRLCK:
+                return True
+        finally:
+            _unlock(probe_fd)
+    return False
+
+
+def self_test() -> str | None:
+    """None when the check is sound on this kernel; otherwise why it is not.
+
+    Made on a memfd of the agent's own: refused while a read-only reopen is open (the
+    kernel counts read-only opens: i_readcount) and while a mapping whose fd was closed
+    exists, granted (with the pages punched and the mode 0) once both are gone.
+    """
+    try:
+        fd = os.memfd_create("poold-release-check", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as err:
+        return f"memfd_create failed: {err.strerror}"
+    opened = [fd]
+    try:
+        os.ftruncate(fd, mmap.PAGESIZE)
+        os.posix_fallocate(fd, 0, mmap.PAGESIZE)
+        probe = reopen(fd, os.O_RDONLY)
+        opened.append(probe)
+        _quiet(probe)
+        if not _lease(probe):
+            return "F_SETLEASE refused with no other file open"
+        _unlock(probe)
+        other = reopen(fd, os.O_RDONLY)
+        try:
+            if _lease(probe):
+                _unlock(probe)
+                return "a read-only open is not counted (no i_readcount: CONFIG_IMA off?)"
+        finally:
+            os.close(other)
+        writer = reopen(fd, os.O_RDWR)
+        mapping = mmap.mmap(writer, mmap.PAGESIZE)
+        os.close(writer)
+        try:
+            mapping[0] = 1
+            if _lease(probe):
+                _unlock(probe)
+                return "a mapping whose fd was closed is not counted"
+        finally:
+            mapping.close()
+        if not _sole(fd, probe, mmap.PAGESIZE):
+            return "F_SETLEASE refused once every other file was gone"
+        if os.fstat(fd).st_blocks != 0 or stat.S_IMODE(os.fstat(fd).st_mode) != 0:
+            return "punching the pages or clearing the mode did not take"
+    except OSError as err:
+        why = {
+            errno.EINVAL: "leases are off (fs.leases-enable=0) or refused on memfds",
+            errno.EACCES: "not the memfd's owner and no CAP_LEASE",
+            errno.EPERM: "not permitted",
+        }.get(err.errno or 0, err.strerror or str(err))
+        return f"{why} ({errno.errorcode.get(err.errno or 0, err.errno)})"
+    finally:
+        for f in opened:
+            os.close(f)
+    return None
+
+
+_verdict_lock = threading.Lock()
+_verdict: list[str | None] = []  # the process's self-test result, once made
+
+
+def kernel_verdict() -> str | None:
+    """:func:`self_test`, made once per process and logged."""
+    with _verdict_lock:
+        if not _verdict:
+            why = self_test()
+            _verdict.append(why)
+            if why is None:
+                log.info("release check: F_SETLEASE (no /proc scan unless a memfd is held)")
+            else:
+                log.warning("release check: every release scans /proc: %s", why)
+        return _verdict[0]
+
+
+class ReleaseCheck:
+    """Whether a released memfd is held by anyone, and the files that makes it answerable.
+
+    ``usable`` False (the self-test failed, or tests ask for it) keeps the old way
+    exactly: the tenant gets the agent's memfd, and every release scans.
+    """
+
+    def __init__(self, usable: bool, why: str | None = None) -> None:
+        self.usable = usable
+        self.why = why
+        self._warned = False
+        self.fast = 0  # releases the kernel answered (no scan)
+        self.scanned = 0  # releases it said may be held (scanned)
+
+    @classmethod
+    def for_this_kernel(cls) -> ReleaseCheck:
+        why = kernel_verdict()
+        return cls(why is None, why)
+
+    def prepare(self, memory: Materialised) -> Materialised:
+        """A memfd about to be handed out: with the tenant's reopen (what is sent) and the
+        agent's read-only probe. Unchanged when the check is off or for a dax device."""
+        if not self.usable or not isinstance(memory, MemfdMaterialised):
+            return memory
+        if memory.tenant is not None:
+            return memory
+        try:
+            if not stat.S_ISREG(os.fstat(memory.fd).st_mode):
+                return memory
+            probe = reopen(memory.fd, os.O_RDONLY)
+        except OSError as err:
+            log.warning("release check: no probe for a memfd (%s); it will be scanned", err)
+            return memory
+        try:
+            _quiet(probe)
+            tenant = reopen(memory.fd, os.O_RDWR)
+        except OSError as err:
+            os.close(probe)
+            log.warning("release check: no reopen for a memfd (%s); it will be scanned", err)
+            return memory
+        return dataclasses.replace(memory, tenant=OnceFd(tenant), probe=OnceFd(probe))
+
+    def unheld(self, memory: Materialised) -> bool:
+        """True when no process but the agent holds the memfd (its pages are freed now);
+        False when one may (scan to know who). Every agent file of it is closed after."""
+        probe = memory.probe.fd if isinstance(memory, MemfdMaterialised) and memory.probe else None
+        if probe is None:
+            close_copies(memory)
+            return False
+        try:
+            close_copies(memory, keep_fd=True, keep_probe=True)  # the tenant's copy first
+            sole = _sole(memory.fd, probe, memory.length_bytes)
+        except OSError as err:
+            sole = False
+            if not self._warned:
+                self._warned = True
+                log.warning("release check refused (%s): scanning /proc instead", err)
+        finally:
+            close_copies(memory)
+        if sole:
+            self.fast += 1
+        else:
+            self.scanned += 1
+        return sole
+
+
+def close_copies(memory: Materialised, *, keep_fd: bool = False, keep_probe: bool = False) -> None:
+    """Close the agent's files of a memory: the tenant's reopen, the probe unless
+    ``keep_probe``, and the memory's own fd unless ``keep_fd`` (a backend's release
+    closes that one)."""
+    if isinstance(memory, MemfdMaterialised):
+        if memory.tenant is not None:
+            memory.tenant.close()
+        if memory.probe is not None and not keep_probe:
+            memory.probe.close()
+    if not keep_fd:
+        with contextlib.suppress(OSError):
+            os.close(memory.fd)

@@ -1,0 +1,363 @@
+"""The release check (agent/release_check.py): the kernel, not a /proc scan, says that no
+process holds a released memfd, and every way of still holding one is still caught.
+
+The holders are real processes (``python -c`` children, a uid of their own where the
+mode matters) handed the tenant's fd over SCM_RIGHTS; the kernel is this machine's. The
+service-level tests go through a real AgentServer socket and a real poold.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from agent.backends.emulated import EmulatedBackend, MemfdMaterialised
+from agent.client import PoolClient
+from agent.release_check import ReleaseCheck, self_test
+from agent.service import AgentService
+from poold.api.client import PooldClient
+from tests.agent.conftest import emulated_device, linked_agent, serving
+from tests.conftest import ThreadedServer
+
+MIB = 1 << 20
+NOBODY = 65534
+
+VERDICT = self_test()
+needs_check = pytest.mark.skipif(VERDICT is not None, reason=f"not on this kernel: {VERDICT}")
+
+# A holder: gets the memfd on fd 3 (SCM_RIGHTS), holds it as told, says "ready" with what
+# it saw, then waits for a line on stdin and, for "opath", tries to reopen it after.
+HOLDER = textwrap.dedent(
+    """
+    import ctypes, json, os, socket, sys
+    how = sys.argv[1]
+    sock = socket.socket(fileno=3)
+    _, (fd,), _, _ = socket.recv_fds(sock, 8, 1)
+    kept = []
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    if how in ("map", "private"):  # a bare mapping (Python's mmap would keep a dup fd)
+        flags = 1 if how == "map" else 2  # MAP_SHARED, MAP_PRIVATE
+        address = libc.mmap(None, 2 << 20, 3, flags, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value)
+        ctypes.memset(address, 1, 2)
+        os.close(fd)
+    elif how == "keep":  # a dummy on fd 3; the real one arrives on fd 4 after "ready"
+        os.close(fd)
+    elif how == "reopen_ro":
+        kept.append(os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDONLY)); os.close(fd)
+    elif how == "opath":
+        kept.append(os.open(f"/proc/self/fd/{fd}", os.O_PATH)); os.close(fd)
+    elif how == "pass":
+        other = socket.socket(fileno=4)
+        socket.send_fds(other, [b"x"], [fd]); os.close(fd)
+    elif how == "nothing":
+        os.close(fd)
+    elif how != "fd":
+        raise SystemExit(how)
+    print(json.dumps({"ready": how}), flush=True)
+    sys.stdin.readline()
+    said = {}
+    if how == "keep":
+        _, (got,), _, _ = socket.recv_fds(socket.socket(fileno=4), 8, 1)
+        kept.append(got)
+        said["kept"] = True
+    if how == "opath":
+        said["blocks"] = os.fstat(kept[0]).st_blocks
+        try:
+            os.close(os.open(f"/proc/self/fd/{kept[0]}", os.O_RDWR))
+            said["reopened"] = True
+        except PermissionError:
+            said["reopened"] = False
+    print(json.dumps(said), flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+@dataclass
+class Holder:
+    proc: subprocess.Popen[str]
+
+    def next(self) -> dict[str, object]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"the holder exited ({self.proc.wait()})"
+        msg: dict[str, object] = json.loads(line)
+        return msg
+
+    def tell(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
+    def end(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def hold(
+    fd: int, how: str, *, uid: int | None = None, extra: socket.socket | None = None
+) -> Holder:
+    """A child process of ``uid`` (default: ours) holding ``fd`` as ``how`` says."""
+    ours, theirs = socket.socketpair()
+    fds = {3: theirs.fileno()}
+    if extra is not None:
+        fds[4] = extra.fileno()
+    # Each inheritable fd goes to its number with a shell-free dup2 in the child.
+    # Another uid may not reach this venv's interpreter: the holder needs the stdlib only.
+    python = sys.executable if uid is None else (shutil.which("python3", path="/usr/bin:/bin"))
+    if python is None:
+        pytest.skip("no system python3 for a holder of another uid")
+    proc = subprocess.Popen(
+        [python, "-c", _dup_then(fds) + HOLDER, how],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        pass_fds=tuple(fds.values()),
+        user=uid,
+        group=uid,
+        extra_groups=[] if uid is not None else None,
+    )
+    theirs.close()
+    socket.send_fds(ours, [b"m"], [fd])
+    ours.close()
+    holder = Holder(proc)
+    assert holder.next() == {"ready": how}
+    return holder
+
+
+def _dup_then(fds: dict[int, int]) -> str:
+    moves = "".join(f"os.dup2({src}, {dst}); " for dst, src in sorted(fds.items()) if src != dst)
+    return f"import os; {moves}\n"
+
+
+@pytest.fixture
+def handed() -> Iterator[tuple[ReleaseCheck, MemfdMaterialised]]:
+    """A 2 MiB memfd made as for a lease and handed out (the tenant's reopen and the probe)."""
+    check = ReleaseCheck.for_this_kernel()
+    memory = check.prepare(EmulatedBackend().materialise(2 * MIB, "test-release-check"))
+    assert isinstance(memory, MemfdMaterialised)
+    assert memory.tenant is not None and memory.probe is not None
+    yield check, memory
+    if memory.probe is not None and memory.probe.fd is not None:
+        check.unheld(memory)  # closes whatever is left (never twice: fd numbers are reused)
+
+
+@needs_check
+def test_the_tenant_gets_a_reopen_of_the_same_memfd(
+    handed: tuple[ReleaseCheck, MemfdMaterialised],
+) -> None:
+    _check, memory = handed
+    assert memory.tenant is not None and memory.tenant.fd is not None
+    tenant = os.fstat(memory.tenant.fd)
+    assert (tenant.st_dev, tenant.st_ino) == (
+        os.fstat(memory.fd).st_dev,
+        os.fstat(memory.fd).st_ino,
+    )
+    assert tenant.st_size == 2 * MIB
+    with mmap.mmap(memory.tenant.fd, 2 * MIB) as mm:  # read-write, as before
+        mm[:2] = b"ok"
+
+
+@needs_check
+def test_nothing_held_is_answered_without_a_scan(
+    handed: tuple[ReleaseCheck, MemfdMaterialised],
+) -> None:
+    check, memory = handed
+    assert memory.tenant is not None and memory.tenant.fd is not None
+    holder = hold(memory.tenant.fd, "nothing")
+    try:
+        assert check.unheld(memory) is True
+        assert (check.fast, check.scanned) == (1, 0)
+    finally:
+        holder.end()
+
+
+@needs_check
+@pytest.mark.parametrize("how", ["map", "private", "fd", "reopen_ro"])
+def test_a_holder_keeps_the_bytes_counted(
+    handed: tuple[ReleaseCheck, MemfdMaterialised], how: str
+) -> None:
+    """A mapping (shared or private, its fd closed), the fd itself, a read-only reopen
+    through /proc/<pid>/fd: each is seen, and the caller must scan."""
+    check, memory = handed
+    assert memory.tenant is not None and memory.tenant.fd is not None
+    holder = hold(memory.tenant.fd, how, uid=NOBODY if os.geteuid() == 0 else None)
+    try:
+        assert check.unheld(memory) is False
+        assert (check.fast, check.scanned) == (0, 1)
+    finally:
+        holder.end()
+
+
+@needs_check
+def test_an_fd_passed_on_to_another_process_is_seen(
+    handed: tuple[ReleaseCheck, MemfdMaterialised],
+) -> None:
+    check, memory = handed
+    assert memory.tenant is not None and memory.tenant.fd is not None
+    near, far = socket.socketpair()
+    dummy = os.open(os.devnull, os.O_RDONLY)
+    keeper = hold(dummy, "keep", extra=near)
+    os.close(dummy)
+    passer = hold(memory.tenant.fd, "pass", extra=far)
+    near.close()
+    far.close()
+    try:
+        passer.end()  # the tenant is gone; only the keeper has the memfd now
+        keeper.tell()
+        assert keeper.next() == {"kept": True}
+        assert check.unheld(memory) is False
+    finally:
+        keeper.end()
+
+
+@needs_check
+@pytest.mark.skipif(os.geteuid() != 0, reason="the holder drops to another uid: root")
+def test_an_o_path_holder_keeps_no_pages_and_cannot_reopen(
+    handed: tuple[ReleaseCheck, MemfdMaterialised],
+) -> None:
+    """O_PATH files are not counted, so the check punches the pages out and sets the mode
+    to 0 while it holds the lease: the holder keeps an inode with nothing in it."""
+    check, memory = handed
+    assert memory.tenant is not None and memory.tenant.fd is not None
+    with mmap.mmap(memory.tenant.fd, 2 * MIB) as mm:
+        mm[:] = b"x" * (2 * MIB)  # every page allocated
+    holder = hold(memory.tenant.fd, "opath", uid=NOBODY)
+    try:
+        assert check.unheld(memory) is True
+        holder.tell()
+        assert holder.next() == {"blocks": 0, "reopened": False}
+    finally:
+        holder.end()
+
+
+_SECCOMP_CHILD = textwrap.dedent(
+    """
+    import ctypes, json, struct
+    F_SETLEASE, EINVAL, NR_FCNTL = 1024, 22, 72
+    def stmt(code, k, jt=0, jf=0):
+        return struct.pack("HBBI", code, jt, jf, k)
+    prog = b"".join([
+        stmt(0x20, 0),                        # ld [nr]
+        stmt(0x15, NR_FCNTL, 0, 3),           # jeq fcntl
+        stmt(0x20, 24),                       # ld [args[1] low word]
+        stmt(0x15, F_SETLEASE, 0, 1),         # jeq F_SETLEASE
+        stmt(0x06, 0x00050000 | EINVAL),      # ret ERRNO(EINVAL): as fs.leases-enable=0
+        stmt(0x06, 0x7FFF0000),               # ret ALLOW
+    ])
+    buf = ctypes.create_string_buffer(prog)
+    fprog = struct.pack("HxxxxxxQ", len(prog) // 8, ctypes.addressof(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+    arg = ctypes.create_string_buffer(fprog)
+    assert libc.prctl(22, 2, ctypes.addressof(arg), 0, 0) == 0, ctypes.get_errno()
+    from agent.backends.emulated import EmulatedBackend
+    from agent.release_check import ReleaseCheck
+    check = ReleaseCheck.for_this_kernel()
+    memory = check.prepare(EmulatedBackend().materialise(2 << 20, "t"))
+    print(json.dumps({"usable": check.usable, "why": check.why,
+                      "tenant": memory.tenant is not None, "unheld": check.unheld(memory)}))
+    """
+)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the filter names x86_64's fcntl")
+def test_a_kernel_that_refuses_leases_falls_back_to_scanning() -> None:
+    """The self-test decides: where F_SETLEASE fails (here EINVAL from a seccomp filter,
+    as with fs.leases-enable=0), the tenant gets the agent's memfd and every release scans."""
+    assert ctypes.sizeof(ctypes.c_void_p) == 8
+    done = subprocess.run(
+        [sys.executable, "-c", _SECCOMP_CHILD], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout)
+    assert said["usable"] is False and said["tenant"] is False and said["unheld"] is False
+    assert "leases are off" in said["why"]
+    assert "every release scans /proc" in done.stderr  # and the log says which
+
+
+# --- through the agent's socket ---------------------------------------------------------
+
+
+@pytest.fixture
+def agent(api: ThreadedServer, admin: PooldClient) -> Iterator[tuple[PoolClient, AgentService]]:
+    with (
+        linked_agent(api.url, admin, emulated_device(256 * MIB), ["t"]) as linked,
+        serving(linked.service) as path,
+        PoolClient(path) as client,
+    ):
+        yield client, linked.service
+
+
+@needs_check
+def test_a_release_through_the_socket_takes_the_fast_path(
+    agent: tuple[PoolClient, AgentService],
+) -> None:
+    client, service = agent
+    check = service.memory.release_check
+    for _ in range(3):
+        lease = client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False)
+        with lease.mmap() as mm:
+            mm[:4] = b"used"
+        lease.release()
+    assert (check.fast, check.scanned) == (3, 0)
+
+
+@needs_check
+def test_a_release_with_a_mapping_kept_is_released_mapped(
+    agent: tuple[PoolClient, AgentService],
+) -> None:
+    client, service = agent
+    check = service.memory.release_check
+    lease = client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False)
+    kept = lease.mmap()  # Python's mmap keeps a dup of the fd, and the pages
+    lease.release()
+    [watched] = service.held.mapped()
+    assert (watched.lease_id, watched.why, watched.pids) == (
+        lease.lease_id,
+        "released",
+        {os.getpid()},
+    )
+    assert (check.fast, check.scanned) == (0, 1)
+    kept.close()
+    assert service.revocations.check_mapped() == 1
+
+
+def test_with_the_check_off_every_release_scans_and_still_catches_a_mapping(
+    api: ThreadedServer, admin: PooldClient
+) -> None:
+    with linked_agent(api.url, admin, emulated_device(256 * MIB), ["t"]) as linked:
+        off = ReleaseCheck(False, "turned off by the test")
+        linked.service.memory.release_check = off
+        with serving(linked.service) as path, PoolClient(path) as client:
+            kept_lease = client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False)
+            kept = kept_lease.mmap()
+            kept_lease.release()
+            assert [m.lease_id for m in linked.service.held.mapped()] == [kept_lease.lease_id]
+            kept.close()
+            assert linked.service.revocations.check_mapped() == 1
+            lease = client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False)
+            lease.release()
+            assert linked.service.held.get(lease.lease_id) is None
+            assert linked.service.held.mapped() == []
+            assert off.fast == 0
