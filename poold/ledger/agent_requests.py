@@ -25,24 +25,28 @@ from sqlalchemy.exc import IntegrityError
 
 from poold.errors import BadRequest
 from poold.ledger import transitions
-from poold.ledger.db import Ledger
+from poold.ledger.db import Ledger, Prepared
 from poold.ledger.models import AgentRequest
 from poold.ledger.types import utcnow
 
 GRANT = "grant"
 OPS = "ops"
 
-_RECALL = select(AgentRequest.kind, AgentRequest.response).where(
-    AgentRequest.host_id == bindparam("host_id"),
-    AgentRequest.request_id == bindparam("request_id"),
+_RECALL = Prepared(
+    select(AgentRequest.kind, AgentRequest.response).where(
+        AgentRequest.host_id == bindparam("host_id"),
+        AgentRequest.request_id == bindparam("request_id"),
+    )
 )
-_REMEMBER = insert(AgentRequest)
+_REMEMBER = Prepared(
+    insert(AgentRequest), column_keys=("host_id", "request_id", "kind", "response", "created_at")
+)
 _CONSTRAINT = "uq_agent_requests_host_request"
 
 
 def recall(conn: Connection, host_id: int, request_id: str, kind: str) -> Any | None:
     """The stored answer to this host's request, or None if it was never answered."""
-    row = conn.execute(_RECALL, {"host_id": host_id, "request_id": request_id}).one_or_none()
+    row = _RECALL.one_or_none(conn, {"host_id": host_id, "request_id": request_id})
     if row is None:
         return None
     if row.kind != kind:
@@ -55,8 +59,8 @@ def recall(conn: Connection, host_id: int, request_id: str, kind: str) -> Any | 
 
 def remember(conn: Connection, host_id: int, request_id: str, kind: str, response: Any) -> None:
     """Store the answer in the caller's transaction (which then commits with it, or not)."""
-    conn.execute(
-        _REMEMBER,
+    _REMEMBER.write(
+        conn,
         {
             "host_id": host_id,
             "request_id": request_id,

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, case, func, insert, select, text, update
+from sqlalchemy import Connection, bindparam, case, func, insert, select, text, union_all, update
 from sqlalchemy.exc import IntegrityError
 
 from poold import placement
@@ -67,7 +67,7 @@ from poold.lease_states import (
     next_state,
 )
 from poold.ledger import agent_requests, devices, lease_views, tenants, transitions
-from poold.ledger.db import Ledger
+from poold.ledger.db import Ledger, Prepared
 from poold.ledger.models import (
     Budget,
     Device,
@@ -88,10 +88,10 @@ from poold.wire.delegation import EPOCH_BLOCK, LocalGrant
 # microseconds of Python each time, and a grant runs about ten of them.
 _LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
 _HOST_ID = select(Host.id).where(Host.name == bindparam("host_name"))
-_HOST_STATUS = select(Host.status, Host.generation).where(Host.id == bindparam("host_id"))
+_HOST_STATUS = Prepared(select(Host.status, Host.generation).where(Host.id == bindparam("host_id")))
 _CENTRAL = Lease.reservation_id.is_(None)
 # A tenant's live leases per host, central and local (granted inside a reservation).
-_TENANT_USAGE = (
+_TENANT_USAGE = Prepared(
     select(
         Lease.host_id,
         func.coalesce(func.sum(case((_CENTRAL, Lease.length_bytes), else_=0)), 0),
@@ -102,10 +102,12 @@ _TENANT_USAGE = (
     .where(Lease.tenant_id == bindparam("tenant_id"), _LIVE_SQL)
     .group_by(Lease.host_id)
 )
-_TENANT_BUDGETS = select(Budget.host_id, Budget.bytes, Budget.leases).where(
-    Budget.tenant_id == bindparam("tenant_id")
+_TENANT_BUDGETS = Prepared(
+    select(Budget.host_id, Budget.bytes, Budget.leases).where(
+        Budget.tenant_id == bindparam("tenant_id")
+    )
 )
-_HOST_DEVICES = (
+_HOST_DEVICES = Prepared(
     select(
         Device.id,
         Device.uid,
@@ -129,19 +131,49 @@ _HOST_DEVICES = (
 _HOST_DEVICE_IDS = select(DevicePath.device_id).where(
     DevicePath.host_id == bindparam("host_id"), DevicePath.present.is_(True)
 )
-_USED_BY_LEASES = select(Lease.device_id, Lease.offset_bytes, Lease.length_bytes).where(
-    Lease.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery()), _LIVE_SQL
+# What occupies the host's devices, in one statement: live leases, quarantined ranges,
+# and every reservation: a reservation occupies its bytes for a central grant, the
+# requesting host's own too (its agent places local leases there without asking, so a
+# central lease in them would collide with a local one not yet committed).
+_USED = Prepared(
+    union_all(
+        select(Lease.device_id, Lease.offset_bytes, Lease.length_bytes).where(
+            Lease.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery()), _LIVE_SQL
+        ),
+        select(Quarantine.device_id, Quarantine.offset_bytes, Quarantine.length_bytes).where(
+            Quarantine.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery())
+        ),
+        select(Reservation.device_id, Reservation.offset_bytes, Reservation.length_bytes).where(
+            Reservation.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery())
+        ),
+    )
 )
-# Every reservation occupies its bytes for a central grant, the requesting host's own
-# too: its agent places local leases there without asking, so a central lease in them
-# would collide with a local one not yet committed.
-_USED_BY_RESERVATIONS = select(
-    Reservation.device_id, Reservation.offset_bytes, Reservation.length_bytes
-).where(Reservation.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery()))
-_USED_BY_QUARANTINE = select(
-    Quarantine.device_id, Quarantine.offset_bytes, Quarantine.length_bytes
-).where(Quarantine.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery()))
-_INSERT_LEASE = insert(Lease)
+# Every column a new lease row is given (central and local grants give the same).
+_NEW_LEASE_COLUMNS = (
+    "id",
+    "tenant_id",
+    "host_id",
+    "device_id",
+    "offset_bytes",
+    "length_bytes",
+    "requested_bytes",
+    "state",
+    "ttl_s",
+    "epoch",
+    "granted_at",
+    "activated_at",
+    "expires_at",
+    "ended_at",
+    "holder_uid",
+    "holder_gid",
+    "holder_pid",
+    "labels",
+    "exclusive_bytes",
+    "replica_bytes",
+    "reported_at",
+    "reservation_id",
+)
+_INSERT_LEASE = Prepared(insert(Lease), column_keys=_NEW_LEASE_COLUMNS)
 _INSERT_QUARANTINE = insert(Quarantine)
 # What an op on an existing lease reads of it.
 _HELD_COLUMNS = (
@@ -155,7 +187,7 @@ _HELD_COLUMNS = (
     Lease.offset_bytes,
     Lease.length_bytes,
 )
-_LEASE_FOR_OP = select(*_HELD_COLUMNS).where(Lease.id == bindparam("lease_id"))
+_LEASE_FOR_OP = Prepared(select(*_HELD_COLUMNS).where(Lease.id == bindparam("lease_id")))
 # ORDER BY id: PostgreSQL locks the rows in the order it returns them (lock order).
 _LEASES_FOR_UPDATE = (
     select(*_HELD_COLUMNS)
@@ -370,7 +402,7 @@ def _grant_once(
     ):
         if not transitions.compare_and_bump(conn, model, row_id, seen):
             raise transitions.LostRace
-    conn.execute(_INSERT_LEASE, values)
+    _INSERT_LEASE.write(conn, values)
     common: dict[str, Any] = {
         "at": now,
         "actor": actor,
@@ -453,12 +485,12 @@ def quota_use(conn: Connection, tenant_id: int) -> QuotaUse:
     local: dict[int, tuple[int, int]] = {}
     # int(): PostgreSQL's SUM(bigint) is a numeric (Decimal), which would leak
     # into the quota_exceeded detail and fail to serialise to JSON.
-    for host_id, c_bytes, c_leases, l_bytes, l_leases in conn.execute(_TENANT_USAGE, params):
+    for host_id, c_bytes, c_leases, l_bytes, l_leases in _TENANT_USAGE.rows(conn, params):
         central_bytes += int(c_bytes)
         central_leases += int(c_leases)
         if l_leases:
             local[int(host_id)] = (int(l_bytes), int(l_leases))
-    budgets = {int(h): (int(b), int(n)) for h, b, n in conn.execute(_TENANT_BUDGETS, params)}
+    budgets = {int(h): (int(b), int(n)) for h, b, n in _TENANT_BUDGETS.rows(conn, params)}
     return QuotaUse(central_bytes, central_leases, local, budgets)
 
 
@@ -495,7 +527,7 @@ def _still_mapped(conn: Connection, tenant_id: int) -> tuple[dict[str, Any], str
 def _refuse_if_host_draining(conn: Connection, host_id: int, host_name: str) -> int:
     """A draining host (`poolctl hosts drain`) keeps its leases but gets no new ones; the
     host's generation this grant read (it swaps it, so a drain in between is noticed)."""
-    status, generation = conn.execute(_HOST_STATUS, {"host_id": host_id}).one()
+    status, generation = _HOST_STATUS.rows(conn, {"host_id": host_id})[0]
     if status == "draining":
         raise NoCapacity(
             f"host {host_name!r} is draining: no new leases are placed on it",
@@ -510,15 +542,11 @@ def _candidates(
 ) -> tuple[list[placement.Candidate], dict[int, dict[str, Any]]]:
     """The devices a host reaches, with what occupies them, and how the host names them."""
     params = {"host_id": host_id}
-    rows = conn.execute(_HOST_DEVICES, params).all()
+    rows = _HOST_DEVICES.rows(conn, params)
     if not rows:
         return [], {}
     used: dict[int, list[Extent]] = defaultdict(list)
-    for device_id, offset, length in conn.execute(_USED_BY_LEASES, params):
-        used[device_id].append(Extent(offset, length))
-    for device_id, offset, length in conn.execute(_USED_BY_QUARANTINE, params):
-        used[device_id].append(Extent(offset, length))
-    for device_id, offset, length in conn.execute(_USED_BY_RESERVATIONS, params):
+    for device_id, offset, length in _USED.rows(conn, params):
         used[device_id].append(Extent(offset, length))
     reserved: dict[int, tuple[Extent, ...]] = {}
     for row in rows:  # held by dax devices poold did not place (poold/ledger/devices.py)
@@ -641,10 +669,10 @@ def _apply_op(
     """One op of a batch; a PoolError is that op's refusal (raised before it writes)."""
     if op.grant is not None:
         return _local_grant(conn, host_id, host_name, op.grant, now, actor)
-    row = conn.execute(_LEASE_FOR_OP, {"lease_id": op.lease_id}).one_or_none()
+    row = _LEASE_FOR_OP.one_or_none(conn, {"lease_id": op.lease_id})
     if row is None:
         raise UnknownLease(f"no lease {op.lease_id!r}", lease_id=op.lease_id)
-    lease = _Held(**row._mapping)
+    lease = _Held(*row)
     _owned_by_host(lease, host_id, host_name)
     if op.op == "shrink":
         _shrink(conn, op, lease, now, actor)
@@ -817,8 +845,8 @@ def _local_grant(
     check_ints_fit(Lease.__table__, {"holder_uid": grant.uid, "holder_pid": grant.pid})
     if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
         raise transitions.LostRace
-    conn.execute(
-        _INSERT_LEASE,
+    _INSERT_LEASE.write(
+        conn,
         {
             "id": grant.lease_id,
             "tenant_id": tenant.id,

@@ -42,7 +42,7 @@ from sqlalchemy.orm import Session
 from poold.errors import GenerationConflict, LedgerUnavailable
 from poold.lease_states import LIVE_STATE_VALUES, LeaseEvent, LeaseState, next_state
 from poold.ledger import news
-from poold.ledger.db import is_contention
+from poold.ledger.db import Prepared, is_contention, is_stale_connection
 from poold.ledger.models import Device, Event, Host, Lease, Tenant
 from poold.ledger.types import utcnow
 
@@ -71,6 +71,21 @@ def chunks(items: Sequence[T], size: int = IN_CHUNK) -> Iterator[Sequence[T]]:
 # --- the journal ---------------------------------------------------------------------
 
 _INSERT_EVENT = insert(Event)
+_EVENT_COLUMNS = (
+    "at",
+    "actor",
+    "kind",
+    "lease_id",
+    "tenant_id",
+    "host_id",
+    "device_id",
+    "from_state",
+    "to_state",
+    "reason",
+    "detail",
+)
+# The same INSERT on the driver's cursor, for a bare Connection (the lease hot path).
+_INSERT_EVENT_FAST = Prepared(_INSERT_EVENT, column_keys=_EVENT_COLUMNS)
 # Where `record` leaves the kinds of the events a transaction wrote, on a connection
 # of an engine that counts them at COMMIT (metrics_views.count_committed_events).
 PENDING_EVENTS = "poold.pending_event_kinds"
@@ -110,12 +125,14 @@ def record(db: Connection | Session, *rows: dict[str, Any]) -> None:
     """Append `event_row`s in the caller's transaction, in one statement."""
     # One row as a dict, not a list of one: a list takes SQLAlchemy's executemany
     # path, which costs about as much again per event on the lease hot path.
-    if len(rows) == 1:
-        db.execute(_INSERT_EVENT, rows[0])
-    elif rows:
-        db.execute(_INSERT_EVENT, list(rows))
-    else:
+    if not rows:
         return
+    if isinstance(db, Connection):
+        _INSERT_EVENT_FAST.write(db, rows[0] if len(rows) == 1 else list(rows))
+    elif len(rows) == 1:
+        db.execute(_INSERT_EVENT, rows[0])
+    else:
+        db.execute(_INSERT_EVENT, list(rows))
     conn = db if isinstance(db, Connection) else db.connection()
     # What an agent did not do itself (the reaper, an administrator, pressure) is
     # news for the lease's host: its agent is told at commit (poold/ledger/news.py).
@@ -135,17 +152,21 @@ def record(db: Connection | Session, *rows: dict[str, Any]) -> None:
 # --- generations -----------------------------------------------------------------------
 
 _SWAP = {
-    model: update(model)
-    .where(model.id == bindparam("row_id"), model.generation == bindparam("seen"))
-    .values(generation=bindparam("next_generation"))
+    model: Prepared(
+        update(model)
+        .where(model.id == bindparam("row_id"), model.generation == bindparam("seen"))
+        .values(generation=bindparam("next_generation"))
+    )
     for model in (Device, Tenant, Host)
 }
 # FOR NO KEY UPDATE (PostgreSQL): the lock an UPDATE of the row takes anyway, so
 # locking first adds no conflict (a grant's foreign key on the device still passes).
 _LOCK = {
-    model: select(model.generation)
-    .where(model.id == bindparam("row_id"))
-    .with_for_update(key_share=True)
+    model: Prepared(
+        select(model.generation)
+        .where(model.id == bindparam("row_id"))
+        .with_for_update(key_share=True)
+    )
     for model in (Device, Tenant, Host)
 }
 
@@ -169,10 +190,9 @@ def compare_and_bump(
             .values(generation=seen + 1, **values)
         )
         result: CursorResult[Any] = conn.execute(stmt)
-    else:
-        params = {"row_id": row_id, "seen": seen, "next_generation": seen + 1}
-        result = conn.execute(_SWAP[model], params)
-    return result.rowcount == 1
+        return result.rowcount == 1
+    params = {"row_id": row_id, "seen": seen, "next_generation": seen + 1}
+    return _SWAP[model].write(conn, params) == 1
 
 
 def bump(conn: Connection, model: Generational, row_id: int) -> int:
@@ -183,7 +203,7 @@ def bump(conn: Connection, model: Generational, row_id: int) -> int:
     before this commits then loses its own swap and reads again. The row lock
     taken first means no other writer can move the generation in between.
     """
-    seen = conn.execute(_LOCK[model], {"row_id": row_id}).scalar_one()
+    seen = _LOCK[model].rows(conn, {"row_id": row_id})[0][0]
     if not compare_and_bump(conn, model, row_id, seen):
         raise GenerationConflict(f"{model.__tablename__} {row_id} changed under its row lock")
     return int(seen) + 1
@@ -199,7 +219,7 @@ def retrying(run: Callable[[], T], *, what: str, attempts: int = MAX_ATTEMPTS) -
     up to CONTENTION_ATTEMPTS times with a jittered, growing pause; past that it is
     `ledger_unavailable` (503, retryable). Nothing of a failed attempt committed.
     """
-    lost = contended = 0
+    lost = contended = stale = 0
     while True:
         try:
             return run()
@@ -211,6 +231,11 @@ def retrying(run: Callable[[], T], *, what: str, attempts: int = MAX_ATTEMPTS) -
             # a short, growing, random pause spreads them out.
             time.sleep(random.uniform(0, RETRY_BACKOFF_S * lost))  # noqa: S311
         except (LedgerUnavailable, DBAPIError) as exc:
+            if is_stale_connection(exc) and stale == 0:
+                # A pooled connection found dead before anything was sent: once, at
+                # once, on a fresh one (poold/ledger/db.py `make_engine`).
+                stale += 1
+                continue
             if not is_contention(exc):
                 raise
             contended += 1
@@ -258,8 +283,8 @@ def update_leases(db: Connection | Session, where: Sequence[Any], values: dict[s
 # --- lease transitions -----------------------------------------------------------------
 
 _MOVE_WHERE = (Lease.id == bindparam("move_id"), Lease.state == bindparam("move_expected"))
-_MOVE_LIVE = update(Lease).where(*_MOVE_WHERE).values(state=bindparam("state"))
-_MOVE_ENDED = (
+_MOVE_LIVE = Prepared(update(Lease).where(*_MOVE_WHERE).values(state=bindparam("state")))
+_MOVE_ENDED = Prepared(
     update(Lease)
     .where(*_MOVE_WHERE)
     .values(state=bindparam("state"), ended_at=bindparam("ended_at"))
@@ -311,17 +336,16 @@ def move_if(
     if not where and not values:
         # The common move, as a statement built once: building an UPDATE costs
         # tens of microseconds of Python per call (and its cache key as much again).
-        result = conn.execute(
-            _MOVE_ENDED if ended else _MOVE_LIVE,
-            {"move_id": lease_id, "move_expected": expected.value, **changes},
+        changed = (_MOVE_ENDED if ended else _MOVE_LIVE).write(
+            conn, {"move_id": lease_id, "move_expected": expected.value, **changes}
         )
     else:
-        result = conn.execute(
+        changed = conn.execute(
             update(Lease)
             .where(Lease.id == lease_id, Lease.state == expected.value, *where)
             .values(**changes)
-        )
-    if result.rowcount != 1:
+        ).rowcount
+    if changed != 1:
         return False
     if ended:
         # Freed bytes change what the allocator may hand out.

@@ -1,0 +1,106 @@
+"""Do the hot path's statements on the driver's cursor (`db.Prepared`) read and write what
+SQLAlchemy's own execution would, fail as it would, and is a dead pooled connection
+retried instead of answered `ledger_unavailable`?"""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+import pytest
+from sqlalchemy import bindparam, select, text
+from sqlalchemy.exc import IntegrityError
+
+from poold.ledger import agent_requests, db, leases
+from poold.ledger.db import Ledger, Prepared, classify
+from poold.ledger.models import Lease
+from poold.wire.agent import GrantRequest, LeaseOp
+from tests.poold.conftest import UID, MiB, seed
+
+_LEASE_ROW = select(
+    Lease.id,
+    Lease.state,
+    Lease.granted_at,
+    Lease.expires_at,
+    Lease.ended_at,
+    Lease.labels,
+    Lease.length_bytes,
+).where(Lease.id == bindparam("lease_id"))
+
+
+def _grant(ledger: Ledger, request_id: str | None = None) -> str:
+    req = GrantRequest(
+        request_id=request_id,
+        tenant="t1",
+        size_bytes=2 * MiB,
+        uid=UID,
+        pid=1,
+        labels={"model": "llama", "é": "ü"},
+        activate=True,
+    )
+    return leases.grant(ledger, "h1", req, "agent:h1").id
+
+
+def test_prepared_rows_equal_core_rows(ledger: Ledger) -> None:
+    seed(ledger)
+    lease_id = _grant(ledger, str(uuid.uuid4()))
+    leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=lease_id, op="release")], "agent:h1")
+    fast = Prepared(_LEASE_ROW)
+    with ledger.read() as s:
+        conn = s.connection()
+        core = conn.execute(_LEASE_ROW, {"lease_id": lease_id}).one()
+        mine = fast.one_or_none(conn, {"lease_id": lease_id})
+        assert mine is not None
+        assert tuple(mine) == tuple(core)
+        assert mine.granted_at.tzinfo is not None and mine.labels["é"] == "ü"
+        assert mine.state == "released" and mine.ended_at is not None
+        assert fast.one_or_none(conn, {"lease_id": "nope"}) is None
+        assert fast.scalar(conn, {"lease_id": lease_id}) == lease_id
+
+
+def test_prepared_errors_are_sqlalchemy_errors(ledger: Ledger) -> None:
+    seed(ledger)
+    host_id = leases.host_id_of(ledger, "h1")
+
+    def twice() -> None:
+        with ledger.write_conn() as conn:
+            for _ in range(2):
+                agent_requests.remember(conn, host_id, "r-1", agent_requests.GRANT, {"a": 1})
+
+    with pytest.raises(IntegrityError) as caught:
+        twice()
+    assert agent_requests.is_duplicate(caught.value)
+    assert classify(caught.value) is None  # a constraint, not an outage
+    with ledger.read() as s:  # nothing of the failed transaction stayed
+        assert agent_requests.recall(s.connection(), host_id, "r-1", "grant") is None
+
+
+def test_a_repeated_grant_request_is_answered_from_the_stored_reply(ledger: Ledger) -> None:
+    seed(ledger)
+    first = _grant(ledger, "same-id")
+    assert _grant(ledger, "same-id") == first
+    with ledger.read() as s:
+        assert s.scalar(select(Lease.id).where(Lease.id != first)) is None
+
+
+@pytest.mark.postgres
+def test_a_pooled_connection_dropped_by_the_server_is_retried_not_unavailable(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if ledger.is_sqlite:
+        pytest.skip("PostgreSQL: the server drops the connection")
+    monkeypatch.setattr(db, "POOL_IDLE_PING_S", 3600.0)  # no ping: the first use finds it
+    seed(ledger)
+    _grant(ledger)  # leaves its connection in the pool
+    with ledger.read() as s:
+        own = s.scalar(text("SELECT pg_backend_pid()"))
+    conninfo = ledger.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(conninfo, autocommit=True) as admin:
+        killed = admin.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchone()
+    assert killed is not None and killed[0] >= 1, own
+    second = _grant(ledger)  # a write on a dead pooled connection: rerun, not 503
+    assert second
+    assert ledger.health.down_since is None
