@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from agent.held import HeldLease, HeldLeases, memfd_inode
-from agent.journal import Entry as JournalEntry
 from agent.journal import Journal
 from agent.link import PooldLink
 from poold import placement
@@ -836,7 +835,7 @@ class LocalGrants:
             if held.inode is None and held.memory is not None:
                 held.inode = memfd_inode(held.memory)
             seq = journal.add_local(
-                journal_entry(held),
+                held.journal_entry(),
                 grant.model_dump_json(),
                 grant.reservation_id,
                 grant.epoch,
@@ -1042,25 +1041,3 @@ class LocalGrants:
         if replayed:
             log.info("journal: %d op(s) of local leases queued again for poold", replayed)
         return replayed
-
-
-def journal_entry(held: HeldLease) -> JournalEntry:
-    """The journal entry of a held lease (as agent/held.py HeldLeases.record writes)."""
-    lease = held.lease
-    return JournalEntry(
-        lease_id=lease.id,
-        device_uid=lease.device_uid,
-        backend=held.memory.backend if held.memory is not None else lease.device_kind,
-        offset_bytes=lease.offset_bytes,
-        length_bytes=lease.length_bytes,
-        epoch=lease.epoch,
-        holder_pid=held.holder_pid,
-        holder_uid=held.holder_uid,
-        holder_start=held.holder.start_time if held.holder else None,
-        ttl_s=held.ttl_s,
-        sub_device=held.sub_device,
-        region_id=held.region_id,
-        lease_json=lease.model_dump_json(),
-        st_dev=held.inode.dev if held.inode is not None else None,
-        st_ino=held.inode.ino if held.inode is not None else None,
-    )

@@ -58,6 +58,27 @@ class HeldLease:
     # finds who still maps it after the lease ends. None for a dax sub-device.
     inode: Inode | None = None
 
+    def journal_entry(self) -> JournalEntry:
+        """What the journal keeps of this lease: enough for a restarted agent to re-adopt it."""
+        lease = self.lease
+        return JournalEntry(
+            lease_id=lease.id,
+            device_uid=lease.device_uid,
+            backend=self.memory.backend if self.memory is not None else lease.device_kind,
+            offset_bytes=lease.offset_bytes,
+            length_bytes=lease.length_bytes,
+            epoch=lease.epoch,
+            holder_pid=self.holder_pid,
+            holder_uid=self.holder_uid,
+            holder_start=self.holder.start_time if self.holder else None,
+            ttl_s=self.ttl_s,
+            sub_device=self.sub_device,
+            region_id=self.region_id,
+            lease_json=lease.model_dump_json(),
+            st_dev=self.inode.dev if self.inode is not None else None,
+            st_ino=self.inode.ino if self.inode is not None else None,
+        )
+
 
 @dataclass
 class MappedLease:
@@ -248,23 +269,4 @@ class HeldLeases:
             held.inode = memfd_inode(held.memory)  # before the fd leaves the agent
         if self.journal is None:
             return
-        lease = held.lease
-        self.journal.add(
-            JournalEntry(
-                lease_id=lease.id,
-                device_uid=lease.device_uid,
-                backend=held.memory.backend if held.memory is not None else lease.device_kind,
-                offset_bytes=lease.offset_bytes,
-                length_bytes=lease.length_bytes,
-                epoch=lease.epoch,
-                holder_pid=held.holder_pid,
-                holder_uid=held.holder_uid,
-                holder_start=held.holder.start_time if held.holder else None,
-                ttl_s=held.ttl_s,
-                sub_device=held.sub_device,
-                region_id=held.region_id,
-                lease_json=lease.model_dump_json(),
-                st_dev=held.inode.dev if held.inode is not None else None,
-                st_ino=held.inode.ino if held.inode is not None else None,
-            )
-        )
+        self.journal.add(held.journal_entry())
