@@ -4,9 +4,13 @@ Pure: the ledger (poold/ledger/heartbeat.py, in each heartbeat) gathers what it 
 gets back shrink requests; nothing here reads a database or a clock.
 
 A device is under pressure when its free bytes fall under a low watermark (a
-fraction of its capacity), or a waiting lease request needs more than is free.
-The shortfall is asked back from leases in three passes, cheapest first:
+fraction of its capacity), or a waiting lease request needs more than is free
+(bytes reserved for a host, DESIGN.md "Delegated capacity", are not free). The
+shortfall is asked back cheapest first:
 
+0. reservations no lease lies in (reserved but unleased: no one loses anything), the
+   biggest first; one already asked back counts as coming, and is not asked again.
+   A reservation with a lease inside is not asked (its host may be granting in it);
 1. leased bytes no store uses (a reported lease's ``length - used``, in whole
    units of the device alignment, since leases shrink by those): giving them back
    loses nothing;
@@ -14,7 +18,8 @@ The shortfall is asked back from leases in three passes, cheapest first:
    most replica bytes first, each of their leases for at most its replica bytes;
 3. exclusive bytes, only once every replica byte on the device has been asked for.
 
-A request is given back by shrinking the lease (or releasing it); poold revokes a
+A reservation is asked back by recalling it (its agent gives it back); a request is
+given back by shrinking the lease (or releasing it); poold revokes a
 lease that has not covered its request by the deadline. Leases that never reported
 are not asked: poold knows nothing of them.
 """
@@ -57,6 +62,25 @@ class LeaseUse:
 
 
 @dataclass(frozen=True)
+class ReservationUse:
+    """A reservation on a device, as pressure sees it (only whole empty ones are asked)."""
+
+    reservation_id: str
+    device_id: int
+    length_bytes: int
+    empty: bool  # no live lease lies in it (as the ledger knows)
+    recalled: bool = False  # asked back already: its bytes are on their way back
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What pressure asks: reservations back first, then leases to shrink."""
+
+    recalls: list[str]  # reservation ids newly asked back
+    shrinks: list[ShrinkRequest]
+
+
+@dataclass(frozen=True)
 class ShrinkRequest:
     lease_id: str
     device_id: int
@@ -82,12 +106,34 @@ def plan_device(
     deadline_at: datetime,
 ) -> list[ShrinkRequest]:
     """Shrink requests for one device, replica-first, covering its shortfall if they can."""
+    return plan_device_with(device, leases, (), watermark, deadline_at).shrinks
+
+
+def plan_device_with(
+    device: DeviceFree,
+    leases: Iterable[LeaseUse],
+    reservations: Iterable[ReservationUse],
+    watermark: float,
+    deadline_at: datetime,
+) -> Plan:
+    """Recalls, then shrink requests, for one device, covering its shortfall if they can."""
     on_device = [
         lease for lease in leases if lease.device_id == device.device_id and lease.reported
     ]
     need = shortfall(device, watermark)
     if need <= 0:
-        return []
+        return Plan([], [])
+    # Reserved but unleased first: those already asked back are coming, the biggest first.
+    recalls: list[str] = []
+    empty = [r for r in reservations if r.device_id == device.device_id and r.empty]
+    for r in sorted(empty, key=lambda r: (not r.recalled, -r.length_bytes, r.reservation_id)):
+        if need <= 0:
+            break
+        if not r.recalled:
+            recalls.append(r.reservation_id)
+        need -= r.length_bytes
+    if need <= 0:
+        return Plan(recalls, [])
     # Unused leased bytes first: the biggest slack first.
     asked_unused: dict[str, int] = {}
     for lease in sorted(on_device, key=lambda x: (x.used_bytes - x.length_bytes, x.lease_id)):
@@ -141,7 +187,7 @@ def plan_device(
                 )
             )
     out.sort(key=lambda r: (-r.replica_bytes, -r.target_bytes, r.lease_id))
-    return out
+    return Plan(recalls, out)
 
 
 def plan(
@@ -153,16 +199,39 @@ def plan(
     deadline_s: float = DEFAULT_DEADLINE_S,
 ) -> list[ShrinkRequest]:
     """Shrink requests for every device under its watermark (0 turns pressure off)."""
+    return plan_all(
+        devices, leases, (), watermark=watermark, now=now, deadline_s=deadline_s
+    ).shrinks
+
+
+def plan_all(
+    devices: Iterable[DeviceFree],
+    leases: Iterable[LeaseUse],
+    reservations: Iterable[ReservationUse],
+    *,
+    watermark: float = DEFAULT_WATERMARK,
+    now: datetime,
+    deadline_s: float = DEFAULT_DEADLINE_S,
+) -> Plan:
+    """Recalls and shrink requests for every device under its watermark (0: off)."""
     if not 0 <= watermark < 1:
         raise ValueError(f"watermark must be in [0, 1), got {watermark}")
     devices = list(devices)
     if watermark == 0 and not any(d.wanted_bytes for d in devices):
-        return []
+        return Plan([], [])
     deadline_at = now + timedelta(seconds=deadline_s)
     by_device: dict[int, list[LeaseUse]] = defaultdict(list)
     for lease in leases:
         by_device[lease.device_id].append(lease)
-    out: list[ShrinkRequest] = []
+    held: dict[int, list[ReservationUse]] = defaultdict(list)
+    for r in reservations:
+        held[r.device_id].append(r)
+    recalls: list[str] = []
+    shrinks: list[ShrinkRequest] = []
     for device in devices:
-        out.extend(plan_device(device, by_device[device.device_id], watermark, deadline_at))
-    return out
+        one = plan_device_with(
+            device, by_device[device.device_id], held[device.device_id], watermark, deadline_at
+        )
+        recalls.extend(one.recalls)
+        shrinks.extend(one.shrinks)
+    return Plan(recalls, shrinks)

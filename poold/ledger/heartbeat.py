@@ -34,7 +34,7 @@ from poold.ledger import (
     transitions,
 )
 from poold.ledger.db import Ledger
-from poold.ledger.models import Device, DevicePath, Event, Host, Lease, Quarantine
+from poold.ledger.models import Device, DevicePath, Event, Host, Lease, Quarantine, Reservation
 from poold.ledger.types import check_ints_fit, utcnow
 from poold.wire.agent import (
     Heartbeat,
@@ -224,8 +224,12 @@ def shrink_hints(
 ) -> list[ShrinkHint]:
     """Pressure on the devices this host reaches: what its leases' tenants should give back.
 
-    The plan (poold/pressure.py) covers every lease on those devices, whichever host
-    holds it, so each host's heartbeat asks its own share of the same plan.
+    The plan (poold/pressure.py) covers every lease and reservation on those devices,
+    whichever host holds it, so each host's heartbeat asks its own share of the same
+    plan. Reservations with no lease inside are asked back first (`delegation.recall`,
+    in this transaction): their hosts hear it from the delegation in their next reply
+    (this one's own included: the reply's delegation is read after this) and give them
+    back; other hosts are told to heartbeat now (poold/ledger/news.py).
     """
     if watermark <= 0 and wanted_bytes <= 0:
         _clear_shrink_requests(session, host)
@@ -245,6 +249,7 @@ def shrink_hints(
     # Reserved extents (dax devices poold did not place) are neither free nor givable.
     used = {d.id: devices.reserved(d.reserved_extents) for d in reached}
     uses: list[pressure.LeaseUse] = []
+    busy: set[str] = set()  # reservations a live lease lies in
     mine: list[Lease] = []  # this host's: its heartbeat asks (and records) their share
     not_yet_asked: dict[str, int] = {}  # other hosts' leases no heartbeat asked yet: host
     for lease in session.scalars(
@@ -253,6 +258,8 @@ def shrink_hints(
         .execution_options(populate_existing=True)  # as _leases: after Core renewals
     ):
         used[lease.device_id].append(extents.Extent(lease.offset_bytes, lease.length_bytes))
+        if lease.reservation_id is not None:
+            busy.add(lease.reservation_id)
         if lease.host_id == host.id:
             mine.append(lease)
         elif lease.shrink_deadline_at is None:
@@ -276,6 +283,32 @@ def shrink_hints(
         )
     ):
         used[device_id].append(extents.Extent(offset, length))
+    held: list[pressure.ReservationUse] = []
+    owner: dict[str, int] = {}
+    for rid, rhost, device_id, offset, length, state in session.execute(
+        select(
+            Reservation.id,
+            Reservation.host_id,
+            Reservation.device_id,
+            Reservation.offset_bytes,
+            Reservation.length_bytes,
+            Reservation.state,
+        ).where(Reservation.device_id.in_(ids))
+    ):
+        # Reserved bytes are not free: the leases inside are counted already (overlap
+        # is harmless to free_bytes, which merges), the rest is reserved but unleased.
+        used[device_id].append(extents.Extent(offset, length))
+        owner[rid] = rhost
+        held.append(
+            pressure.ReservationUse(
+                reservation_id=rid,
+                device_id=device_id,
+                length_bytes=length,
+                empty=rid not in busy,
+                # Asked back already, or returning (it goes once empty): on its way back.
+                recalled=state != delegation.HELD,
+            )
+        )
     free = [
         pressure.DeviceFree(
             d.id,
@@ -290,17 +323,29 @@ def shrink_hints(
         # most (free now, plus what its reporting leases leave unused or hold as replicas).
         def givable(d: pressure.DeviceFree) -> int:
             on = [u for u in uses if u.device_id == d.device_id and u.reported]
-            return d.free_bytes + sum(
-                max(0, u.length_bytes - u.used_bytes) + u.replica_bytes for u in on
+            unleased = sum(r.length_bytes for r in held if r.device_id == d.device_id and r.empty)
+            return (
+                d.free_bytes
+                + unleased
+                + sum(max(0, u.length_bytes - u.used_bytes) + u.replica_bytes for u in on)
             )
 
         best = max(free, key=givable)
         free = [dataclasses.replace(d, wanted_bytes=wanted_bytes) if d is best else d for d in free]
-    plan = pressure.plan(free, uses, watermark=watermark, now=now, deadline_s=deadline_s)
-    asked = {r.lease_id: r for r in plan}
-    # Other hosts' leases the plan asks for the first time: their agents heartbeat now
-    # (poold/ledger/news.py) rather than at their next interval.
-    news.tell(session.connection(), {h for i, h in not_yet_asked.items() if i in asked})
+    planned = pressure.plan_all(
+        free, uses, held, watermark=watermark, now=now, deadline_s=deadline_s
+    )
+    recalled = delegation.recall(
+        session.connection(), planned.recalls, "poold", "pressure: reserved but unleased"
+    )
+    asked = {r.lease_id: r for r in planned.shrinks}
+    # Other hosts' leases the plan asks for the first time, and the hosts of reservations
+    # it asks back: their agents heartbeat now (poold/ledger/news.py).
+    news.tell(
+        session.connection(),
+        {h for i, h in not_yet_asked.items() if i in asked}
+        | {owner[r] for r in recalled if owner[r] != host.id},
+    )
     hints: list[ShrinkHint] = []
     for lease in mine:
         request = asked.get(lease.id)
@@ -439,10 +484,9 @@ def heartbeat(
     # Each renewal checks before it writes, so a refusal leaves nothing half-done.
     renewed = leases.renew_all(session.connection(), host.id, host.name, beat.renewals, now)
     # The host's reservations and budgets live on (or go back, off a draining device).
-    held_delegation = None
-    if delegation.has_any(session.connection(), host.id):
+    delegated = delegation.has_any(session.connection(), host.id)
+    if delegated:
         delegation.renew(session.connection(), host.id, host.status, now, delegation_policy)
-        held_delegation = delegation.host_delegation(session.connection(), host.id, now)
     # After the renewals: a lease that lazily expired just now still held its memory.
     report_errors = store_reports(session, host, beat.reports, now) if beat.reports else []
     if beat.revoked_held:
@@ -504,6 +548,19 @@ def heartbeat(
             .where(Lease.host_id == host.id, Lease.state == LeaseState.SCRUBBING.value)
         )
     ]
+    # After the reports: what tenants already gave back is not asked again.
+    shrink = shrink_hints(
+        session,
+        host,
+        now,
+        pressure_watermark,
+        shrink_deadline_s,
+        wanted_bytes=beat.admission_wanted_bytes,
+    )
+    # After pressure: a reservation it asked back is not in the delegation the agent gets.
+    held_delegation = (
+        delegation.host_delegation(session.connection(), host.id, now) if delegated else None
+    )
     return HeartbeatReply(
         server_time=now,
         renewed=renewed,
@@ -513,15 +570,7 @@ def heartbeat(
         inventory_errors=inventory_errors,
         want_inventory=want_inventory,
         delegation=held_delegation,
-        # After the reports: what tenants already gave back is not asked again.
-        shrink=shrink_hints(
-            session,
-            host,
-            now,
-            pressure_watermark,
-            shrink_deadline_s,
-            wanted_bytes=beat.admission_wanted_bytes,
-        ),
+        shrink=shrink,
     )
 
 
