@@ -1,7 +1,7 @@
 """poold's CPU per central grant and per release, measured on a real poold process.
 
     .venv/bin/python bench/grant_cpu.py [--backends sqlite,postgresql] [--rounds 20]
-                                        [--block 100] [--warmup 200] [--json]
+                                        [--block 100] [--warmup 200] [--baseline DIR] [--json]
 
 For each backend (SQLite: a temp file; PostgreSQL: a throwaway server from tests/pg.py)
 it starts one `poold serve` (reaper off), registers one host with a large emulated
@@ -22,6 +22,11 @@ Floors, in the same run, interleaved with the rounds:
   kind (BEGIN IMMEDIATE on SQLite) with one trivial UPDATE, through `Ledger.write_conn`.
 - `idle`: poold CPU per second with no request (what the grant figures include anyway).
 
+`--baseline DIR` (a directory holding another tree's `poold/` package, e.g.
+`git archive <commit> poold | tar -x -C DIR`) starts a second poold from that code on
+a database of its own and runs its rounds interleaved with this tree's, each first in
+turn: a before/after comparison on the same machine in the same minutes.
+
 The target (issue "poold under load and faults"): poold CPU per central grant <= 1.5 ms.
 """
 
@@ -39,6 +44,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +83,10 @@ def cpu_s(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def database(backend: str, tmp: Path) -> Iterator[str]:
+def database(backend: str, tmp: Path, n: int) -> Iterator[list[str]]:
+    """`n` empty databases of one backend (one server for PostgreSQL)."""
     if backend == "sqlite":
-        yield f"sqlite:///{tmp / 'ledger.db'}"
+        yield [f"sqlite:///{tmp / f'ledger-{i}.db'}" for i in range(n)]
         return
     import psycopg
 
@@ -90,8 +97,9 @@ def database(backend: str, tmp: Path) -> Iterator[str]:
         with psycopg.connect(
             f"host=127.0.0.1 port={server.port} user=postgres dbname=postgres", autocommit=True
         ) as conn:
-            conn.execute("CREATE DATABASE poold_grant_cpu")
-        yield server.url("poold_grant_cpu")
+            for i in range(n):
+                conn.execute(f"CREATE DATABASE poold_grant_cpu_{i}")
+        yield [server.url(f"poold_grant_cpu_{i}") for i in range(n)]
     finally:
         with contextlib.suppress(Exception):
             server.stop()
@@ -143,72 +151,24 @@ def write_floor(ledger: Ledger, n: int) -> tuple[float, float]:
     return statistics.median(cpu), statistics.median(wall)
 
 
-def run_backend(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    work = tmp / backend
-    work.mkdir()
-    with database(backend, work) as url:
-        migrate.upgrade(url)
-        state = work / "poold"
-        state.mkdir(mode=0o700)
-        admin_token = f"pt1.admin.{secrets.token_urlsafe(32)}"
-        (state / "admin.token").write_text(admin_token + "\n")
-        (state / "admin.token").chmod(0o600)
-        port = procs.free_port()
-        child = procs.start_poold(
-            state,
-            port,
-            database_url=url,
-            timeout_s=60.0,
-            env={"POOLD_REAP_INTERVAL_S": "0"},
-            extra=["--no-upgrade-db"],
-        )
-        base = f"http://127.0.0.1:{port}"
-        ledger = Ledger(url)
-        try:
-            with PooldClient(base, admin_token) as admin:
-                cred = admin.add_host(HOST).credential
-                admin.create_tenant(
-                    TenantSpec(
-                        name=TENANT,
-                        quota_bytes=1 << 40,
-                        quota_leases=1_000_000,
-                        allowed_uids=[os.getuid()],
-                    )
-                )
-            with PooldClient(base, cred) as agent, httpx.Client(base_url=base) as http:
-                agent.register(
-                    Heartbeat(
-                        agent_version="bench-grant-cpu",
-                        inventory=[
-                            InventoryDevice(
-                                uid=f"{HOST}/emulated:0",
-                                kind="emulated",
-                                media="emulated",
-                                capacity_bytes=64 * GiB,
-                                alignment_bytes=LEASE_BYTES,
-                                health="ok",
-                                local_name="memfd",
-                            )
-                        ],
-                    )
-                )
-                return measure(child.proc.pid, agent, http, ledger, args) | {"backend": backend}
-        finally:
-            ledger.dispose()
-            child.stop()
+@dataclass
+class Poold:
+    """One poold under test, the host it serves, and its figures."""
 
+    label: str
+    child: procs.Child
+    agent: PooldClient
+    http: httpx.Client
+    held: list[str] = field(default_factory=list)
+    grants: Series = field(default_factory=Series)
+    releases: Series = field(default_factory=Series)
+    health: Series = field(default_factory=Series)
 
-def measure(
-    pid: int,
-    agent: PooldClient,
-    http: httpx.Client,
-    ledger: Ledger,
-    args: argparse.Namespace,
-) -> dict[str, Any]:
-    grants, releases, health = Series(), Series(), Series()
-    held: list[str] = []
+    @property
+    def pid(self) -> int:
+        return self.child.proc.pid
 
-    def grant() -> None:
+    def grant(self) -> None:
         req = GrantRequest(
             request_id=str(uuid.uuid4()),
             tenant=TENANT,
@@ -219,77 +179,185 @@ def measure(
             pid=os.getpid(),
             activate=True,
         )
-        held.append(agent.grant(req).id)
+        self.held.append(self.agent.grant(req).id)
 
-    def release() -> None:
-        lease_id = held.pop()
-        results = agent.apply_ops(
+    def release(self) -> None:
+        lease_id = self.held.pop()
+        results = self.agent.apply_ops(
             [LeaseOp(lease_id=lease_id, op="release")], request_id=str(uuid.uuid4())
         )
         if results[0].code is not None:
             raise RuntimeError(f"release refused: {results[0].code} {results[0].message}")
 
-    def get_health() -> None:
-        http.get("/v1/health").raise_for_status()
+    def get_health(self) -> None:
+        self.http.get("/v1/health").raise_for_status()
 
-    # Warm-up: the first requests compile statements, fill caches, start threads.
-    for _ in range(max(1, args.warmup // args.block)):
-        timed_block(pid, grants, [grant] * args.block, measure=False)
-        timed_block(pid, releases, [release] * args.block, measure=False)
-    timed_block(pid, health, [get_health] * args.block, measure=False)
-    floor_cpu: list[float] = []
-    floor_wall: list[float] = []
-    idle: list[float] = []
-    for _ in range(args.rounds):
-        timed_block(pid, grants, [grant] * args.block)
-        timed_block(pid, releases, [release] * args.block)
-        timed_block(pid, health, [get_health] * args.block)
-        c, w = write_floor(ledger, 40)
-        floor_cpu.append(c)
-        floor_wall.append(w)
-        c0 = cpu_s(pid)
-        time.sleep(IDLE_S / 4)
-        idle.append((cpu_s(pid) - c0) * 1000 / (IDLE_S / 4))
-    return {
-        "rounds": args.rounds,
-        "block": args.block,
-        "grant": grants.summary(),
-        "release": releases.summary(),
-        "health": health.summary(),
-        "empty_write_txn_cpu_ms": round(statistics.median(floor_cpu), 3),
-        "empty_write_txn_wall_ms": round(statistics.median(floor_wall), 3),
-        "idle_cpu_ms_per_s": round(statistics.median(idle), 1),
-        "target_met": statistics.median(grants.cpu_ms) <= TARGET_CPU_MS,
-    }
+    def round(self, block: int, *, measure: bool = True) -> None:
+        timed_block(self.pid, self.grants, [self.grant] * block, measure=measure)
+        timed_block(self.pid, self.releases, [self.release] * block, measure=measure)
+        timed_block(self.pid, self.health, [self.get_health] * block, measure=measure)
+
+    def close(self) -> None:
+        self.agent.close()
+        self.http.close()
+        self.child.stop()
+
+
+def start_poold(state: Path, url: str, code_dir: Path | None) -> procs.Child:
+    """`poold serve` (reaper off) from this tree, or from `code_dir`'s poold package."""
+    if code_dir is None:
+        return procs.start_poold(
+            state,
+            procs.free_port(),
+            database_url=url,
+            timeout_s=60.0,
+            env={"POOLD_REAP_INTERVAL_S": "0"},
+            extra=["--no-upgrade-db"],
+        )
+    # The baseline's poold package first on the path: run from its directory.
+    port = procs.free_port()
+    here = os.getcwd()
+    os.chdir(code_dir)
+    try:
+        return procs.start_poold(
+            state,
+            port,
+            database_url=url,
+            timeout_s=60.0,
+            env={"POOLD_REAP_INTERVAL_S": "0"},
+            extra=["--no-upgrade-db"],
+        )
+    finally:
+        os.chdir(here)
+
+
+def provision(label: str, url: str, work: Path, code_dir: Path | None) -> Poold:
+    migrate.upgrade(url)
+    state = work / f"poold-{label}"
+    state.mkdir(mode=0o700)
+    admin_token = f"pt1.admin.{secrets.token_urlsafe(32)}"
+    (state / "admin.token").write_text(admin_token + "\n")
+    (state / "admin.token").chmod(0o600)
+    child = start_poold(state, url, code_dir)
+    base = child_url(child)
+    with PooldClient(base, admin_token) as admin:
+        cred = admin.add_host(HOST).credential
+        admin.create_tenant(
+            TenantSpec(
+                name=TENANT,
+                quota_bytes=1 << 40,
+                quota_leases=1_000_000,
+                allowed_uids=[os.getuid()],
+            )
+        )
+    agent = PooldClient(base, cred)
+    agent.register(
+        Heartbeat(
+            agent_version="bench-grant-cpu",
+            inventory=[
+                InventoryDevice(
+                    uid=f"{HOST}/emulated:0",
+                    kind="emulated",
+                    media="emulated",
+                    capacity_bytes=64 * GiB,
+                    alignment_bytes=LEASE_BYTES,
+                    health="ok",
+                    local_name="memfd",
+                )
+            ],
+        )
+    )
+    return Poold(label, child, agent, httpx.Client(base_url=base))
+
+
+def child_url(child: procs.Child) -> str:
+    argv = child.proc.args
+    assert isinstance(argv, list)
+    return f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+
+
+def run_backend(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    work = tmp / backend
+    work.mkdir()
+    labels = ["this tree"] + (["baseline"] if args.baseline else [])
+    with database(backend, work, len(labels)) as urls:
+        poolds: list[Poold] = []
+        ledger = Ledger(urls[0])
+        try:
+            for label, url in zip(labels, urls, strict=True):
+                code_dir = Path(args.baseline) if label == "baseline" else None
+                poolds.append(provision(label, url, work, code_dir))
+            # Warm-up: the first requests compile statements, fill caches, start threads.
+            for _ in range(max(1, args.warmup // args.block)):
+                for pd in poolds:
+                    pd.round(args.block, measure=False)
+            floor_cpu: list[float] = []
+            floor_wall: list[float] = []
+            idle: list[float] = []
+            for i in range(args.rounds):
+                # Interleaved, and in turn first: both see the same machine.
+                for pd in poolds if i % 2 == 0 else poolds[::-1]:
+                    pd.round(args.block)
+                c, w = write_floor(ledger, 40)
+                floor_cpu.append(c)
+                floor_wall.append(w)
+                c0 = cpu_s(poolds[0].pid)
+                time.sleep(IDLE_S / 4)
+                idle.append((cpu_s(poolds[0].pid) - c0) * 1000 / (IDLE_S / 4))
+            return {
+                "backend": backend,
+                "rounds": args.rounds,
+                "block": args.block,
+                "poolds": [
+                    {
+                        "label": pd.label,
+                        "grant": pd.grants.summary(),
+                        "release": pd.releases.summary(),
+                        "health": pd.health.summary(),
+                        "target_met": statistics.median(pd.grants.cpu_ms) <= TARGET_CPU_MS,
+                    }
+                    for pd in poolds
+                ],
+                "empty_write_txn_cpu_ms": round(statistics.median(floor_cpu), 3),
+                "empty_write_txn_wall_ms": round(statistics.median(floor_wall), 3),
+                "idle_cpu_ms_per_s": round(statistics.median(idle), 1),
+            }
+        finally:
+            ledger.dispose()
+            for pd in poolds:
+                with contextlib.suppress(Exception):
+                    pd.close()
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
     print(
-        f"{'backend':<11}{'series':<22}{'CPU ms median':>14}{'min':>8}{'max':>8}"
+        f"{'backend':<11}{'poold':<11}{'series':<18}{'CPU ms median':>14}{'min':>8}{'max':>8}"
         f"{'lat p50 ms':>12}{'lat p99 ms':>12}"
     )
+    names = {"grant": "grant", "release": "release", "health": "floor: health"}
     for r in results:
-        for name in ("grant", "release", "health"):
-            s = r[name]
-            label = {"grant": "grant (poold)", "release": "release (poold)"}.get(
-                name, "floor: health (poold)"
-            )
-            print(
-                f"{r['backend']:<11}{label:<22}{s['cpu_ms_median']:>14.3f}{s['cpu_ms_min']:>8.3f}"
-                f"{s['cpu_ms_max']:>8.3f}{s['latency_ms_p50']:>12.3f}{s['latency_ms_p99']:>12.3f}"
-            )
+        for pd in r["poolds"]:
+            for name, label in names.items():
+                s = pd[name]
+                print(
+                    f"{r['backend']:<11}{pd['label']:<11}{label:<18}{s['cpu_ms_median']:>14.3f}"
+                    f"{s['cpu_ms_min']:>8.3f}{s['cpu_ms_max']:>8.3f}"
+                    f"{s['latency_ms_p50']:>12.3f}{s['latency_ms_p99']:>12.3f}"
+                )
+        floor = r["empty_write_txn_cpu_ms"]
         print(
-            f"{r['backend']:<11}{'floor: empty write txn':<22}{r['empty_write_txn_cpu_ms']:>14.3f}"
-            f"{'':>16}{r['empty_write_txn_wall_ms']:>12.3f}   (this process)"
+            f"{r['backend']:<11}{'':<11}{'floor: empty txn':<18}{floor:>14.3f}"
+            f"{'':>16}{r['empty_write_txn_wall_ms']:>12.3f}   (this process, one write txn)"
         )
         print(f"{r['backend']:<11}idle poold: {r['idle_cpu_ms_per_s']} ms CPU per s")
     print()
     for r in results:
-        verdict = "met" if r["target_met"] else "NOT MET"
-        print(
-            f"target poold CPU per central grant <= {TARGET_CPU_MS} ms ({r['backend']}): "
-            f"{r['grant']['cpu_ms_median']:.3f} ms, {verdict}"
-        )
+        for pd in r["poolds"]:
+            verdict = "met" if pd["target_met"] else "NOT MET"
+            print(
+                f"target poold CPU per central grant <= {TARGET_CPU_MS} ms "
+                f"({r['backend']}, {pd['label']}): {pd['grant']['cpu_ms_median']:.3f} ms, {verdict}"
+            )
 
 
 def main() -> int:
@@ -300,6 +368,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--block", type=int, default=100, help="requests per CPU reading")
     ap.add_argument("--warmup", type=int, default=200, help="grants+releases before measuring")
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        help="a directory holding another tree's poold/ package: a second poold from it, "
+        "measured interleaved with this tree's in the same run",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
