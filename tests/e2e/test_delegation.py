@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,12 +64,20 @@ class Pool:
 
 
 def _pool(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, ttl_s: float = 600.0
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    ttl_s: float = 600.0,
+    quota_bytes: int = 2048 * MiB,
+    quota_leases: int = 1000,
+    capacity_bytes: int = 4096 * MiB,
+    min_reserve: str = "512MiB",
+    min_leases: int = 300,
 ) -> Iterator[Pool]:
     # Room for 200 leases ahead of any demand (the agent inherits the environment).
     monkeypatch.setenv("POOL_AGENT_DELEGATION", "true")
-    monkeypatch.setenv("POOL_AGENT_DELEGATION_MIN_RESERVE_BYTES", "512MiB")
-    monkeypatch.setenv("POOL_AGENT_DELEGATION_MIN_BUDGET_LEASES", "300")
+    monkeypatch.setenv("POOL_AGENT_DELEGATION_MIN_RESERVE_BYTES", min_reserve)
+    monkeypatch.setenv("POOL_AGENT_DELEGATION_MIN_BUDGET_LEASES", str(min_leases))
     state = tmp_path / "poold"
     port = procs.free_port()
     env = {
@@ -86,8 +95,8 @@ def _pool(
         admin.create_tenant(
             TenantSpec(
                 name=TENANT,
-                quota_bytes=2048 * MiB,
-                quota_leases=1000,
+                quota_bytes=quota_bytes,
+                quota_leases=quota_leases,
                 allowed_uids=[os.getuid()],
             )
         )
@@ -98,7 +107,7 @@ def _pool(
             "socket_path": run_dir / "agent.sock",
             # memfds are lazy: a big emulated device costs nothing, and its 25 % cap
             # leaves room for a 512 MiB reservation.
-            "emulated_capacity_bytes": 4096 * MiB,
+            "emulated_capacity_bytes": capacity_bytes,
             "heartbeat_interval_s": 0.2,
         }
         agent = procs.start_agent(tmp_path, **args)
@@ -285,3 +294,177 @@ def test_reservation_ttl_passes_with_poold_down(short_ttl_pool: Pool) -> None:
         # no new lease) until the lease ended; then it goes.
         _wait_committed(pool, {kept.lease_id}, timeout_s=5.0)
         assert _poolctl(pool, "audit").returncode == 0
+
+
+# --- the central path beside the delegation ---------------------------------------------
+
+QUOTA = 96 * MiB
+
+
+@pytest.fixture
+def small_quota_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pool]:
+    """A tenant whose whole quota (96 MiB, 40 leases) the agent's budget holds, on a
+    192 MiB device whose 25 % cap keeps the first reservation at 48 MiB."""
+    yield from _pool(
+        tmp_path,
+        monkeypatch,
+        quota_bytes=QUOTA,
+        quota_leases=40,
+        capacity_bytes=192 * MiB,
+        min_reserve="96MiB",
+        min_leases=40,
+    )
+
+
+def _central(pool: Pool, lease_id: str) -> bool:
+    """The ledger has the lease, granted centrally (a local one lands within ~1 s)."""
+    rows = pool.query(f"SELECT reservation_id FROM leases WHERE id = '{lease_id}'")
+    return rows == [(None,)]
+
+
+def _quota_use(pool: Pool) -> int:
+    """The tenant's quota use as poold counts it: central leases, and per host the larger
+    of its budget and its local leases (leases.quota_use)."""
+    [(central, local)] = pool.query(
+        "SELECT coalesce(sum(CASE WHEN reservation_id IS NULL THEN length_bytes END), 0), "
+        "coalesce(sum(CASE WHEN reservation_id IS NOT NULL THEN length_bytes END), 0) "
+        "FROM leases WHERE state NOT IN ('released', 'reclaimed', 'aborted', 'expired')"
+    )
+    budget = pool.query("SELECT coalesce(sum(bytes), 0) FROM budgets")[0][0]
+    return int(central) + max(int(budget), int(local))
+
+
+def test_a_budget_holding_the_whole_quota_leaves_its_host_central_grants(
+    small_quota_pool: Pool,
+) -> None:
+    """Local grants and central ones (bigger than any reservation) at once, while the
+    budget holds the whole quota: the first central grant is paid from the budget, the
+    second is refused by the quota, no local lease is refused when it reaches poold, and
+    the quota use sampled all along never passes the quota."""
+    pool = small_quota_pool
+    with PoolClient(pool.sock, timeout_s=10) as client:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:  # the first lease is central: demand to refill
+            client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False).release()
+            time.sleep(0.5)
+            budget = pool.query("SELECT bytes, leases FROM budgets")
+            if (
+                budget
+                and budget[0][0] >= QUOTA - LEASE
+                and pool.query("SELECT count(*) FROM reservations") != [(0,)]
+            ):
+                break
+        # All of the quota (less the first, central, lease live when it was set): no room
+        # for any other central grant of the tenant but what this budget gives up.
+        [(budget_bytes, budget_leases)] = pool.query("SELECT bytes, leases FROM budgets")
+        assert budget_bytes >= QUOTA - LEASE and budget_leases >= 39
+        assert pool.query("SELECT max(length_bytes) FROM reservations") == [(48 * MiB,)]
+
+    over: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            used = _quota_use(pool)
+            if used > QUOTA:
+                over.append(used)
+            time.sleep(0.01)
+
+    granted: list[Lease] = []
+    refused: list[str] = []
+    lock = threading.Lock()
+    done = threading.Barrier(2)
+
+    def take(size: int, n: int) -> None:
+        with PoolClient(pool.sock, timeout_s=30) as own:
+            mine: list[Lease] = []
+            for _ in range(n):
+                try:
+                    lease = own.lease(size, tenant=TENANT, ttl_s=60, renew=False)
+                except PoolError as err:
+                    with lock:
+                        refused.append(err.code)
+                    continue
+                mine.append(lease)
+            with lock:
+                granted.extend(mine)
+            done.wait(timeout=60)  # everything granted is held at once, then released
+            time.sleep(1.0)
+            for lease in mine:
+                lease.release()
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    workers = [
+        threading.Thread(target=take, args=(LEASE, 20)),
+        threading.Thread(target=take, args=(50 * MiB, 2)),
+    ]
+    try:
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=120)
+    finally:
+        stop.set()
+        sampler.join()
+    assert over == [], over
+    # The second central grant: no quota left (or, first, no room: refills reserved it).
+    assert len(refused) == 1 and refused[0] in ("quota_exceeded", "no_capacity"), refused
+    assert sum(x.length_bytes for x in granted) <= QUOTA
+    central = {x.lease_id for x in granted if x.length_bytes == 50 * MiB}
+    local = {x.lease_id for x in granted} - central
+    assert len(central) == 1 and len(local) == 20
+    [(spent,)] = pool.query("SELECT count(*) FROM events WHERE kind = 'budget.spend'")
+    assert spent >= 1
+    # poold has every lease the agent granted alone: none was refused on arrival.
+    _wait_committed(pool, local, timeout_s=10.0)
+    audit = _poolctl(pool, "audit")
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+
+
+def test_a_waiting_request_is_served_from_a_reservation_pressure_asks_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for pool in _pool(
+        tmp_path, monkeypatch, capacity_bytes=128 * MiB, min_reserve="32MiB", min_leases=16
+    ):
+        with PoolClient(pool.sock, timeout_s=10) as client:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False).release()
+                time.sleep(0.5)
+                reserved = pool.query("SELECT coalesce(sum(length_bytes), 0) FROM reservations")
+                if reserved[0][0] >= 24 * MiB:
+                    break
+            [(reserved_bytes,)] = pool.query("SELECT sum(length_bytes) FROM reservations")
+            # Fill what is not reserved with one central lease but 8 MiB: bigger than any
+            # reservation, and it never reports, so pressure cannot ask it.
+            fill = 128 * MiB - int(reserved_bytes) - 8 * MiB
+            filler = client.lease(fill, tenant=TENANT, ttl_s=120, renew=True)
+            assert _central(pool, filler.lease_id)
+            # A tenant with no budget here asks 24 MiB: not local (no budget), not
+            # central (8 MiB free): it waits; pressure asks the empty reservations back,
+            # the agent gives them back, and the request is placed there.
+            pool.admin.create_tenant(
+                TenantSpec(
+                    name="other",
+                    quota_bytes=1024 * MiB,
+                    quota_leases=100,
+                    allowed_uids=[os.getuid()],
+                )
+            )
+            t0 = time.monotonic()
+            with PoolClient(pool.sock, timeout_s=40) as waiting:
+                served = waiting.lease(24 * MiB, tenant="other", ttl_s=60, renew=False, wait_s=30)
+                took = time.monotonic() - t0
+                assert _central(pool, served.lease_id)
+                kinds = [k for (k,) in pool.query("SELECT kind FROM events ORDER BY id")]
+                assert "reservation.recall" in kinds
+                assert pool.query(
+                    f"SELECT length_bytes FROM leases WHERE id = '{filler.lease_id}'"
+                ) == [(filler.length_bytes,)]  # no lease was asked to shrink
+                served.release()
+            print(f"a 24 MiB wait_s request served from returned reservations in {took:.2f} s")
+            filler.release()
+        audit = _poolctl(pool, "audit")
+        assert audit.returncode == 0, audit.stdout + audit.stderr
