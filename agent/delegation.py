@@ -152,6 +152,8 @@ class RefillPolicy:
     alpha: float = 0.3
     low_fraction: float = 0.5
     high_factor: float = 2.0
+    # A tenant with no lease here for this long gives its budget back (asks 0).
+    idle_budget_s: float = 600.0
 
 
 @dataclass
@@ -203,6 +205,7 @@ class DelegatedCapacity:
         self._gone: dict[str, float] = {}  # given back: reservation id -> settled at
         # Bytes central grants were refused (quota) per tenant this interval: demand too.
         self._refused: dict[str, int] = {}
+        self._last_demand: dict[str, float] = {}  # tenant -> when it last leased here
 
     # --- what poold says is held ----------------------------------------------------
     def replace(
@@ -597,6 +600,7 @@ class DelegatedCapacity:
         this host asks a budget and counts as one of the tenant's hosts (fair share)."""
         with self._lock:
             self._refused[tenant] = self._refused.get(tenant, 0) + size_bytes
+            self._last_demand[tenant] = self._clock()
 
     def asked(self, sent_at: float, *, ok: bool) -> list[str]:
         """The request of the last :meth:`wants` came back (``ok``) or failed: its caps
@@ -640,6 +644,7 @@ class DelegatedCapacity:
             self._note_demand(tenant, media, length_bytes)
 
     def _note_demand(self, tenant: str, media: str, length_bytes: int) -> None:
+        self._last_demand[tenant] = self._clock()
         key = (tenant, media)
         d = self._demand
         d.bytes_now[key] = d.bytes_now.get(key, 0) + length_bytes
@@ -713,6 +718,16 @@ class DelegatedCapacity:
             budgets: list[BudgetWant] = []
             for tenant, (rate, leases_rate) in sorted(by_tenant.items()):
                 used_bytes, used_leases = self._used_by(tenant)
+                idle = now - self._last_demand.get(tenant, now)
+                if idle > p.idle_budget_s and not used_bytes:
+                    # No lease of it here for long: its budget goes back to the quota
+                    # (other hosts' fair shares grow), and its next lease starts central.
+                    budgets.append(BudgetWant(tenant=tenant, bytes=0, leases=0))
+                    for key in [k for k in d.bytes_ewma if k[0] == tenant]:
+                        d.bytes_ewma.pop(key, None)
+                        d.leases_ewma.pop(key, None)
+                    self._last_demand.pop(tenant, None)
+                    continue
                 head_bytes = int(
                     min(p.max_reserve_bytes, max(p.min_reserve_bytes, rate * p.horizon_intervals))
                 )

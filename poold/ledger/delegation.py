@@ -10,16 +10,20 @@ budgets, which its agent spends alone (DESIGN.md "Delegated capacity").
   epochs from that block, every later grant of those bytes a larger one.
 * Budgets: a tenant's quota use is its central leases plus, per host, the larger of its
   budget and its local leases there (`leases.quota_use`); a budget is set under the
-  tenant's generation swap, so it and a racing central grant cannot both pass.
+  tenant's generation swap, so it and a racing central grant cannot both pass. Raised
+  at most to a fair share when other hosts of the tenant want some (`_set_budget`);
+  lowered only by its agent, a quota cut (`claw_back`), or a central grant of the same
+  host, which spends it (`spend_for_central`).
 * `renew` (each heartbeat): held reservations and budgets live on for the TTL; a
   reservation on a device that is no longer online, or of a draining host, is returned
   (`return_unleased`). `claw_back`: a quota lowered below what is delegated.
 * `reap` (the reaper): expired reservations with no lease inside go; one with leases
   inside stays, taking no new lease, until they end. Expired budgets go.
 
-Reservation states: "held" (renewed, takes local grants) and "returning" (its TTL passed,
+Reservation states: "held" (renewed, takes local grants), "returning" (its TTL passed,
 its device or host drains, or `audit --reclaim` found its host down: it takes no new
-lease and goes once no live lease lies in it).
+lease and goes once no live lease lies in it) and "recalled" (asked back under pressure,
+`recall`: goes when its agent gives it back, or at its TTL).
 """
 
 from __future__ import annotations

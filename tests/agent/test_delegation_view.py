@@ -135,3 +135,17 @@ def test_a_withdrawn_reservation_is_given_back_once_empty_and_not_refilled_for_a
     d.note_demand("kv", "ddr5", 32 * MiB)
     want = d.wants()
     assert want is not None and [w.media for w in want.reserve] == ["ddr5"]
+
+
+def test_an_idle_tenant_gives_its_budget_back() -> None:
+    clock = Clock()
+    d = _capacity(clock, policy=RefillPolicy(min_reserve_bytes=8 * MiB, idle_budget_s=60))
+    d.replace(delegation([reservation()], [budget()]), sent_at=1.0)
+    d.note_demand("kv", "ddr5", 2 * MiB)
+    d.wants()
+    clock.now += 61
+    want = d.wants()
+    assert want is not None
+    assert [(w.tenant, w.bytes, w.leases) for w in want.budgets] == [("kv", 0, 0)]
+    later = d.wants()
+    assert later is None or later.budgets == []  # asked once
