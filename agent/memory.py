@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from agent.backends import Backend, Materialised, Placement
-from agent.backends.emulated import MemfdMaterialised, OnceFd
+from agent.backends.emulated import EmulatedBackend, MemfdMaterialised, OnceFd
 from agent.backends.numa import NumaBackend
 from agent.held import HeldLease, HeldLeases
 from agent.journal import SubDevice
@@ -107,6 +107,9 @@ class LeaseMemory:
         self.timed: Timed | None = None
         # Whether a released memfd is still held, asked of the kernel (agent/release_check.py).
         self.release_check = ReleaseCheck.for_this_kernel()
+        for backend in backends.values():
+            if isinstance(backend, EmulatedBackend) and self.release_check.usable:
+                backend.hand_out = self.release_check.prepare  # warm memfds come prepared
         # The tenant reopens not yet sent, by (connection id, fd): closed once sent.
         self._unsent: dict[tuple[int, int], OnceFd] = {}
 

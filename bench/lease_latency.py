@@ -11,7 +11,9 @@ processes, then measures, interleaved in one run so every series sees the same m
   size, and "floor+touch" with the same page touching.
 
 With ``--clients 1,2,4,8`` it also runs that many separate tenant processes doing
-lease+release for ``--seconds`` each, and reports cycles/s. Whether the leases were
+lease+release for ``--seconds`` each, and reports cycles/s. CPU per lease+release (the
+agent's, poold's and this client's, from /proc through psutil) is measured over a run of
+its own, since it says more than wall time on a loaded machine. Whether the leases were
 granted locally (inside the agent's delegation, issue 12) or centrally by poold is
 read from the agent's ``stats`` and printed.
 
@@ -33,6 +35,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
 
 from agent.client import PoolClient  # noqa: E402
 from poold import procs  # noqa: E402
@@ -106,6 +110,27 @@ def _client_proc(sock: str, seconds: float, start_at: float, out: Any) -> None:
     out.put(done)
 
 
+def cpu_per_cycle(client: PoolClient, cycles: int) -> dict[str, float]:
+    """ms of CPU (user + system) per lease+release: the agent's, poold's, this client's."""
+    agent = psutil.Process(client.hello().agent_pid)
+    poolds = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.pid != agent.pid and any("poold" in part for part in p.cmdline())
+    ]
+
+    def used(proc: psutil.Process) -> float:
+        t = proc.cpu_times()
+        return float(t.user + t.system)
+
+    before = (used(agent), sum(used(p) for p in poolds), time.thread_time())
+    for _ in range(cycles):
+        lease_release_once(client)
+    after = (used(agent), sum(used(p) for p in poolds), time.thread_time())
+    names = ("agent", "poold", "client")
+    return {name: (a - b) * 1000 / cycles for name, a, b in zip(names, after, before, strict=True)}
+
+
 def throughput(sock: Path, clients: int, seconds: float) -> float:
     """Lease+release cycles per second over ``clients`` separate tenant processes."""
     ctx = mp.get_context("spawn")
@@ -154,6 +179,7 @@ def main() -> int:
             bare.append(lease_release_once(client))
             floor_touch.append(floor_once(True))
             cycles.append(cycle_once(client))
+        cpu = cpu_per_cycle(client, args.iterations)
         for n in [int(x) for x in args.clients.split(",") if x.strip()]:
             rates[n] = throughput(sock, n, args.seconds)
         probe = client.lease(SIZE, ttl_s=60, renew=False)
@@ -180,6 +206,7 @@ def main() -> int:
         "lease_release_p50_over_floor_x": b["p50_ms"] / f["p50_ms"],
         "granted_locally": local,
         "cycles_per_s": {str(k): v for k, v in rates.items()},
+        "cpu_ms_per_lease_release": cpu,
         "load_average": os.getloadavg(),
     }
     result["meets_issue12_targets"] = (
@@ -216,6 +243,11 @@ def main() -> int:
     print(
         f"lease+release p50 = {result['lease_release_p50_over_floor_x']:.1f}x the floor; "
         f"granted {'locally (delegation)' if local else 'centrally (poold)'}"
+    )
+    print(
+        "CPU per lease+release: "
+        + ", ".join(f"{name} {ms:.3f} ms" for name, ms in cpu.items())
+        + f" (total {sum(cpu.values()):.3f} ms)"
     )
     for n, rate in rates.items():
         print(f"{n} client process(es): {rate:,.0f} lease+release cycles/s")

@@ -62,14 +62,20 @@ def _memfd_name(name: str) -> str:
 
 def available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     """MemAvailable (Linux 3.14+), or None when the kernel does not say."""
+    # One read and a search, not a line loop: it runs for every memfd made (the warm
+    # pool's thread too), and a Python loop here holds the GIL the socket threads want.
     try:
-        with open(meminfo, "rb") as lines:
-            for line in lines:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+        fd = os.open(meminfo, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.read(fd, 16384)
+        finally:
+            os.close(fd)
+        at = data.find(b"MemAvailable:")
+        if at < 0:
+            return None
+        return int(data[at + 13 : data.index(b"k", at)]) * 1024
+    except (OSError, ValueError):
+        return None
 
 
 # Populating a large lease in parallel: one thread per this many bytes, up to the CPUs.
@@ -302,10 +308,23 @@ class EmulatedBackend(NoSubDevices):
                 raise
             return self._memfd(length_bytes, name, shrinkable, placement.populate, False)
 
+    # Set by agent/memory.py when the release check is on: what the warm pool makes
+    # (this method's only caller) comes with the tenant's reopen and the probe already,
+    # so the lease path opens nothing.
+    hand_out: Callable[[Materialised], Materialised] | None = None
+
     def materialise(
         self, length_bytes: int, name: str, *, shrinkable: bool = False
     ) -> Materialised:
-        return self._memfd(length_bytes, name, shrinkable, False, False)
+        memory = self._memfd(length_bytes, name, shrinkable, False, False)
+        hand_out = self.hand_out
+        if hand_out is None:
+            return memory
+        try:
+            return hand_out(memory)
+        except BaseException:
+            release(memory.fd)
+            raise
 
     @staticmethod
     def _memfd(
@@ -324,4 +343,8 @@ class EmulatedBackend(NoSubDevices):
         )
 
     def release(self, materialised: Materialised) -> None:
+        if isinstance(materialised, MemfdMaterialised):  # its copies, if handed out
+            for copy in (materialised.tenant, materialised.probe):
+                if copy is not None:
+                    copy.close()
         release(materialised.fd)

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -25,8 +26,9 @@ import pytest
 
 from agent.backends.emulated import EmulatedBackend, MemfdMaterialised
 from agent.client import PoolClient
-from agent.release_check import ReleaseCheck, self_test
+from agent.release_check import PUNCH, ReleaseCheck, self_test
 from agent.service import AgentService
+from agent.warm import WarmPool
 from poold.api.client import PooldClient
 from tests.agent.conftest import emulated_device, linked_agent, serving
 from tests.conftest import ThreadedServer
@@ -244,6 +246,7 @@ def test_an_o_path_holder_keeps_no_pages_and_cannot_reopen(
     holder = hold(memory.tenant.fd, "opath", uid=NOBODY)
     try:
         assert check.unheld(memory) is True
+        PUNCH.settle()  # the pages go off the request path
         holder.tell()
         assert holder.next() == {"blocks": 0, "reopened": False}
     finally:
@@ -361,3 +364,40 @@ def test_with_the_check_off_every_release_scans_and_still_catches_a_mapping(
             assert linked.service.held.get(lease.lease_id) is None
             assert linked.service.held.mapped() == []
             assert off.fast == 0
+
+
+@needs_check
+def test_warm_memfds_come_with_their_copies() -> None:
+    """The warm pool's memfds are prepared on its own thread, off the lease path."""
+    backend = EmulatedBackend()
+    check = ReleaseCheck.for_this_kernel()
+    backend.hand_out = check.prepare
+    pool = WarmPool(backend)
+    pool.start()
+    try:
+        memory = None
+        deadline = time.monotonic() + 10
+        while memory is None:
+            assert time.monotonic() < deadline, "the warm pool made nothing"
+            memory = pool.take(2 * MIB)
+            time.sleep(0.01)
+        assert isinstance(memory, MemfdMaterialised)
+        assert memory.tenant is not None and memory.probe is not None
+        assert check.prepare(memory) is memory  # nothing to open on the lease path
+        assert check.unheld(memory) is True
+    finally:
+        pool.stop()  # the ready ones go with their copies
+
+
+@needs_check
+def test_a_shrunk_lease_still_takes_the_fast_path(
+    agent: tuple[PoolClient, AgentService],
+) -> None:
+    client, service = agent
+    lease = client.lease(8 * MIB, tenant="t", ttl_s=60, renew=False, shrinkable=True)
+    with lease.mmap() as mm:
+        mm[-1] = 1
+    assert lease.shrink(4 * MIB) == 4 * MIB
+    lease.release()
+    assert service.memory.release_check.fast == 1
+    assert service.held.mapped() == []
