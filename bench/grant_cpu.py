@@ -26,6 +26,7 @@ Floors, in the same run, interleaved with the rounds:
 `git archive <commit> poold | tar -x -C DIR`) starts a second poold from that code on
 a database of its own and runs its rounds interleaved with this tree's, each first in
 turn: a before/after comparison on the same machine in the same minutes.
+`--baseline-asyncio` hides uvloop from the baseline (uvicorn then runs asyncio's loop).
 
 The target (issue "poold under load and faults"): poold CPU per central grant <= 1.5 ms.
 """
@@ -203,8 +204,11 @@ class Poold:
         self.child.stop()
 
 
-def start_poold(state: Path, url: str, code_dir: Path | None) -> procs.Child:
-    """`poold serve` (reaper off) from this tree, or from `code_dir`'s poold package."""
+def start_poold(
+    state: Path, url: str, code_dir: Path | None, *, asyncio_loop: bool = False
+) -> procs.Child:
+    """`poold serve` (reaper off) from this tree, or from `code_dir`'s poold package;
+    `asyncio_loop`: with uvloop hidden, so uvicorn's loop=auto takes asyncio's own."""
     if code_dir is None:
         return procs.start_poold(
             state,
@@ -216,6 +220,12 @@ def start_poold(state: Path, url: str, code_dir: Path | None) -> procs.Child:
         )
     # The baseline's poold package first on the path: run from its directory.
     port = procs.free_port()
+    env = {"POOLD_REAP_INTERVAL_S": "0"}
+    if asyncio_loop:
+        shim = state / "no-uvloop"
+        shim.mkdir()
+        (shim / "uvloop.py").write_text('raise ImportError("hidden by bench/grant_cpu.py")\n')
+        env["PYTHONPATH"] = str(shim)
     here = os.getcwd()
     os.chdir(code_dir)
     try:
@@ -224,21 +234,23 @@ def start_poold(state: Path, url: str, code_dir: Path | None) -> procs.Child:
             port,
             database_url=url,
             timeout_s=60.0,
-            env={"POOLD_REAP_INTERVAL_S": "0"},
+            env=env,
             extra=["--no-upgrade-db"],
         )
     finally:
         os.chdir(here)
 
 
-def provision(label: str, url: str, work: Path, code_dir: Path | None) -> Poold:
+def provision(
+    label: str, url: str, work: Path, code_dir: Path | None, *, asyncio_loop: bool = False
+) -> Poold:
     migrate.upgrade(url)
     state = work / f"poold-{label}"
     state.mkdir(mode=0o700)
     admin_token = f"pt1.admin.{secrets.token_urlsafe(32)}"
     (state / "admin.token").write_text(admin_token + "\n")
     (state / "admin.token").chmod(0o600)
-    child = start_poold(state, url, code_dir)
+    child = start_poold(state, url, code_dir, asyncio_loop=asyncio_loop)
     base = child_url(child)
     with PooldClient(base, admin_token) as admin:
         cred = admin.add_host(HOST).credential
@@ -286,7 +298,8 @@ def run_backend(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
         try:
             for label, url in zip(labels, urls, strict=True):
                 code_dir = Path(args.baseline) if label == "baseline" else None
-                poolds.append(provision(label, url, work, code_dir))
+                hide = label == "baseline" and args.baseline_asyncio
+                poolds.append(provision(label, url, work, code_dir, asyncio_loop=hide))
             # Warm-up: the first requests compile statements, fill caches, start threads.
             for _ in range(max(1, args.warmup // args.block)):
                 for pd in poolds:
@@ -373,6 +386,11 @@ def main() -> int:
         default=None,
         help="a directory holding another tree's poold/ package: a second poold from it, "
         "measured interleaved with this tree's in the same run",
+    )
+    ap.add_argument(
+        "--baseline-asyncio",
+        action="store_true",
+        help="run the baseline poold on asyncio's loop (uvloop hidden), as before uvloop",
     )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
