@@ -397,6 +397,9 @@ class _Gate:
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
         self.direct = direct
+        # (method, path) -> the route it matched, for routes without path parameters:
+        # for those the match depends on nothing else, and it costs a scan of every route.
+        self._static: dict[tuple[str, str], Route[Any]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -491,10 +494,17 @@ class _Gate:
 
     def _route_of(self, scope: Scope) -> Route[Any] | None:
         """The table's route a request is for; None for a 404 or 405 (nothing reads its body)."""
+        key = (scope.get("method", ""), scope["path"])
+        known = self._static.get(key)
+        if known is not None:
+            return known
         for route in self.router.routes:
             match, _child = route.matches(scope)
             if match is Match.FULL:
-                return ROUTES.get(getattr(route, "name", ""))
+                found = ROUTES.get(getattr(route, "name", ""))
+                if found is not None and "{" not in found.path:
+                    self._static[key] = found
+                return found
         return None
 
     def _counted(self, receive: Receive) -> Receive:

@@ -13,7 +13,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from poold.errors import AlreadyExists, NotOwner, TenantInUse, UnknownTenant
 from poold.lease_states import LIVE_STATE_VALUES
 from poold.ledger import transitions
-from poold.ledger.db import Ledger
+from poold.ledger.db import Ledger, Prepared
 from poold.ledger.models import Lease, Tenant
 from poold.ledger.types import check_ints_fit, utcnow
 from poold.wire.admin import TenantOut, TenantSpec, TenantUpdate
@@ -170,7 +170,8 @@ _TENANT_ROWS = select(
     Tenant.allowed_hosts,
     Tenant.generation,
 )
-_TENANT_BY_NAME = _TENANT_ROWS.where(Tenant.name == bindparam("name"))
+# On the driver's cursor (db.Prepared): every grant reads it.
+_TENANT_BY_NAME = Prepared(_TENANT_ROWS.where(Tenant.name == bindparam("name")))
 
 
 def resolve(conn: Connection, name: str | None, uid: int, gids: list[int], host: str) -> Any:
@@ -181,7 +182,7 @@ def resolve(conn: Connection, name: str | None, uid: int, gids: list[int], host:
     the same attribute names as the model): this runs on every grant.
     """
     if name is not None:
-        row = conn.execute(_TENANT_BY_NAME, {"name": name}).one_or_none()
+        row = _TENANT_BY_NAME.one_or_none(conn, {"name": name})
         if row is None:
             raise UnknownTenant(f"no tenant named {name!r}", tenant=name)
         if not may_act(row, uid, gids, host):
