@@ -455,7 +455,9 @@ class GrantLog:
                 "s": seq,
                 "r": reservation_id,
                 "n": epoch,
-                "e": asdict(entry),
+                # Its fields are plain values: a copy of them is asdict's answer, without
+                # its recursive walk (this runs for every local lease, on the lease path).
+                "e": dict(vars(entry)),
             }
             self._append(rec, durable)
             self.state.entries[entry.lease_id] = entry
