@@ -279,3 +279,74 @@ def test_memfd_passed_to_another_process_is_never_freed_under_it(cluster: Cluste
     finally:
         tenant_child.kill()
         helper_child.kill()
+
+
+# --- (d) the kernel's answer (agent/release_check.py) holds against every way of holding ---
+
+
+def test_a_read_only_reopen_through_proc_is_still_caught(cluster: Cluster) -> None:
+    """The tenant reopens its memfd read-only through /proc/<pid>/fd, then releases: the
+    release must not be answered "free" by the kernel's lease check (the read-only file
+    is counted), and the bytes stay counted until it is closed."""
+    sock = str(cluster.socket_path)
+
+    def tenant(commands: TextIO, say: Callable[[dict[str, Any]], None]) -> None:
+        with PoolClient(sock) as client:
+            lease = client.lease(8 << 20, ttl_s=60, renew=False)
+            kept = os.open(f"/proc/{os.getpid()}/fd/{lease.fd}", os.O_RDONLY)
+            lease.release()
+            say({"lease": lease.lease_id})
+            commands.readline()  # "close"
+            os.close(kept)
+            say({"closed": True})
+            commands.readline()
+
+    child = Child(NOBODY.pw_uid, NOBODY.pw_gid, tenant)
+    try:
+        lease_id = child.read()["lease"]
+        assert cluster.wait_state(lease_id, "released_mapped", 5) == "released_mapped"
+        assert leased_bytes(cluster) == 8 << 20
+        child.tell("close")
+        assert child.read() == {"closed": True}
+        assert cluster.wait_state(lease_id, "released", 10) == "released"
+        assert leased_bytes(cluster) == 0
+    finally:
+        child.kill()
+
+
+def test_an_o_path_kept_past_the_release_holds_nothing(cluster: Cluster) -> None:
+    """O_PATH files are not counted by the kernel's check: the release is free at once,
+    and the holder is left an inode with no pages that it cannot open again."""
+    sock = str(cluster.socket_path)
+
+    def tenant(commands: TextIO, say: Callable[[dict[str, Any]], None]) -> None:
+        with PoolClient(sock) as client:
+            lease = client.lease(8 << 20, ttl_s=60, renew=False)
+            with lease.mmap() as mm:
+                mm[:] = b"x" * (8 << 20)
+            kept = os.open(f"/proc/self/fd/{lease.fd}", os.O_PATH)
+            lease.release()
+            say({"lease": lease.lease_id})
+            while commands.readline().strip() == "reopen":
+                try:
+                    os.close(os.open(f"/proc/self/fd/{kept}", os.O_RDWR))
+                    reopened = True
+                except PermissionError:
+                    reopened = False
+                say({"reopened": reopened, "blocks": os.fstat(kept).st_blocks})
+
+    child = Child(NOBODY.pw_uid, NOBODY.pw_gid, tenant)
+    try:
+        lease_id = child.read()["lease"]
+        assert cluster.wait_state(lease_id, "released", 5) == "released"
+        deadline = time.monotonic() + 5
+        while True:  # the pages go off the reply path, within milliseconds
+            child.tell("reopen")
+            said = child.read()
+            if said["blocks"] == 0 or time.monotonic() > deadline:
+                break
+        assert said == {"reopened": False, "blocks": 0}
+        child.tell("exit")
+        assert child.wait() == 0
+    finally:
+        child.kill()
