@@ -24,6 +24,7 @@ from collections import namedtuple
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Literal
 
 from sqlalchemy import Connection, Engine, create_engine, event
@@ -383,7 +384,8 @@ class _Plan:
     """One statement compiled for one dialect: its SQL, how to bind, how to read."""
 
     sql: str
-    order: tuple[str, ...] | None  # positional drivers (SQLite): parameter names in order
+    # Positional drivers (SQLite): the parameters in order, from a dict of them by name.
+    order: Callable[[Mapping[str, Any]], tuple[Any, ...]] | None
     fixed: Mapping[str, Any]  # literals the statement carries, and scalar column defaults
     binds: tuple[tuple[str, Callable[[Any], Any]], ...]  # type processors, by name
     results: tuple[Callable[[Any], Any] | None, ...]
@@ -446,7 +448,16 @@ class Prepared:
         )
         keys = [c.key for c in columns]
         row = namedtuple("Row", keys, rename=True) if columns else None
-        order = tuple(compiled.positiontup) if dialect.positional else None
+        order: Callable[[Mapping[str, Any]], tuple[Any, ...]] | None = None
+        if dialect.positional:
+            names = tuple(compiled.positiontup)
+            if len(names) == 1:
+                only = names[0]
+                order = lambda values: (values[only],)  # noqa: E731
+            elif names:
+                order = itemgetter(*names)
+            else:
+                order = lambda _values: ()  # noqa: E731
         return _Plan(compiled.string, order, fixed, tuple(binds), results, row)
 
     def _params(self, plan: _Plan, params: Mapping[str, Any]) -> Any:
@@ -454,7 +465,7 @@ class Prepared:
         for name, proc in plan.binds:
             values[name] = proc(values.get(name))  # None too: JSON makes it "null"
         if plan.order is not None:
-            return tuple(values[name] for name in plan.order)
+            return plan.order(values)
         return values
 
     def _run(
