@@ -106,9 +106,13 @@ class Tenant:
         return lease
 
     def end(self, lease: Lease) -> None:
+        """Release ``lease``; says whether it was still held (ended by this process) or
+        was over already (revoked, lost)."""
         self.held.remove(lease)
+        over = lease.lost or lease.lease_id in self.revoked
         lease.release()
         self.count("released")
+        emit(ev="release", id=lease.lease_id, held=not over)
 
     def renew(self, lease: Lease) -> None:
         try:
@@ -117,6 +121,7 @@ class Tenant:
             if err.code not in OVER:
                 raise
             self.count(f"over:{err.code}")
+            self.revoked.add(lease.lease_id)
             emit(ev="over", id=lease.lease_id, code=err.code)
             self.end(lease)
             return

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,6 +89,8 @@ ROLES = (
 )
 
 _LIVE = f"state IN {LIVE_STATES_SQL}"
+# agent/revocation.py's words for a lease it tears down as revoked (memfd mapped or not).
+_AGENT_REVOKED = re.compile(r"lease (\S+) revoked(?:, but pid| by poold; tearing it down)")
 _LEASE_OVERLAPS = text(
     f"""
     SELECT a.id, b.id, a.device_id FROM leases a JOIN leases b
@@ -245,6 +248,14 @@ class Pool:
             cwd=REPO,
         )
 
+    def revoked_by_agents(self) -> set[str]:
+        """Lease ids an agent's log says it tore down as revoked."""
+        found: set[str] = set()
+        for agent in self.agents.values():
+            text_ = agent.log_path.read_text(errors="replace")
+            found.update(m.group(1) for m in _AGENT_REVOKED.finditer(text_))
+        return found
+
     def logs(self) -> str:
         return "\n".join(
             f"--- {c.name} {c.log_path.name}\n{c.log_tail(15)}"
@@ -294,7 +305,9 @@ def pool(pg_server: pg.PgServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                 credential_file=cred,
                 socket_path=socks[host],
                 emulated_capacity_bytes=DEVICE_BYTES,
-                heartbeat_interval_s=0.2,
+                # The default interval: drains, cuts and pressure reach the agents as
+                # news (poold/ledger/news.py) without waiting for it.
+                heartbeat_interval_s=1.0,
             )
             children.append(agents[host])
         devices = _devices_by_host(admin, timeout_s=15)
@@ -339,6 +352,10 @@ def _start_tenant(
     )
 
 
+def _pct(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
 def _history(engine: Engine, lease_ids: set[str]) -> dict[str, list[str]]:
     """The kinds of each lease's events, in order."""
     out: dict[str, list[str]] = {i: [] for i in lease_ids}
@@ -369,16 +386,27 @@ def test_four_agents_two_poold_drain_cut_pressure_no_overlap_no_quota_excess(
         ]
         time.sleep(max(0.0, t0 + DRAIN_AT_S - time.time()))
         drained_host = HOSTS[3]
-        drain_at = time.time()
         drained = pool.poolctl("devices", "drain", pool.devices[drained_host], "--deadline-s", "3")
         assert drained.returncode == 0, drained.stdout + drained.stderr
+        drain_done = time.time()  # committed: poolctl has its answer
         time.sleep(max(0.0, t0 + CUT_AT_S - time.time()))
-        delegated_before_cut = _query(
-            engine,
-            "SELECT coalesce(sum(b.bytes), 0), coalesce(sum(b.leases), 0) FROM budgets b "
-            "JOIN tenants t ON t.id = b.tenant_id WHERE t.name = 'cut'",
-        )[0]
+        # Cut while the tenant's budgets hold more than the new quota (a clawback).
+        cut_deadline = time.monotonic() + 5
+        while True:
+            delegated_before_cut = tuple(
+                int(x)
+                for x in _query(
+                    engine,
+                    "SELECT coalesce(sum(b.bytes), 0), coalesce(sum(b.leases), 0) "
+                    "FROM budgets b JOIN tenants t ON t.id = b.tenant_id WHERE t.name = 'cut'",
+                )[0]
+            )
+            over_cut = delegated_before_cut[0] > CUT_TO[0] or delegated_before_cut[1] > CUT_TO[1]
+            if over_cut or time.monotonic() > cut_deadline:
+                break
+            time.sleep(0.05)
         pool.admin.update_tenant("cut", TenantUpdate(quota_bytes=CUT_TO[0], quota_leases=CUT_TO[1]))
+        cut_done = time.time()
         time.sleep(max(0.0, t0 + PRESSURE_AT_S - time.time()))
         pressed_host = HOSTS[2]
         dev = pool.admin.show_device(pool.devices[pressed_host])
@@ -400,15 +428,14 @@ def test_four_agents_two_poold_drain_cut_pressure_no_overlap_no_quota_excess(
                 proc.kill()
                 proc.wait()
     failed = [(r, rc, err[-3000:]) for r, rc, _, err in outputs if rc != 0]
-    if failed:
-        sampler.stop()
-    assert not failed, failed
 
     lines = [json.loads(line) for _, _, out, _ in outputs for line in out.splitlines()]
     grants = {e["id"]: e for e in lines if e["ev"] == "grant"}
     refused = Counter(e["code"] for e in lines if e["ev"] == "refused")
     # Leases a tenant lost before releasing them: a renewal refused, or told `lost`.
     lost = {e["id"] for e in lines if e["ev"] in ("over", "lost")}
+    # Released by a tenant that still held them: each must end `released`, by that release.
+    released = {e["id"] for e in lines if e["ev"] == "release" and e["held"]} - lost
     shrunk = [e for e in lines if e["ev"] == "shrunk"]
     pressed = [e for e in lines if e["ev"] == "pressure_lease"]
     drained_dev = pool.devices[drained_host]
@@ -429,7 +456,23 @@ def test_four_agents_two_poold_drain_cut_pressure_no_overlap_no_quota_excess(
     sampler.stop()
     final = sample(engine)
     history = _history(engine, set(grants))
+    # Pressure asks unused reserved bytes back first (reservation.recall), then leases.
+    (recalls,) = _query(
+        engine,
+        "SELECT count(*) FROM events WHERE kind = 'reservation.recall' AND device_id = "
+        "(SELECT id FROM devices WHERE uid = :uid)",
+        uid=pool.devices[pressed_host],
+    )[0]
     local = sum(1 for i in grants if i in rows and rows[i][1] is not None)
+    # How far behind its grant each local lease reached the ledger (the issue: ~1 s).
+    behind = sorted(
+        float(x)
+        for (x,) in _query(
+            engine,
+            "SELECT extract(epoch FROM e.at - l.granted_at) FROM leases l JOIN events e "
+            "ON e.lease_id = l.id AND e.kind = 'lease.grant' WHERE l.reservation_id IS NOT NULL",
+        )
+    )
     central = sum(1 for i in grants if i in rows and rows[i][1] is None)
 
     # Two known bugs, reproduced deterministically below (xfail, strict): counted here by
@@ -439,37 +482,65 @@ def test_four_agents_two_poold_drain_cut_pressure_no_overlap_no_quota_excess(
     lost_to_drain = {
         i
         for i in missing
-        if grants[i]["device"] == drained_dev and grants[i]["t"] <= drain_at + 2.0
+        if grants[i]["device"] == drained_dev and grants[i]["t"] <= drain_done + 2.0
+    }
+    # (3) A local grant of the cut tenant not committed before the cut: the clawback took
+    # its host's budget (its floor is the committed use), its commit is budget_exceeded.
+    lost_to_cut = {
+        i for i in missing if grants[i]["tenant"] == "cut" and grants[i]["t"] <= cut_done + 2.0
     }
     # (2) A local lease a heartbeat reported before its local_grant was applied: poold
-    # called it ended and the agent tore it down; committed later, then orphaned.
+    # called it ended and the agent tore it down (its log says revoked) though poold never
+    # revoked it; committed later, the ledger then orphans or expires it.
     revoked = {i for i, events in history.items() if "lease.revoke" in events}
+    torn_down = pool.revoked_by_agents()
     lost_to_heartbeat = {
         i
-        for i in lost - revoked - missing
-        if rows[i][1] is not None and "lease.orphan" in history[i]
+        for i in (lost | released) - revoked - missing
+        if i in torn_down
+        and rows[i][1] is not None
+        and ({"lease.orphan", "lease.expire"} & set(history[i]))
     }
     print(
         f"\n{len(grants)} leases granted to {len(tenants)} tenant processes on "
         f"{len(HOSTS)} agents and 2 poold: {local} local, {central} central; refused "
         f"{dict(refused)}; lost by tenants {len(lost)} (revoked by poold {len(lost & revoked)}"
-        f"; known bugs: drain {len(lost_to_drain)}, heartbeat {len(lost_to_heartbeat)}); "
-        f"pressure lease {[e['length'] for e in pressed]} shrunk {len(shrunk)} times; "
+        f"; known bugs: drain {len(lost_to_drain)}, heartbeat {len(lost_to_heartbeat)}, "
+        f"cut {len(lost_to_cut)}); "
+        f"pressure lease {[e['length'] for e in pressed]} shrunk {len(shrunk)} times, "
+        f"reservations recalled {recalls}; "
+        f"local grants committed behind by p50 {_pct(behind, 0.5):.2f} s, p99 "
+        f"{_pct(behind, 0.99):.2f} s, max {_pct(behind, 1.0):.2f} s; "
         f"ledger samples {sampler.samples} in {RUN_S:.0f} s; budgets of 'cut' before its "
-        f"cut {tuple(map(int, delegated_before_cut))} -> quota {CUT_TO}"
+        f"cut {delegated_before_cut} -> quota {CUT_TO}"
     )
+    for role, _, out, _ in outputs:
+        summary = [json.loads(x) for x in out.splitlines() if '"summary"' in x]
+        print(f"  {role.tenant}@{role.host}: {summary[0]['counts'] if summary else 'no summary'}")
+    assert not failed, failed
     assert not sampler.errors, sampler.errors
     assert not sampler.broken, sampler.broken[:20]
     assert not final, final
-    assert not missing - lost_to_drain, (
-        sorted(missing - lost_to_drain)[:10],
-        [grants[i] for i in sorted(missing - lost_to_drain)[:10]],
+    unknown_missing = sorted(missing - lost_to_drain - lost_to_cut)
+    assert not unknown_missing, (
+        [grants[i] for i in unknown_missing[:10]],
+        _query(  # what moved the budgets (spent by central grants, clawed back)
+            engine,
+            "SELECT e.at, t.name, e.host_id, e.kind, e.detail FROM events e "
+            "JOIN tenants t ON t.id = e.tenant_id WHERE e.kind LIKE 'budget.%' ORDER BY e.id",
+        )[-20:],
     )
     assert not live, (live[:10], [rows[i] for i in live[:10]])
     assert sampler.samples >= RUN_S / SAMPLE_EVERY_S / 4, sampler.samples
     # Nothing but the drain (and pressure not given back in time) takes a lease away.
-    unexplained = lost - revoked - lost_to_heartbeat - lost_to_drain
+    unexplained = lost - revoked - lost_to_heartbeat - lost_to_drain - lost_to_cut
     assert not unexplained, [(i, rows.get(i), history.get(i)) for i in sorted(unexplained)]
+    not_released = {
+        i
+        for i in released - lost_to_heartbeat - lost_to_drain - revoked
+        if rows[i][0] != "released"
+    }
+    assert not not_released, [(i, rows[i], history[i]) for i in sorted(not_released)[:10]]
     pressure_ids = {e["id"] for e in pressed}
     revoked_elsewhere = {i for i in revoked - pressure_ids if grants[i]["device"] != drained_dev}
     assert not revoked_elsewhere, [(i, history[i]) for i in sorted(revoked_elsewhere)]
@@ -478,12 +549,13 @@ def test_four_agents_two_poold_drain_cut_pressure_no_overlap_no_quota_excess(
     # what was delegated, the drain and the pressure felt.
     assert local > 0 and central > 0, (local, central)
     assert refused["quota_exceeded"] > 0, refused
-    assert delegated_before_cut[0] > CUT_TO[0] or delegated_before_cut[1] > CUT_TO[1]
-    assert pressed and shrunk, "pressure never asked the big lease back"
+    assert over_cut, delegated_before_cut
+    assert pressed, "the pressure lease was never granted"
+    assert shrunk or recalls, "pressure never asked anything back"
     after_drain = [
         g
         for g in grants.values()
-        if g["device"] == drained_dev and g["t"] > drain_at + 2.0  # the agent has heard
+        if g["device"] == drained_dev and g["t"] > drain_done + 2.0  # the agent has heard
     ]
     assert not after_drain, after_drain[:5]
     assert _query(
@@ -506,6 +578,7 @@ def test_four_agents_two_poold_drain_cut_pressure_no_overlap_no_quota_excess(
 # racing a heartbeat does to it for a few hundred milliseconds in the run above.
 
 RACE_HOST = "race-host"
+OTHER_HOST = "race-other"
 RACE_TENANT = "solo"
 
 
@@ -516,6 +589,8 @@ class Relay:
     sock: Path
     database_url: str
     device_uid: str
+    # A second host's agent, straight to poold (no proxy): started on demand.
+    other_sock: Path | None = None
 
     def cut_off(self, paths: frozenset[str] | None = None) -> None:
         """Answer 503 to the agent's requests on ``paths`` (None: all of them)."""
@@ -565,7 +640,21 @@ def relay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Relay]:
                 )
             )
             (uid,) = _devices_by_host_named(admin, RACE_HOST)
-            yield Relay(admin, proxy, sock, f"sqlite:///{state / 'ledger.db'}", uid)
+            other = run_dir / "other.sock"
+            cred2 = tmp_path / "cred2"
+            cred2.write_text(admin.add_host(OTHER_HOST).credential)
+            children.append(
+                procs.start_agent(
+                    tmp_path,
+                    host=OTHER_HOST,
+                    poold_url=f"http://127.0.0.1:{port}",
+                    credential_file=cred2,
+                    socket_path=other,
+                    emulated_capacity_bytes=DEVICE_BYTES,
+                    heartbeat_interval_s=0.2,
+                )
+            )
+            yield Relay(admin, proxy, sock, f"sqlite:///{state / 'ledger.db'}", uid, other)
         admin.close()
     finally:
         for child in reversed(children):
@@ -645,3 +734,31 @@ def test_a_drain_keeps_a_reservation_whose_local_lease_is_not_committed(relay: R
             time.sleep(0.1)
         assert relay.lease_row(lease.lease_id) is not None, "granted, never in the ledger"
         lease.release()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a quota cut claws back the budget of a host whose local grants poold has not "
+    "heard of yet (delegation.claw_back's floor is the committed local use): their commit "
+    "is refused budget_exceeded and the tenant's lease never reaches the ledger",
+)
+def test_a_quota_cut_spares_local_grants_not_yet_committed(relay: Relay) -> None:
+    assert relay.other_sock is not None
+    with (
+        PoolClient(relay.sock, timeout_s=10) as client,
+        PoolClient(relay.other_sock, timeout_s=10) as other,
+    ):
+        _local_lease(relay, client).release()
+        kept = _local_lease(relay, other)  # the other host: a budget, one lease spent
+        time.sleep(0.6)
+        relay.cut_off()
+        lease = client.lease(2 * MiB, tenant=RACE_TENANT, ttl_s=60, renew=False)
+        # Above what the tenant holds (2 leases, 4 MiB), below its two budgets.
+        relay.admin.update_tenant(RACE_TENANT, TenantUpdate(quota_bytes=8 * MiB, quota_leases=4))
+        relay.reconnect()
+        deadline = time.monotonic() + 5
+        while relay.lease_row(lease.lease_id) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert relay.lease_row(lease.lease_id) is not None, "granted, never in the ledger"
+        lease.release()
+        kept.release()
