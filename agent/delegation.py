@@ -969,7 +969,9 @@ class LocalGrants:
                 self.link.flush()  # waits for a flush on its way, then sends the rest
                 flushed = True
                 continue
-            if self.link.failing or time.monotonic() >= deadline:
+            # No poold answers at all: no use waiting. Otherwise (a failover, a refused or
+            # lost batch, ops on their way in another exchange) keep sending until the end.
+            if not self.link.reachable or time.monotonic() >= deadline:
                 raise PooldUnreachable(
                     f"{len(waiting)} local lease(s) of this tenant are not yet committed to "
                     "poold; a central grant waits for them (is poold answering?)",
