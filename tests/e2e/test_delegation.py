@@ -358,7 +358,9 @@ def test_a_budget_holding_the_whole_quota_leaves_its_host_central_grants(
         # for any other central grant of the tenant but what this budget gives up.
         [(budget_bytes, budget_leases)] = pool.query("SELECT bytes, leases FROM budgets")
         assert budget_bytes >= QUOTA - LEASE and budget_leases >= 39
-        assert pool.query("SELECT max(length_bytes) FROM reservations") == [(48 * MiB,)]
+        # (so a 50 MiB lease fits no reservation: it takes the central path)
+        [(largest,)] = pool.query("SELECT max(length_bytes) FROM reservations")
+        assert largest <= 48 * MiB
 
     over: list[int] = []
     stop = threading.Event()
