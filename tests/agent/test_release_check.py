@@ -401,3 +401,29 @@ def test_a_shrunk_lease_still_takes_the_fast_path(
     lease.release()
     assert service.memory.release_check.fast == 1
     assert service.held.mapped() == []
+
+
+@needs_check
+def test_the_agent_keeps_no_copy_of_the_tenants_reopen_once_sent(
+    agent: tuple[PoolClient, AgentService],
+) -> None:
+    """Sent, the tenant's reopen is closed on the agent's side (the server's fd_sent
+    hook): what the agent keeps is the memfd_create file and the read-only probe."""
+    client, _service = agent
+    lease = client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False)
+    inode = (os.fstat(lease.fd).st_dev, os.fstat(lease.fd).st_ino)
+    modes = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == inode:
+            modes.append(os.open(f"/proc/self/fdinfo/{name}", os.O_RDONLY))
+    flags = []
+    for fd in modes:
+        with os.fdopen(fd) as info:
+            flags.append(int(info.read().split("flags:")[1].split()[0], 8) & os.O_ACCMODE)
+    # This process is the agent and the tenant: the tenant's fd, the agent's two.
+    assert sorted(flags) == sorted([os.O_RDWR, os.O_RDWR, os.O_RDONLY]), flags
+    lease.release()
