@@ -85,6 +85,7 @@ class Tenant:
                 renew=False,
                 on_revoke=self.on_revoke,
                 on_lost=self.on_lost,
+                on_shrink=self.on_shrink,
                 **extra,
             )
         except PoolError as err:
@@ -146,7 +147,8 @@ class Tenant:
 
     def pressure(self) -> None:
         """Hold a big lease that reports its bytes as replicas: the device falls under
-        poold's watermark and poold asks it back; give back what is asked each time."""
+        poold's watermark and poold asks it back; give back what is asked each time, and
+        stop 2 s after the first (or at the deadline)."""
         a = self.args
         size = a.sizes[0]
         lease = None
@@ -160,7 +162,10 @@ class Tenant:
         lease.report(
             used_bytes=lease.length_bytes, exclusive_bytes=0, replica_bytes=lease.length_bytes
         )
+        first_shrink_at: float | None = None
         while time.time() < a.until and not (lease.lost or lease.lease_id in self.revoked):
+            if first_shrink_at is not None and time.time() > first_shrink_at + 2.0:
+                break  # asked and answered: the point is made
             try:
                 asked, target = self.shrinks.get(timeout=0.2)
             except queue.Empty:
@@ -168,8 +173,12 @@ class Tenant:
                 continue
             if asked is not lease:
                 continue
-            new_length = lease.shrink(max(lease.alignment_bytes, lease.length_bytes - target))
+            # Whole alignment units, at least the target: a shrink rounds up to them.
+            align = lease.alignment_bytes
+            keep = max(align, (lease.length_bytes - target) // align * align)
+            new_length = lease.shrink(keep)
             self.count("shrunk")
+            first_shrink_at = first_shrink_at or time.time()
             emit(ev="shrunk", id=lease.lease_id, target=target, length=new_length)
             lease.report(used_bytes=new_length, exclusive_bytes=0, replica_bytes=new_length)
 

@@ -52,7 +52,10 @@ DEVICE_BYTES = 1024 * MiB
 RUN_S = 24.0
 DRAIN_AT_S = 6.0  # the last host's only device
 CUT_AT_S = 9.0  # tenant "cut": below its budgets, above what it can hold
-PRESSURE_AT_S = 11.0  # a big lease on the third host's device
+PRESSURE_AT_S = 10.0  # a big lease on the third host's device
+# The pressure lease may outlive the others by this much, until it has been asked once
+# (a loaded machine can take seconds to grant it and a heartbeat or two to ask).
+PRESSURE_EXTRA_S = 15.0
 SAMPLE_EVERY_S = 0.1
 # Pressure at 40 % free, not 5 %: reserved-but-unleased bytes count as free for the
 # watermark (pressure does not ask reservations back yet), and the hosts keep some.
@@ -414,13 +417,13 @@ def test_four_agents_two_poold_drain_cut_pressure_no_overlap_no_quota_excess(
         pressure = _start_tenant(
             pool,
             Role(pressed_host, "press", (big, big // 2), 1),
-            until,
+            until + PRESSURE_EXTRA_S,
             99,
             mode="pressure",
         )
         tenants.append((Role(pressed_host, "press", (big,), 1), pressure))
         for role, proc in tenants:
-            out, err = proc.communicate(timeout=RUN_S + 90)
+            out, err = proc.communicate(timeout=RUN_S + PRESSURE_EXTRA_S + 90)
             outputs.append((role, proc.returncode, out, err))
     finally:
         for _, proc in tenants:
@@ -551,7 +554,7 @@ def test_four_agents_two_poold_drain_cut_pressure_no_overlap_no_quota_excess(
     assert refused["quota_exceeded"] > 0, refused
     assert over_cut, delegated_before_cut
     assert pressed, "the pressure lease was never granted"
-    assert shrunk or recalls, "pressure never asked anything back"
+    assert shrunk, "pressure never asked the big lease back"
     after_drain = [
         g
         for g in grants.values()
