@@ -19,6 +19,14 @@ from tests.e2e.conftest import Cluster
 MiB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def central_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The central path (every lease granted by poold, delegation off in the agent this
+    module starts): what happens to it with poold down. Local grants while poold is
+    down are tests/e2e/test_delegation.py's."""
+    monkeypatch.setenv("POOL_AGENT_DELEGATION", "false")
+
+
 def test_leases_survive_poold_down_and_renewals_are_replayed(cluster: Cluster) -> None:
     with PoolClient(cluster.socket_path, timeout_s=10) as client:
         lease = client.lease(4 * MiB, ttl_s=2, renew=False)
