@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent.backends import Materialised
+from agent.backends.emulated import OnceFd
 from agent.holders import Holder
 from agent.journal import Entry as JournalEntry
 from agent.journal import Journal, Watched
@@ -93,6 +94,9 @@ class MappedLease:
     why: str
     since: datetime
     pids: set[int] = field(default_factory=set)
+    # The release check's probe (agent/release_check.py), kept while the kernel counts a
+    # file of the memfd that /proc may not show (an fd in flight): asked at each rescan.
+    probe: OnceFd | None = None
 
 
 def memfd_inode(memory: Materialised) -> Inode | None:
@@ -201,7 +205,9 @@ class HeldLeases:
             self.journal.remove(lease_id)
         return held
 
-    def watch(self, held: HeldLease, why: str, pids: set[int]) -> MappedLease | None:
+    def watch(
+        self, held: HeldLease, why: str, pids: set[int], probe: OnceFd | None = None
+    ) -> MappedLease | None:
         """The lease ended (``why``: released, revoked, orphaned) with its memfd still mapped
         by ``pids``: stop holding it and watch its inode instead, in one step, so that no
         heartbeat sees it in neither table (poold frees what the agent reports neither
@@ -216,6 +222,7 @@ class HeldLeases:
             why=why,
             since=datetime.now(UTC),
             pids=set(pids),
+            probe=probe,
         )
         with self.lock:
             self._mapped[watched.lease_id] = watched
@@ -241,6 +248,8 @@ class HeldLeases:
         """No process maps or holds the memfd any more; None when it was not watched."""
         with self.lock:
             gone = self._mapped.pop(lease_id, None)
+        if gone is not None and gone.probe is not None:
+            gone.probe.close()
         if gone is not None and self.journal is not None:
             self.journal.unwatch(lease_id)
         return gone

@@ -171,7 +171,10 @@ class _Punch:
             self._awake = True
             while True:
                 while self._todo:
-                    self._punch(*self._todo.popleft())
+                    try:
+                        self._punch(*self._todo.popleft())
+                    except Exception:  # never the thread: every later memfd needs it
+                        log.exception("closing a released memfd")
                 time.sleep(self.BATCH_S)
                 if self._todo:
                     continue
@@ -190,9 +193,11 @@ class _Punch:
         finally:
             with contextlib.suppress(OSError):
                 os.close(fd)
-            probe.close()
-            with self._lock:
-                self._pending -= 1
+            try:
+                probe.close()
+            finally:
+                with self._lock:
+                    self._pending -= 1
 
 
 PUNCH = _Punch()
@@ -317,13 +322,21 @@ class ReleaseCheck:
         """True when no process but the agent holds the memfd (its pages are freed
         shortly after, off the request path); False when one may (scan to know who).
         Every agent file of it is closed (or handed to the punch thread, which closes it)."""
+        free, probe = self.end(memory)
+        if probe is not None:
+            probe.close()
+        return free
+
+    def end(self, memory: Materialised) -> tuple[bool, OnceFd | None]:
+        """:meth:`unheld`, and when the kernel says that some file of the memfd is still
+        open, the probe, left open for the caller to ask again later (:func:`still_held`)."""
         copy = memory.probe if isinstance(memory, MemfdMaterialised) else None
         probe = copy.fd if copy is not None else None
         if copy is None or probe is None or not self.usable:  # off since it was handed out: scan
             close_copies(memory)
             self.scanned += 1
-            return False
-        sole = False
+            return False, None
+        sole: bool | None = None  # None: the kernel would not say
         try:
             close_copies(memory, keep_fd=True, keep_probe=True)  # the tenant's copy first
             sole = _sole(probe)
@@ -335,12 +348,27 @@ class ReleaseCheck:
             if sole:
                 PUNCH.put(memory.fd, copy, memory.length_bytes)  # closes both
             else:
-                close_copies(memory)  # before the caller's scan
+                close_copies(memory, keep_probe=sole is False)  # before the caller's scan
         if sole:
             self.fast += 1
-        else:
-            self.scanned += 1
-        return sole
+            return True, None
+        self.scanned += 1
+        return False, copy if sole is False else None
+
+
+def still_held(probe: OnceFd) -> bool:
+    """Whether the kernel still counts some other open file (or mapping) of the memfd the
+    probe is of; False also when it cannot say (the probe closed, leases refused)."""
+    fd = probe.fd
+    if fd is None:
+        return False
+    try:
+        if not _lease(fd):
+            return True
+        _unlock(fd)
+    except OSError:
+        pass
+    return False
 
 
 def close_copies(memory: Materialised, *, keep_fd: bool = False, keep_probe: bool = False) -> None:

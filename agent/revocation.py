@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 
-from agent import mappings
+from agent import mappings, release_check
 from agent.admission import Admission
+from agent.backends.emulated import OnceFd
 from agent.held import HeldLease, HeldLeases
 from agent.holders import alive as holder_alive
 from agent.link import Holdings, PooldLink
@@ -335,9 +337,12 @@ class Revocations:
         return holder_alive(held.holder)
 
     # --- memory that follows the pages ----------------------------------------------
-    def scan(self, inodes: set[mappings.Inode]) -> mappings.Scan:
-        """Who maps or holds these memfds now (one pass over /proc)."""
-        found = mappings.scan(inodes, proc_root=self.proc_root)
+    def scan(self, inodes: set[mappings.Inode], probes: Iterable[OnceFd] = ()) -> mappings.Scan:
+        """Who maps or holds these memfds now (one pass over /proc); the agent's own
+        ``probes`` (agent/release_check.py) do not count."""
+        me = os.getpid()
+        ignore = [(me, fd) for fd in (p.fd for p in probes) if fd is not None]
+        found = mappings.scan(inodes, proc_root=self.proc_root, ignore=ignore)
         if found.unreadable and not self._warned_unreadable:
             self._warned_unreadable = True
             log.warning(
@@ -360,23 +365,33 @@ class Revocations:
         backend = self.memory.backend_of(held)
         if inode is None or (backend is not None and backend.revoke_unmaps):
             return False
+        probe: OnceFd | None = None  # open while the kernel counts another file of it
         if found is None:
-            if self._unheld(held):
+            free, probe = self._end(held)
+            if free:
                 return False  # the kernel says nobody: no scan
-            found = self.scan({inode})
+            found = self.scan({inode}, [probe] if probe is not None else [])
         else:
             self._close_copy(held)  # the agent's own fd is no reason to wait
-        pids = found.pids.get(inode)
-        if not pids:
+        pids = found.pids.get(inode) or set()
+        if not pids and (probe is None or not release_check.still_held(probe)):
+            if probe is not None:
+                probe.close()
             return False
-        if self.held.watch(held, why, pids) is None:
+        # Either /proc names who holds it, or the kernel counts a file of it that no
+        # process's fd table shows (an fd in flight in a socket, a file held for
+        # someone by the kernel): the scan alone would have called it free.
+        if self.held.watch(held, why, pids, probe) is None:
+            if probe is not None:
+                probe.close()
             return False
+        who = ",".join(str(p) for p in sorted(pids)) or "none /proc shows (an fd in flight?)"
         log.warning(
             "lease %s %s, but pid(s) %s still map or hold its memfd: its %d bytes stay "
             "counted until none does",
             held.lease.id,
             why,
-            ",".join(str(p) for p in sorted(pids)),
+            who,
             held.lease.length_bytes,
         )
         # An orphan stays orphaned (the reaper reads the watch in the next report).
@@ -386,7 +401,7 @@ class Revocations:
                 LeaseOp(
                     lease_id=held.lease.id,
                     op=op,
-                    reason=f"memfd still mapped by pid(s) {','.join(map(str, sorted(pids)))}",
+                    reason=f"memfd still mapped by pid(s) {who}",
                 )
             )
         return True
@@ -403,11 +418,18 @@ class Revocations:
         """The agent's files of an ending memfd lease go (once, whoever calls), and True
         when the kernel says no other process holds or maps it (agent/release_check.py):
         then no /proc scan is needed. False: maybe held, scan."""
+        free, probe = self._end(held)
+        if probe is not None:
+            probe.close()
+        return free
+
+    def _end(self, held: HeldLease) -> tuple[bool, OnceFd | None]:
+        """:meth:`_unheld`, and the probe, still open, when the kernel says held."""
         with self._lock:
             memory, held.memory = held.memory, None
         if memory is None:
-            return False
-        return self.memory.release_check.unheld(memory)
+            return False, None
+        return self.memory.release_check.end(memory)
 
     def check_mapped(self) -> int:
         """Rescan the watched memfds (one pass); those nobody maps or holds any more are
@@ -415,12 +437,15 @@ class Revocations:
         watched = self.held.mapped()
         if not watched:
             return 0
-        found = self.scan({m.inode for m in watched})
+        found = self.scan({m.inode for m in watched}, [m.probe for m in watched if m.probe])
         freed = 0
         for m in watched:
             pids = found.pids.get(m.inode)
             if pids:
                 m.pids = set(pids)
+                continue
+            if m.probe is not None and release_check.still_held(m.probe):
+                m.pids = set()  # still open somewhere /proc does not show
                 continue
             if self.held.unwatch(m.lease_id) is None:
                 continue

@@ -427,3 +427,29 @@ def test_the_agent_keeps_no_copy_of_the_tenants_reopen_once_sent(
     # This process is the agent and the tenant: the tenant's fd, the agent's two.
     assert sorted(flags) == sorted([os.O_RDWR, os.O_RDWR, os.O_RDONLY]), flags
     lease.release()
+
+
+@needs_check
+def test_an_fd_left_in_a_socket_queue_keeps_the_bytes_counted(
+    agent: tuple[PoolClient, AgentService],
+) -> None:
+    """An fd sent into a socket and not yet received is in no process's fd table, so a
+    /proc scan alone finds nobody; the kernel still counts it, and the lease is watched
+    until the fd is received and closed."""
+    client, service = agent
+    near, far = socket.socketpair()
+    try:
+        lease = client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False)
+        socket.send_fds(near, [b"x"], [lease.fd])
+        lease.release()  # its own fd closed first, as always
+        [watched] = service.held.mapped()
+        assert (watched.lease_id, watched.pids) == (lease.lease_id, set())
+        assert service.revocations.check_mapped() == 0  # still in the queue
+        _, (fd,), _, _ = socket.recv_fds(far, 8, 1)
+        assert service.revocations.check_mapped() == 0  # received: held by this process
+        os.close(fd)
+        assert service.revocations.check_mapped() == 1
+        assert service.held.mapped() == []
+    finally:
+        near.close()
+        far.close()
