@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import bindparam, select, text
 from sqlalchemy.exc import IntegrityError
 
-from poold.ledger import agent_requests, db, leases
+from poold.ledger import agent_requests, db, leases, transitions
 from poold.ledger.db import Ledger, Prepared, classify
 from poold.ledger.models import Lease
 from poold.wire.agent import GrantRequest, LeaseOp
@@ -101,6 +101,14 @@ def test_a_pooled_connection_dropped_by_the_server_is_retried_not_unavailable(
             "WHERE datname = current_database() AND pid <> pg_backend_pid()"
         ).fetchone()
     assert killed is not None and killed[0] >= 1, own
+    stale: list[bool] = []
+
+    def counted(exc: BaseException) -> bool:
+        stale.append(db.is_stale_connection(exc))
+        return stale[-1]
+
+    monkeypatch.setattr(transitions, "is_stale_connection", counted)
     second = _grant(ledger)  # a write on a dead pooled connection: rerun, not 503
     assert second
-    assert ledger.health.down_since is None
+    assert stale == [True]  # met once, rerun once
+    assert ledger.health.down_since is None  # not counted as an outage
