@@ -215,9 +215,10 @@ def _track_first_use(engine: Engine) -> None:
 
     @event.listens_for(engine, "handle_error")
     def _stale(ctx: Any) -> None:
-        conn = ctx.connection
-        if ctx.is_disconnect and conn is not None and conn.info.get(_USED) is False:
-            ctx.sqlalchemy_exception.poold_stale_connection = True
+        conn, wrapped = ctx.connection, ctx.sqlalchemy_exception
+        fresh = conn is not None and conn.info.get(_USED) is False
+        if ctx.is_disconnect and fresh and wrapped is not None:
+            wrapped.poold_stale_connection = True
 
 
 def is_stale_connection(exc: BaseException) -> bool:
