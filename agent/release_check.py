@@ -131,7 +131,7 @@ class _Punch:
     request path: freeing 2 MiB of pages costs 0.1-0.4 ms (on the tenant's reply path
     it was the largest single cost of a release). Nothing can open the memfd any more
     (mode 0), so only an O_PATH holder could still reach it, and the punch leaves it
-    nothing. One thread per process, started at the first release.
+    nothing. One thread per process, started with the agent.
 
     While releases keep coming the thread stays awake and takes what queued every
     ``BATCH_S``, so a release wakes no thread (a wake-up per release cost the request
@@ -148,12 +148,18 @@ class _Punch:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def put(self, fd: int, probe: OnceFd, length_bytes: int) -> None:
+    def start(self) -> None:
+        """Start the thread, once per process: with the agent, since one that appeared at
+        the first release would look like a thread a peer made the agent start."""
         with self._lock:
-            self._pending += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="agent-punch", daemon=True)
                 self._thread.start()
+
+    def put(self, fd: int, probe: OnceFd, length_bytes: int) -> None:
+        self.start()
+        with self._lock:
+            self._pending += 1
         self._todo.append((fd, probe, length_bytes))
         if not self._awake:  # read after the append: see _run
             self._wake.set()
@@ -293,6 +299,8 @@ class ReleaseCheck:
     @classmethod
     def for_this_kernel(cls) -> ReleaseCheck:
         why = kernel_verdict()
+        if why is None:
+            PUNCH.start()
         return cls(why is None, why)
 
     def prepare(self, memory: Materialised) -> Materialised:
