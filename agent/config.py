@@ -156,9 +156,9 @@ class AgentConfig(DaemonSettings):
     warm_pool_bytes: ByteCount = Field(
         default=64 << 20, ge=0, description="fresh memfds kept ready for small leases; 0: off"
     )
-    # Delegated capacity (agent/delegation.py): off by default until issue 12 is done
-    # (pressure does not yet ask reservations back, and a host's budget can leave its
-    # own central grants quota_exceeded when the reservation is spent).
+    # Delegated capacity (agent/delegation.py): off by default until the races
+    # tests/e2e/test_delegation_concurrency.py shows are closed (a heartbeat before a
+    # local lease's commit, a drain or a quota cut while local grants are uncommitted).
     delegation: bool = Field(
         default=False, description="grant leases locally inside reservations poold delegates"
     )
