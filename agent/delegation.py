@@ -723,6 +723,9 @@ class DelegatedCapacity:
                     # No lease of it here for long: its budget goes back to the quota
                     # (other hosts' fair shares grow), and its next lease starts central.
                     budgets.append(BudgetWant(tenant=tenant, bytes=0, leases=0))
+                    cap = _Limit(tenant, 0, 0, cap=True)  # nothing granted meanwhile
+                    self._limits.append(cap)
+                    self._asking.append(cap)
                     for key in [k for k in d.bytes_ewma if k[0] == tenant]:
                         d.bytes_ewma.pop(key, None)
                         d.leases_ewma.pop(key, None)

@@ -147,5 +147,8 @@ def test_an_idle_tenant_gives_its_budget_back() -> None:
     want = d.wants()
     assert want is not None
     assert [(w.tenant, w.bytes, w.leases) for w in want.budgets] == [("kv", 0, 0)]
+    # Nothing is granted against the budget while poold takes it back.
+    assert d.budget_view("kv") == (0, 0)
+    assert d.grant_locally(ask(2 * MiB, tenant="kv")) is None
     later = d.wants()
     assert later is None or later.budgets == []  # asked once
