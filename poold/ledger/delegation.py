@@ -13,7 +13,8 @@ budgets, which its agent spends alone (DESIGN.md "Delegated capacity").
   tenant's generation swap, so it and a racing central grant cannot both pass. Raised
   at most to a fair share when other hosts of the tenant want some (`_set_budget`);
   lowered only by its agent, a quota cut (`claw_back`), or a central grant of the same
-  host, which spends it (`spend_for_central`).
+  host, which spends it (poold/ledger/budgets.py `spend_for_central`); raised by a
+  local grant committed past it while the quota has room (`budgets.fit_local_grant`).
 * `renew` (each heartbeat): held reservations and budgets live on for the TTL; a
   reservation on a device that is no longer online, or of a draining host, is returned
   (`return_unleased`). `claw_back`: a quota lowered below what is delegated.
@@ -22,8 +23,10 @@ budgets, which its agent spends alone (DESIGN.md "Delegated capacity").
 
 Reservation states: "held" (renewed, takes local grants), "returning" (its TTL passed,
 its device or host drains, or `audit --reclaim` found its host down: it takes no new
-lease and goes once no live lease lies in it) and "recalled" (asked back under pressure,
-`recall`: goes when its agent gives it back, or at its TTL).
+lease and goes when its agent gives it back, or once its TTL has passed with no live
+lease in it; a local grant its agent made before it heard is still committed into it)
+and "recalled" (asked back under pressure, `recall`: goes when its agent gives it back,
+or at its TTL).
 """
 
 from __future__ import annotations
@@ -293,7 +296,10 @@ def _give_back(
             raise NotOwner(f"reservation {rid} is not held by host {host_name!r}")
         inside = _leases_inside(conn, rid)
         if inside and row.state != HELD:
-            continue  # asked back or returning already: it goes when its last lease ends
+            # Asked back or returning already: its TTL is over now, so the reaper drops
+            # it once its last lease ends.
+            conn.execute(update(Reservation).where(Reservation.id == rid).values(expires_at=now))
+            continue
         if inside:
             raise ReservationInUse(
                 f"reservation {rid} still has {len(inside)} live lease(s) in it",
@@ -597,64 +603,6 @@ def _shares(conn: Connection, host_id: int, rows: Sequence[Any]) -> dict[int, tu
     return out
 
 
-def spend_for_central(
-    conn: Connection,
-    tenant_id: int,
-    host_id: int,
-    use: leases.QuotaUse,
-    quota_bytes: int,
-    quota_leases: int,
-    length_bytes: int,
-    actor: str,
-) -> leases.QuotaUse:
-    """A central grant of `length_bytes` asked by host `host_id` that the tenant's quota
-    refuses only because of the tenant's unspent budget on that same host: spend that
-    budget on it (the budget shrinks by what the grant needs, never below the host's
-    local use, with a `budget.spend` event) and return the quota use after. Unchanged
-    when the budget cannot cover the excess: the caller refuses `quota_exceeded`.
-
-    Safe because the agent asking lowered its own view of the budget by the request
-    before it sent it (agent/delegation.py), and delivered its local grants of the
-    tenant first: what it may still grant alone fits what is left here. Runs inside the
-    grant's transaction, which swaps the tenant's generation: a racing local grant,
-    budget change or clawback makes one of them read again.
-    """
-    budget = use.budgets.get(host_id)
-    if budget is None:
-        return use
-    local_bytes, local_leases = use.local.get(host_id, (0, 0))
-    over_bytes = max(0, use.bytes() + length_bytes - quota_bytes)
-    over_leases = max(0, use.leases() + 1 - quota_leases)
-    give_bytes = min(over_bytes, max(0, budget[0] - local_bytes))
-    give_leases = min(over_leases, max(0, budget[1] - local_leases))
-    if (give_bytes, give_leases) != (over_bytes, over_leases) or not (give_bytes or give_leases):
-        return use
-    new = (budget[0] - give_bytes, budget[1] - give_leases)
-    conn.execute(
-        update(Budget)
-        .where(Budget.tenant_id == tenant_id, Budget.host_id == host_id)
-        .values(bytes=new[0], leases=new[1])
-    )
-    transitions.record(
-        conn,
-        event_row(
-            actor=actor,
-            kind="budget.spend",
-            tenant_id=tenant_id,
-            host_id=host_id,
-            reason="a central grant of this host spent its unspent budget",
-            detail={
-                "bytes": new[0],
-                "leases": new[1],
-                "spent_bytes": give_bytes,
-                "spent_leases": give_leases,
-                "length_bytes": length_bytes,
-            },
-        ),
-    )
-    return dataclasses.replace(use, budgets={**use.budgets, host_id: new})
-
-
 def _renew_budget(conn: Connection, tenant_id: int, host_id: int, expires_at: datetime) -> None:
     conn.execute(
         update(Budget)
@@ -722,9 +670,16 @@ def return_unleased(
     host_id: int | None = None,
     expired_before: datetime | None = None,
     reservation_ids: Sequence[str] | None = None,
+    drop_empty: bool = False,
 ) -> int:
-    """Return the matching reservations: those with no live lease inside go, the others
-    are `returning` (no new lease) until their leases end; how many went."""
+    """Return the matching reservations: each becomes `returning` (listed to its agent no
+    more, so it takes no new local lease); how many went.
+
+    One goes only when its agent gives it back or its TTL has passed (`drop_empty`, the
+    reaper and `audit --reclaim`) with no live lease inside: a reservation with no lease
+    poold knows of may still hold a local lease its agent granted before it heard, whose
+    local_grant is on its way (a drain used to drop it, and that commit was refused
+    `unknown_reservation`)."""
     where: list[Any] = []
     if device_id is not None:
         where.append(Reservation.device_id == device_id)
@@ -752,7 +707,7 @@ def return_unleased(
     )
     freed: set[int] = set()
     for r in rows:
-        if r.id in busy:
+        if r.id in busy or not drop_empty:
             if r.state != RETURNING:
                 conn.execute(
                     update(Reservation).where(Reservation.id == r.id).values(state=RETURNING)
@@ -762,7 +717,7 @@ def return_unleased(
         freed.add(r.device_id)
     for dev in sorted(freed):
         transitions.bump(conn, Device, dev)
-    return len([r for r in rows if r.id not in busy])
+    return len([r for r in rows if r.id not in busy]) if drop_empty else 0
 
 
 def recall(conn: Connection, reservation_ids: Sequence[str], actor: str, reason: str) -> list[str]:
@@ -858,19 +813,10 @@ def reap(conn: Connection, now: datetime) -> int:
     )
     gone = 0
     if expired:
+        # A returning one too: not renewed, it goes here once its last lease has ended.
         gone += return_unleased(
-            conn, "poold", "ttl passed without renewal", reservation_ids=expired
+            conn, "poold", "ttl passed without renewal", reservation_ids=expired, drop_empty=True
         )
-    ended = list(
-        conn.execute(
-            select(Reservation.id).where(
-                Reservation.state == RETURNING,
-                ~select(Lease.id).where(Lease.reservation_id == Reservation.id, _LIVE_SQL).exists(),
-            )
-        ).scalars()
-    )
-    if ended:
-        gone += return_unleased(conn, "poold", "its last lease ended", reservation_ids=ended)
     stale_budgets = list(
         conn.execute(
             select(Budget.id)
@@ -936,7 +882,9 @@ def return_for_audit(ledger: Ledger, items: Sequence[Any], actor: str) -> int:
             )
             if not ids:
                 return 0
-            return return_unleased(conn, actor, "audit: its host is down", reservation_ids=ids)
+            return return_unleased(
+                conn, actor, "audit: its host is down", reservation_ids=ids, drop_empty=True
+            )
 
     went = transitions.retrying(attempt, what="returning reservations of down hosts")
     for it in todo:

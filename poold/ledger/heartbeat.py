@@ -380,20 +380,22 @@ def _clear_shrink_requests(session: Session, host: Host) -> None:
 
 
 def held_but_ended(session: Session, host: Host, held: list[str]) -> list[str]:
-    """Lease ids the agent holds memory for that the ledger no longer has live here."""
+    """Lease ids the agent holds memory for that the ledger has, but not live here.
+
+    An id the ledger has no row of at all is not ended: it is a lease the agent granted
+    alone inside its delegation whose local_grant is still on its way (local grants
+    reach poold seconds behind under load; a central lease is in the ledger before its
+    agent holds it, and lease rows are never deleted). Its commit decides its fate."""
     live: set[str] = set()
+    known: set[str] = set()
     for chunk in transitions.chunks(held):
-        live.update(
-            lease_id
-            for (lease_id,) in session.execute(
-                select(Lease.id).where(
-                    Lease.id.in_(chunk),
-                    Lease.host_id == host.id,
-                    Lease.state.in_(LIVE_STATE_VALUES),
-                )
-            )
-        )
-    return [lease_id for lease_id in held if lease_id not in live]
+        for lease_id, host_id, state in session.execute(
+            select(Lease.id, Lease.host_id, Lease.state).where(Lease.id.in_(chunk))
+        ):
+            known.add(lease_id)
+            if host_id == host.id and state in LIVE_STATE_VALUES:
+                live.add(lease_id)
+    return [lease_id for lease_id in held if lease_id in known and lease_id not in live]
 
 
 def hold_revoked(session: Session, host: Host, lease_ids: list[str], now: datetime) -> None:

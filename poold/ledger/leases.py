@@ -30,7 +30,6 @@ nothing, and a grant does not return their results.
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -66,7 +65,8 @@ from poold.lease_states import (
     LeaseState,
     next_state,
 )
-from poold.ledger import agent_requests, devices, lease_views, tenants, transitions
+from poold.ledger import agent_requests, budgets, devices, lease_views, tenants, transitions
+from poold.ledger.budgets import QuotaUse
 from poold.ledger.db import Ledger, Prepared
 from poold.ledger.models import (
     Budget,
@@ -331,10 +331,16 @@ def _grant_once(
         used_leases + 1 > tenant.quota_leases or used_bytes + length > tenant.quota_bytes
     ):
         # The quota is held by this host's own unspent budget: the grant spends it.
-        from poold.ledger import delegation  # here: delegation imports this module
-
-        use = delegation.spend_for_central(
-            conn, tenant.id, host_id, use, tenant.quota_bytes, tenant.quota_leases, length, actor
+        use = budgets.spend_for_central(
+            conn,
+            tenant.id,
+            host_id,
+            use,
+            tenant.quota_bytes,
+            tenant.quota_leases,
+            length,
+            actor,
+            reported=req.local_use.use_for(tenant.name) if req.local_use else None,
         )
         used_bytes, used_leases = use.bytes(), use.leases()
     if used_leases + 1 > tenant.quota_leases:
@@ -446,36 +452,6 @@ def _grant_once(
             "local_name": path["local_name"],
         }
     )
-
-
-@dataclass(frozen=True)
-class QuotaUse:
-    """What counts against a tenant's quota: its central leases, and per host the larger
-    of its budget there and its local leases there (a budget clawed back below what its
-    agent already granted still counts what was granted)."""
-
-    central_bytes: int = 0
-    central_leases: int = 0
-    # host id -> (bytes, leases)
-    local: Mapping[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
-    budgets: Mapping[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
-
-    def _per_host(self, i: int, skip_host: int | None) -> int:
-        hosts = (set(self.local) | set(self.budgets)) - {skip_host}
-        return sum(max(self.local.get(h, (0, 0))[i], self.budgets.get(h, (0, 0))[i]) for h in hosts)
-
-    def bytes(self, skip_host: int | None = None) -> int:
-        """Quota bytes in use (not counting `skip_host`'s budget and local leases)."""
-        return self.central_bytes + self._per_host(0, skip_host)
-
-    def leases(self, skip_host: int | None = None) -> int:
-        return self.central_leases + self._per_host(1, skip_host)
-
-    def delegated_bytes(self) -> int:
-        return self._per_host(0, None)
-
-    def delegated_leases(self) -> int:
-        return self._per_host(1, None)
 
 
 def quota_use(conn: Connection, tenant_id: int) -> QuotaUse:
@@ -820,13 +796,33 @@ def _local_grant(
             lease_id=grant.lease_id,
             other_lease_id=other,
         )
+    if grant.requested_bytes > grant.length_bytes:
+        raise BadRequest(
+            f"lease {grant.lease_id} requested more bytes than it holds",
+            lease_id=grant.lease_id,
+        )
+    check_ints_fit(Lease.__table__, {"holder_uid": grant.uid, "holder_pid": grant.pid})
     params = {"tenant_id": tenant.id, "host_id": host_id}
     budget = conn.execute(_BUDGET_OF, params).one_or_none()
     spent_bytes, spent_leases = (int(x) for x in conn.execute(_LOCAL_USE, params).one())
+    # The budget is a mechanism, the quota the invariant: a grant its agent made before
+    # hearing its budget was lowered (a quota cut, a central grant of this host, a fair
+    # share) is kept when the quota has room for it (budgets.fit_local_grant).
     if (
         budget is None
         or spent_leases + 1 > budget.leases
         or spent_bytes + grant.length_bytes > budget.bytes
+    ) and not budgets.fit_local_grant(
+        conn,
+        tenant_id=tenant.id,
+        host_id=host_id,
+        use=quota_use(conn, tenant.id),
+        quota_bytes=tenant.quota_bytes,
+        quota_leases=tenant.quota_leases,
+        length_bytes=grant.length_bytes,
+        expires_at=res.expires_at,
+        lease_id=grant.lease_id,
+        actor=actor,
     ):
         raise BudgetExceeded(
             f"tenant {tenant.name!r} on host {host_name!r} would hold "
@@ -837,12 +833,6 @@ def _local_grant(
             budget_bytes=0 if budget is None else budget.bytes,
             budget_leases=0 if budget is None else budget.leases,
         )
-    if grant.requested_bytes > grant.length_bytes:
-        raise BadRequest(
-            f"lease {grant.lease_id} requested more bytes than it holds",
-            lease_id=grant.lease_id,
-        )
-    check_ints_fit(Lease.__table__, {"holder_uid": grant.uid, "holder_pid": grant.pid})
     if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
         raise transitions.LostRace
     _INSERT_LEASE.write(

@@ -283,6 +283,21 @@ class AgentOps(Model):
     request_id: RequestId | None = None
 
 
+class LocalUse(Model):
+    """The agent's own count of a tenant's local leases on its host, those poold has not
+    heard of yet included: sent with a central grant that may spend the host's budget
+    of the tenant, which poold then spends only down to the larger of this and what it
+    has committed (poold/ledger/budgets.py spend_for_central)."""
+
+    tenant: TenantName
+    bytes: int = Field(ge=0, lt=1 << 63)
+    leases: int = Field(ge=0, lt=1 << 31)
+
+    def use_for(self, tenant: str) -> tuple[int, int] | None:
+        """(bytes, leases) when it counts ``tenant`` (the one poold resolved), else None."""
+        return (self.bytes, self.leases) if self.tenant == tenant else None
+
+
 class GrantRequest(Model):
     """What an agent asks for on behalf of a tenant process it authenticated.
 
@@ -309,6 +324,8 @@ class GrantRequest(Model):
     # The agent's queued transitions, applied (in their own transaction) first,
     # so a release just before this grant frees its bytes and quota in time.
     pending: list[LeaseOp] = Field(default_factory=list, max_length=100_000)
+    # Delegation on: the agent's count of the tenant's local use here (None: not sent).
+    local_use: LocalUse | None = None
 
 
 class RenewRequest(Model):

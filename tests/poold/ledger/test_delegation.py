@@ -169,12 +169,25 @@ def test_no_reservation_on_a_draining_device_and_drain_returns_unleased(
         ledger, "dev-0", "admin", deadline_s=3600.0, now_=False, revoke_deadline_s=30.0
     )
     with ledger.read() as s:
-        left = list(s.execute(select(Reservation.id, Reservation.state)))
-    # The one with a lease inside stays (returning) until it ends; the other went.
-    assert left == [(d.reservations[0].id, delegation.RETURNING)]
+        left = set(s.execute(select(Reservation.id, Reservation.state)))
+    # Both are returning (listed no more), neither went: the agent may have granted in
+    # the one with no lease poold knows of before it heard, and that lease commits.
+    assert left == {(r.id, delegation.RETURNING) for r in d.reservations}
     after = _delegate(ledger, reserve=[ReserveWant(bytes=2 * MiB)])
     assert after.reservations == []
+    unleased = Delegation(server_time=d.server_time, reservations=[d.reservations[1]])
+    assert _ops(ledger, _local(unleased, "L2")) == [("active", None)]
+    leases.end(ledger, "L2", leases.LeaseEvent.RELEASE, "agent:h1", host_name="h1")
+    with ledger.write_conn() as conn:
+        delegation.reap(conn, utcnow())
+    with ledger.read() as s:  # still there: neither given back nor past its TTL
+        assert s.scalar(select(func.count()).select_from(Reservation)) == 2
+    # The agent gives back both once it holds no lease there (L1's release on its way).
+    _delegate(ledger, give_back=[r.id for r in d.reservations])
+    with ledger.read() as s:
+        assert list(s.execute(select(Reservation.id))) == [(d.reservations[0].id,)]
     leases.end(ledger, "L1", leases.LeaseEvent.RELEASE, "agent:h1", host_name="h1")
+    heartbeat.receive_heartbeat(ledger, "h1", Heartbeat(), "agent:h1")  # spoke since
     with ledger.write_conn() as conn:
         delegation.reap(conn, utcnow())
     with ledger.read() as s:
@@ -256,7 +269,7 @@ def test_a_quota_cut_claws_budgets_back_but_not_below_what_is_granted(ledger: Le
 
 
 def test_a_local_grant_is_recorded_once_inside_its_reservation(ledger: Ledger) -> None:
-    seed(ledger)
+    seed(ledger, quota_leases=1)  # past its budget, a local grant must fit the quota
     d = _delegate(
         ledger,
         reserve=[ReserveWant(bytes=8 * MiB)],
@@ -278,7 +291,7 @@ def test_a_local_grant_is_recorded_once_inside_its_reservation(ledger: Ledger) -
         _local(d, "L2", offset=0),  # overlaps L1
         _local(d, "L3", offset=8 * MiB),  # past the reservation's end
         _local(d, "L4", offset=2 * MiB, epoch=EPOCH_BLOCK),  # past its epoch block
-        _local(d, "L5", offset=2 * MiB),  # the budget's one lease is spent
+        _local(d, "L5", offset=2 * MiB),  # the budget's (and the quota's) one lease is spent
     ) == [
         (None, "local_grant_mismatch"),
         (None, "lease_overlap"),
@@ -331,8 +344,9 @@ def test_a_draining_host_returns_its_unleased_reservations(ledger: Ledger) -> No
     seed(ledger)
     _delegate(ledger, reserve=[ReserveWant(bytes=4 * MiB)])
     admin_ops.drain_host(ledger, "h1", "admin")
-    with ledger.read() as s:
-        assert s.scalar(select(func.count()).select_from(Reservation)) == 0
+    with ledger.read() as s:  # returning until the agent gives them back (or the TTL)
+        assert set(s.execute(select(Reservation.state)).scalars()) == {delegation.RETURNING}
+    assert heartbeat.receive_heartbeat(ledger, "h1", Heartbeat(), "agent:h1").delegation
     with ledger.write() as s:
         assert hosts.get_by_name(s, "h1").status == "draining"
 

@@ -20,7 +20,7 @@ from poold.ledger import delegation, heartbeat, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Budget, Event
 from poold.ledger.types import utcnow
-from poold.wire.agent import GrantRequest, Heartbeat, LeaseOp
+from poold.wire.agent import GrantRequest, Heartbeat, LeaseOp, LocalUse
 from poold.wire.delegation import BudgetWant, Delegation, DelegationRequest, LocalGrant, ReserveWant
 from tests.poold.conftest import UID, MiB, at_once, device, seed
 
@@ -196,3 +196,81 @@ def test_a_second_host_of_the_tenant_is_not_starved_by_the_first(ledger: Ledger)
     # A host that no longer wants the tenant (asks 0) leaves the share to the other.
     _delegate(ledger, "h2", budgets=[BudgetWant(tenant="t1", bytes=0, leases=0)])
     assert _budget(ledger, 2) is None
+
+
+# --- local grants poold has not heard of yet (issue 12: the concurrency run's races) ----
+
+
+def test_a_central_grant_spends_only_past_the_local_use_the_agent_reports(
+    ledger: Ledger,
+) -> None:
+    seed(ledger, quota_bytes=16 * MiB, quota_leases=4)
+    d = _delegate(
+        ledger,
+        reserve=[ReserveWant(bytes=8 * MiB)],
+        budgets=[BudgetWant(tenant="t1", bytes=64 * MiB, leases=16)],
+    )
+    assert [(b.bytes, b.leases) for b in d.budgets] == [(16 * MiB, 4)]
+    # The agent has granted two 2 MiB leases locally; poold has heard of neither.
+    reported = LocalUse(tenant="t1", bytes=4 * MiB, leases=2)
+    lease = leases.grant(
+        ledger, "h1", _grant(8 * MiB).model_copy(update={"local_use": reported}), "agent:h1"
+    )
+    assert lease.reservation_id is None
+    assert _budget(ledger) == (8 * MiB, 3)  # not below the reported 4 MiB, 2 leases
+    with pytest.raises(QuotaExceeded):  # what is left is the agent's own local use
+        leases.grant(
+            ledger, "h1", _grant(6 * MiB).model_copy(update={"local_use": reported}), "agent:h1"
+        )
+    assert _budget(ledger) == (8 * MiB, 3)
+    # Both commits later: inside the budget left.
+    ops = [_local(d, "L1", 0, 0), _local(d, "L2", 2 * MiB, 1)]
+    assert [r.code for r in leases.apply_ops(ledger, "h1", ops, "agent:h1")] == [None, None]
+    assert _use(ledger) == (16 * MiB, 4)
+    # Another tenant's count says nothing of this one.
+    other = LocalUse(tenant="t2", bytes=4 * MiB, leases=2)
+    assert other.use_for("t1") is None
+
+
+def test_a_local_grant_past_a_lowered_budget_is_kept_while_the_quota_has_room(
+    ledger: Ledger,
+) -> None:
+    seed(ledger, quota_bytes=16 * MiB, quota_leases=8)
+    d = _delegate(
+        ledger,
+        reserve=[ReserveWant(bytes=8 * MiB)],
+        budgets=[BudgetWant(tenant="t1", bytes=4 * MiB, leases=2)],
+    )
+    assert [(b.bytes, b.leases) for b in d.budgets] == [(4 * MiB, 2)]
+    # The agent granted three before hearing that its budget is 2 leases: the third
+    # fits the quota, so it is kept and the budget raised to it.
+    ops = [_local(d, f"L{i}", 2 * MiB * i, i) for i in range(3)]
+    assert [r.code for r in leases.apply_ops(ledger, "h1", ops, "agent:h1")] == [None] * 3
+    assert _budget(ledger) == (6 * MiB, 3)
+    with ledger.read() as s:
+        raised = s.execute(select(Event.detail).where(Event.kind == "budget.raise")).scalars()
+        assert [(e["bytes"], e["leases"], e["lease_id"]) for e in raised] == [(6 * MiB, 3, "L2")]
+    # Central leases fill the rest of the quota: a fourth local grant no longer fits it.
+    leases.grant(ledger, "h1", _grant(8 * MiB), "agent:h1")
+    leases.grant(ledger, "h1", _grant(2 * MiB), "agent:h1")
+    assert _use(ledger) == (16 * MiB, 5)
+    [result] = leases.apply_ops(ledger, "h1", [_local(d, "L3", 6 * MiB, 3)], "agent:h1")
+    assert result.code == "budget_exceeded"
+    assert _use(ledger) == (16 * MiB, 5)
+
+
+def test_a_heartbeat_does_not_call_a_lease_it_has_not_heard_of_ended(ledger: Ledger) -> None:
+    seed(ledger)
+    d = _delegate(
+        ledger,
+        reserve=[ReserveWant(bytes=4 * MiB)],
+        budgets=[BudgetWant(tenant="t1", bytes=4 * MiB, leases=2)],
+    )
+    [ok] = leases.apply_ops(ledger, "h1", [_local(d, "L1", 0, 0)], "agent:h1")
+    assert ok.code is None
+    leases.end(ledger, "L1", leases.LeaseEvent.RELEASE, "agent:h1", host_name="h1")
+    # L2 is a local grant whose local_grant is still queued: not ended. L1 is.
+    reply = heartbeat.receive_heartbeat(ledger, "h1", Heartbeat(held=["L1", "L2"]), "agent:h1")
+    assert [r.lease_id for r in reply.revocations] == ["L1"]
+    [late] = leases.apply_ops(ledger, "h1", [_local(d, "L2", 2 * MiB, 1)], "agent:h1")
+    assert (late.code, late.state) == (None, "active")

@@ -1,0 +1,182 @@
+"""How a tenant's budgets move when a lease is granted: what counts against its quota
+(`QuotaUse`), a central grant spending its own host's budget (`spend_for_central`) and a
+local grant committed past its host's budget while the quota has room (`fit_local_grant`).
+
+Its own module so that the grant path (poold/ledger/leases.py) and the delegation
+(poold/ledger/delegation.py) both use it without importing each other. The rule behind
+both moves: the budget is a mechanism, the quota is the invariant (docs/design-changes.md
+"Local grants poold has not heard of yet").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Connection, insert, update
+
+from poold.ledger import transitions
+from poold.ledger.models import Budget
+from poold.ledger.transitions import event_row
+from poold.ledger.types import utcnow
+
+
+@dataclass(frozen=True)
+class QuotaUse:
+    """What counts against a tenant's quota: its central leases, and per host the larger
+    of its budget there and its local leases there (a budget clawed back below what its
+    agent already granted still counts what was granted)."""
+
+    central_bytes: int = 0
+    central_leases: int = 0
+    # host id -> (bytes, leases)
+    local: Mapping[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    budgets: Mapping[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    def _per_host(self, i: int, skip_host: int | None) -> int:
+        hosts = (set(self.local) | set(self.budgets)) - {skip_host}
+        return sum(max(self.local.get(h, (0, 0))[i], self.budgets.get(h, (0, 0))[i]) for h in hosts)
+
+    def bytes(self, skip_host: int | None = None) -> int:
+        """Quota bytes in use (not counting `skip_host`'s budget and local leases)."""
+        return self.central_bytes + self._per_host(0, skip_host)
+
+    def leases(self, skip_host: int | None = None) -> int:
+        return self.central_leases + self._per_host(1, skip_host)
+
+    def delegated_bytes(self) -> int:
+        return self._per_host(0, None)
+
+    def delegated_leases(self) -> int:
+        return self._per_host(1, None)
+
+
+def spend_for_central(
+    conn: Connection,
+    tenant_id: int,
+    host_id: int,
+    use: QuotaUse,
+    quota_bytes: int,
+    quota_leases: int,
+    length_bytes: int,
+    actor: str,
+    reported: tuple[int, int] | None = None,
+) -> QuotaUse:
+    """A central grant of `length_bytes` asked by host `host_id` that the tenant's quota
+    refuses only because of the tenant's unspent budget on that same host: spend that
+    budget on it (the budget shrinks by what the grant needs, never below the host's
+    local use, with a `budget.spend` event) and return the quota use after. Unchanged
+    when the budget cannot cover the excess: the caller refuses `quota_exceeded`.
+
+    The host's local use is the larger of what poold has committed and what the agent
+    `reported` with the request (its own count, local grants not yet committed
+    included): the agent lowered its view of the budget by the request in the same
+    step, so what it may still grant alone fits what is left here, and it need not wait
+    for its earlier local grants to reach poold. Runs inside the grant's transaction,
+    which swaps the tenant's generation: a racing local grant, budget change or
+    clawback makes one of them read again.
+    """
+    budget = use.budgets.get(host_id)
+    if budget is None:
+        return use
+    local_bytes, local_leases = use.local.get(host_id, (0, 0))
+    if reported is not None:
+        local_bytes, local_leases = max(local_bytes, reported[0]), max(local_leases, reported[1])
+    over_bytes = max(0, use.bytes() + length_bytes - quota_bytes)
+    over_leases = max(0, use.leases() + 1 - quota_leases)
+    give_bytes = min(over_bytes, max(0, budget[0] - local_bytes))
+    give_leases = min(over_leases, max(0, budget[1] - local_leases))
+    if (give_bytes, give_leases) != (over_bytes, over_leases) or not (give_bytes or give_leases):
+        return use
+    new = (budget[0] - give_bytes, budget[1] - give_leases)
+    conn.execute(
+        update(Budget)
+        .where(Budget.tenant_id == tenant_id, Budget.host_id == host_id)
+        .values(bytes=new[0], leases=new[1])
+    )
+    transitions.record(
+        conn,
+        event_row(
+            actor=actor,
+            kind="budget.spend",
+            tenant_id=tenant_id,
+            host_id=host_id,
+            reason="a central grant of this host spent its unspent budget",
+            detail={
+                "bytes": new[0],
+                "leases": new[1],
+                "spent_bytes": give_bytes,
+                "spent_leases": give_leases,
+                "length_bytes": length_bytes,
+            },
+        ),
+    )
+    return dataclasses.replace(use, budgets={**use.budgets, host_id: new})
+
+
+def fit_local_grant(
+    conn: Connection,
+    *,
+    tenant_id: int,
+    host_id: int,
+    use: QuotaUse,
+    quota_bytes: int,
+    quota_leases: int,
+    length_bytes: int,
+    expires_at: datetime,
+    lease_id: str,
+    actor: str,
+) -> bool:
+    """A local grant of `length_bytes` on host `host_id` that its budget there no longer
+    covers (lowered after the agent granted it: a quota cut, a central grant of the host,
+    a fair-share cap): raise the budget to fit when the tenant's quota still has room for
+    the lease, with a `budget.raise` event. False: the quota itself would be exceeded.
+
+    The caller swaps the tenant's generation in the same transaction, so a racing grant
+    or clawback reads again."""
+    local_bytes, local_leases = use.local.get(host_id, (0, 0))
+    old = use.budgets.get(host_id)
+    new = (
+        max(old[0] if old else 0, local_bytes + length_bytes),
+        max(old[1] if old else 0, local_leases + 1),
+    )
+    after = dataclasses.replace(use, budgets={**use.budgets, host_id: new})
+    if after.bytes() > quota_bytes or after.leases() > quota_leases:
+        return False
+    if old is None:
+        conn.execute(
+            insert(Budget),
+            {
+                "tenant_id": tenant_id,
+                "host_id": host_id,
+                "bytes": new[0],
+                "leases": new[1],
+                "created_at": utcnow(),
+                "expires_at": expires_at,
+            },
+        )
+    else:
+        conn.execute(
+            update(Budget)
+            .where(Budget.tenant_id == tenant_id, Budget.host_id == host_id)
+            .values(bytes=new[0], leases=new[1])
+        )
+    transitions.record(
+        conn,
+        event_row(
+            actor=actor,
+            kind="budget.raise",
+            tenant_id=tenant_id,
+            host_id=host_id,
+            reason="a local grant its host made before its budget was lowered fits the quota",
+            detail={
+                "bytes": new[0],
+                "leases": new[1],
+                "length_bytes": length_bytes,
+                "lease_id": lease_id,
+            },
+        ),
+    )
+    return True
