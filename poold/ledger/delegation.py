@@ -613,8 +613,14 @@ def _renew_budget(conn: Connection, tenant_id: int, host_id: int, expires_at: da
 
 def claw_back(conn: Connection, tenant_id: int) -> None:
     """Reduce the tenant's budgets until its quota use fits its quota again (a quota was
-    lowered): the hosts with the most unspent budget give first; a budget never goes
-    below what its host already granted. Agents learn it from their next reply."""
+    lowered); agents learn it from their next reply.
+
+    First down to the fair share of the new quota (`fair_share`), the hosts holding the
+    most above it first, then, if still over, down to what each host granted as poold
+    knows it. A budget never goes below its host's committed local use; and a host that
+    had granted no more than its fair share keeps room for it, though poold may not have
+    heard of those grants yet (their commit is then within its budget, or, past it, within
+    the quota: leases.py `_local_grant`)."""
     tenant = conn.execute(
         select(Tenant.quota_bytes, Tenant.quota_leases).where(Tenant.id == tenant_id)
     ).one()
@@ -624,20 +630,22 @@ def claw_back(conn: Connection, tenant_id: int) -> None:
     if over_bytes <= 0 and over_leases <= 0:
         return
     budgets = dict(use.budgets)
+    n = max(1, len(budgets))
+    fair = (
+        fair_share(tenant.quota_bytes, use.central_bytes, n),
+        fair_share(tenant.quota_leases, use.central_leases, n),
+    )
     for i, over in ((0, over_bytes), (1, over_leases)):
-        spare = sorted(
-            budgets,
-            key=lambda h: -(budgets[h][i] - use.local.get(h, (0, 0))[i]),
-        )
-        for host in spare:
-            if over <= 0:
-                break
-            cur = list(budgets[host])
-            floor = use.local.get(host, (0, 0))[i]
-            give = min(over, max(0, cur[i] - floor))
-            cur[i] -= give
-            over -= give
-            budgets[host] = (cur[0], cur[1])
+        committed = {h: use.local.get(h, (0, 0))[i] for h in budgets}
+        for floors in ({h: max(fair[i], c) for h, c in committed.items()}, committed):
+            for host in sorted(budgets, key=lambda h: floors[h] - budgets[h][i]):
+                if over <= 0:
+                    break
+                cur = list(budgets[host])
+                give = min(over, max(0, cur[i] - floors[host]))
+                cur[i] -= give
+                over -= give
+                budgets[host] = (cur[0], cur[1])
     for host, (nbytes, nleases) in budgets.items():
         if (nbytes, nleases) != use.budgets[host]:
             conn.execute(

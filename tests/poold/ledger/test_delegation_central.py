@@ -16,10 +16,11 @@ import pytest
 from sqlalchemy import select
 
 from poold.errors import QuotaExceeded
-from poold.ledger import delegation, heartbeat, leases
+from poold.ledger import delegation, heartbeat, leases, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Budget, Event
 from poold.ledger.types import utcnow
+from poold.wire.admin import TenantUpdate
 from poold.wire.agent import GrantRequest, Heartbeat, LeaseOp, LocalUse
 from poold.wire.delegation import BudgetWant, Delegation, DelegationRequest, LocalGrant, ReserveWant
 from tests.poold.conftest import UID, MiB, at_once, device, seed
@@ -273,4 +274,26 @@ def test_a_heartbeat_does_not_call_a_lease_it_has_not_heard_of_ended(ledger: Led
     reply = heartbeat.receive_heartbeat(ledger, "h1", Heartbeat(held=["L1", "L2"]), "agent:h1")
     assert [r.lease_id for r in reply.revocations] == ["L1"]
     [late] = leases.apply_ops(ledger, "h1", [_local(d, "L2", 2 * MiB, 1)], "agent:h1")
+    assert (late.code, late.state) == (None, "active")
+
+
+def test_a_quota_cut_leaves_each_host_its_fair_share_first(ledger: Ledger) -> None:
+    seed(ledger, quota_bytes=256 * MiB, quota_leases=64)
+    seed(ledger, host="h2", devices=[device("dev-1")], tenant=None)
+    d1 = _delegate(
+        ledger,
+        reserve=[ReserveWant(bytes=8 * MiB)],
+        budgets=[BudgetWant(tenant="t1", bytes=64 * MiB, leases=16)],
+    )
+    _delegate(ledger, "h2", budgets=[BudgetWant(tenant="t1", bytes=64 * MiB, leases=16)])
+    # h1 granted one lease poold has not heard of: poold sees no use there at all.
+    tenants.update_tenant(
+        ledger,
+        "t1",
+        TenantUpdate(quota_bytes=8 * MiB, quota_leases=4),
+        "admin",
+        delegation.claw_back,
+    )
+    assert _budget(ledger, 1) == (4 * MiB, 2) and _budget(ledger, 2) == (4 * MiB, 2)
+    [late] = leases.apply_ops(ledger, "h1", [_local(d1, "L1", 0, 0)], "agent:h1")
     assert (late.code, late.state) == (None, "active")
