@@ -45,7 +45,7 @@ from poold.errors import (
 )
 from poold.extents import Extent
 from poold.lease_states import LeaseState
-from poold.wire.agent import GrantRequest, LeaseOp
+from poold.wire.agent import GrantRequest, LeaseOp, LocalUse
 from poold.wire.common import LeaseOut
 from poold.wire.delegation import (
     EPOCH_BLOCK,
@@ -114,8 +114,6 @@ UNKNOWN_OUTCOME_S = 60.0
 # After poold asks a reservation back (pressure), no refill of that media for this long:
 # the bytes are for whoever waits for them, not for this host's headroom again.
 RECALL_COOLDOWN_S = 30.0
-# How long a central grant waits for the tenant's local grants before it to reach poold.
-CENTRAL_WAIT_S = 10.0
 
 
 @dataclass(eq=False)
@@ -135,8 +133,9 @@ class _Limit:
     leases: int
     cap: bool = False
     settled_at: float | None = None  # None: its request is still on its way
-    # The tenant's local leases when a debit was taken (poold must have them first).
-    before: frozenset[str] = frozenset()
+    # A debit: the tenant's local use here (bytes, leases; uncommitted grants included)
+    # when it was taken, which the central request tells poold (GrantRequest.local_use).
+    local_use: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -575,8 +574,9 @@ class DelegatedCapacity:
                 return None
             tenant = entry.budget.tenant
             size = -(-req.size_bytes // max(1, alignment_bytes)) * max(1, alignment_bytes)
-            before = frozenset(x.lease_id for x in self._leases.values() if x.tenant == tenant)
-            limit = _Limit(tenant, size, 1, before=before)
+            # Read with the debit under one lock: every local grant after it fits the
+            # lowered view, every one before it is in this count.
+            limit = _Limit(tenant, size, 1, local_use=self._used_by(tenant))
             self._limits.append(limit)
             return limit
 
@@ -916,16 +916,19 @@ class LocalGrants:
         """poold's grant of ``req`` (``grant``: the link's), which poold may pay from this
         host's budget of the tenant: the agent's view of that budget is lowered by the
         request before it leaves (so no local grant meanwhile spends what poold takes),
-        and the tenant's earlier local grants reach poold first (poold spends the budget
-        only down to the local leases it knows of)."""
+        and the request says the tenant's local use here as the agent counts it, local
+        grants poold has not heard of included (poold spends the budget only down to the
+        larger of that and what it has committed). So it need not wait for those to be
+        committed, however far behind the outbox is."""
         limit = self.capacity.debit(req, self._alignment())
         if limit is None:
             return self._central(req, grant)
-        try:
-            self._deliver_first(limit.before)
-        except BaseException:
-            self.capacity.drop(limit)
-            raise
+        used_bytes, used_leases = limit.local_use
+        req = req.model_copy(
+            update={
+                "local_use": LocalUse(tenant=limit.tenant, bytes=used_bytes, leases=used_leases)
+            }
+        )
         try:
             lease = grant(req)
         except PoolError as err:
@@ -956,33 +959,6 @@ class LocalGrants:
         aligns = [d.alignment_bytes for d in self.link.inventory]
         aligns += [r.alignment_bytes for r in self.capacity.reservations()]
         return max(aligns, default=1)
-
-    def _deliver_first(self, lease_ids: frozenset[str]) -> None:
-        """Wait (at most CENTRAL_WAIT_S) until poold has the local_grant of each of these
-        leases, or they were given up; the outbox is flushed meanwhile."""
-        deadline = time.monotonic() + CENTRAL_WAIT_S
-        flushed = False
-        while True:
-            with self._lock:
-                waiting = {i for i in lease_ids if i in self._uncommitted or i in self._plans}
-                queued = any(i in self._uncommitted for i in waiting)
-            if not waiting:
-                return
-            if queued and not flushed:
-                self.link.flush()  # waits for a flush on its way, then sends the rest
-                flushed = True
-                continue
-            # No poold answers at all: no use waiting. Otherwise (a failover, a refused or
-            # lost batch, ops on their way in another exchange) keep sending until the end.
-            if not self.link.reachable or time.monotonic() >= deadline:
-                raise PooldUnreachable(
-                    f"{len(waiting)} local lease(s) of this tenant are not yet committed to "
-                    "poold; a central grant waits for them (is poold answering?)",
-                    uncommitted=len(waiting),
-                )
-            with self._changed:
-                self._changed.wait(0.02)
-            flushed = False  # held back behind another exchange: send again
 
     # --- poold's side -----------------------------------------------------------------
     def replace(self, delegation: Delegation, sent_at: float | None = None) -> None:

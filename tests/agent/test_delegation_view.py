@@ -66,6 +66,22 @@ def test_a_central_grant_lowers_the_view_until_a_later_reply_says_it() -> None:
     assert d.debit(ask(2 * MiB, tenant="nobody"), alignment_bytes=2 * MiB) is None
 
 
+def test_a_debit_carries_the_tenants_local_use_uncommitted_grants_included() -> None:
+    """What the central request tells poold (GrantRequest.local_use): every local grant
+    made before the debit, none after (those fit the lowered view)."""
+    clock = Clock()
+    d = _capacity(clock)
+    d.replace(
+        delegation([reservation(length=16 * MiB)], [budget(bytes_=8 * MiB, leases=4)]), sent_at=1.0
+    )
+    assert d.grant_locally(ask(2 * MiB, tenant="kv")) is not None  # poold has not heard
+    limit = d.debit(ask(2 * MiB, tenant="kv"), alignment_bytes=2 * MiB)
+    assert limit is not None and limit.local_use == (2 * MiB, 1)
+    assert d.grant_locally(ask(2 * MiB, tenant="kv")) is not None
+    assert limit.local_use == (2 * MiB, 1)
+    assert d.budget_view("kv") == (6 * MiB, 3)
+
+
 def test_a_reply_to_an_older_request_is_dropped() -> None:
     clock = Clock()
     d = _capacity(clock)
