@@ -177,8 +177,8 @@ def _pending_applied(err: PoolError) -> bool:
     else (no answer, a 5xx, the credential refused, a malformed request) may have come
     first: the ops are replayed, which is safe (an op already applied is refused alone).
     """
-    if _no_verdict(err):
-        return False
+    if _no_verdict(err) or isinstance(err, GenerationConflict):
+        return False  # a conflict may be the pending ops' own batch losing its races
     return err.http_status not in (400, 401, 403, 413, 422) or err.code == "not_owner"
 
 
@@ -344,11 +344,13 @@ class PooldLink:
                 continue
             except GenerationConflict:
                 # Concurrent grants on one device lost their races in poold: nothing was
-                # made (a verdict, so a fresh id, and the pending ops were applied).
+                # made (a verdict, so a fresh id). The pending ops go again: the conflict
+                # may be their own batch's (applied ones are refused alone, harmlessly);
+                # dropping them lost local grants under load (issue 12).
                 self.reachable = True
                 if backoff is None or time.monotonic() + backoff >= deadline:
                     raise
-                req = req.model_copy(update={"request_id": new_request_id(), "pending": []})
+                req = req.model_copy(update={"request_id": new_request_id()})
                 # Jitter, so the racers spread out (not a secret: S311 does not apply).
                 time.sleep(random.uniform(0.01, 0.1))  # noqa: S311
                 continue
