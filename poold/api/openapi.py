@@ -1,7 +1,7 @@
 """What does /openapi.json say poold's API is? The route table's truth, not FastAPI's guess.
 
 FastAPI infers a schema from the endpoint signatures, and poold's endpoints are
-wrappers (`app._threaded`) that take the raw body and render the reply themselves:
+wrappers (`binding._threaded`) that take the raw body and render the reply themselves:
 inferred, the schema had no request bodies, no response models, a `422
 HTTPValidationError` poold never sends, and no security. This module builds each
 operation from `poold.wire.routes` instead: the body and response models the binder

@@ -172,7 +172,7 @@ heartbeat: Route[HeartbeatReply] = Route(
     "POST", "/v1/agent/heartbeat", HeartbeatReply, "agent", body=Heartbeat
 )
 # A long poll: held open up to the body's timeout_s, on the event loop, never a
-# worker thread (see `_Binder` in poold/api/app.py).
+# worker thread (see `Binder` in poold/api/binding.py).
 wait_news: Route[News] = Route("POST", "/v1/agent/news", News, "agent", body=NewsWait)
 apply_ops: Route[list[LeaseOpResult]] = Route(
     "POST", "/v1/agent/ops", list[LeaseOpResult], "agent", body=AgentOps

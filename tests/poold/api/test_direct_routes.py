@@ -1,5 +1,5 @@
-"""Do the agent's per-lease routes, which `_Gate` serves itself without FastAPI's routing
-(poold/api/app.py `DIRECT_ROUTES`), answer exactly as a bound route would?"""
+"""Do the agent's per-lease routes, which `Gate` serves itself without FastAPI's routing
+(poold/api/binding.py `DIRECT_ROUTES`), answer exactly as a bound route would?"""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from poold.api import app as app_module
+from poold.api import binding, gate
 from poold.ledger import leases
 from tests.conftest import ADMIN_TOKEN, ThreadedServer
 from tests.poold.api.conftest import Agent
@@ -42,18 +42,18 @@ def test_the_hot_routes_are_served_by_the_gate(
     agent: Agent, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     served: list[str] = []
-    direct = app_module._Gate._direct
+    direct = gate.Gate._direct
 
     async def counted(self: Any, route: Any, *args: Any) -> Any:
         served.append(route.name)
         return await direct(self, route, *args)
 
-    monkeypatch.setattr(app_module._Gate, "_direct", counted)
+    monkeypatch.setattr(gate.Gate, "_direct", counted)
     assert _post(http, agent, "/v1/leases", GRANT).status_code == 201
     assert _post(http, agent, "/v1/agent/ops", {"ops": []}).status_code == 200
     assert http.get("/v1/health").status_code == 200
     assert served == ["grant", "apply_ops"]
-    assert {"grant", "apply_ops"} == app_module.DIRECT_ROUTES
+    assert {"grant", "apply_ops"} == binding.DIRECT_ROUTES
 
 
 def test_grant_and_release_answer_as_before(agent: Agent, http: httpx.Client) -> None:

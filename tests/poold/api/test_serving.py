@@ -1,6 +1,6 @@
 """How poold serves: ledger work off the event loop, 500s that keep the connection, the gate.
 
-The gate (poold/api/app.py `_Gate`) authenticates from the headers and caps the body
+The gate (poold/api/gate.py `Gate`) authenticates from the headers and caps the body
 before FastAPI reads it; these tests use a real uvicorn on loopback, as the API tests do.
 """
 
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from sqlalchemy.pool import QueuePool
 
-from poold.api import app as api_app
+from poold.api import binding, gate
 from poold.api.app import create_app, worker_threads
 from poold.errors import LedgerUnavailable
 from poold.ledger import heartbeat as ledger_heartbeat
@@ -225,7 +225,7 @@ def test_worker_threads_match_the_connection_pool(ledger: Ledger) -> None:
 
 def test_async_handler_for_a_ledger_route_is_refused(ledger: Ledger) -> None:
     app = create_app(ledger, ADMIN_TOKEN)
-    binder = api_app._Binder(app, app.state.limiter, api_app._Outage())
+    binder = binding.Binder(app, app.state.limiter, gate.Outage())
 
     async def list_tenants() -> list[Any]:
         return []
