@@ -574,12 +574,17 @@ def apply_ops(
     The ops are applied in lease id order (stable: several ops of one lease keep
     theirs), so that two batches, or a batch and the reaper, lock shared leases
     in one order; each op reads and writes only its own lease, so the order of
-    ops on different leases does not change what they do. Results come back in
-    the order of `ops`.
+    ops on different leases does not change what they do, except for local grants,
+    which read the tenant's local use and the device's live leases: the leases this
+    batch grants go after all the others (then in id order), so a release queued before
+    them frees its bytes and budget first (in id order, a grant could meet the overlap
+    or budget of a lease released in the same batch). Results come back in the order
+    of `ops`.
     """
     if not ops:
         return []
-    order = sorted(range(len(ops)), key=lambda i: ops[i].lease_id)
+    granted = {op.lease_id for op in ops if op.op == "local_grant"}
+    order = sorted(range(len(ops)), key=lambda i: (ops[i].lease_id in granted, ops[i].lease_id))
 
     def attempt() -> list[LeaseOpResult]:
         try:

@@ -464,3 +464,20 @@ def test_the_reaper_keeps_what_a_silent_host_holds(ledger: Ledger) -> None:
     with ledger.read() as s:
         assert s.scalar(select(func.count()).select_from(Reservation)) == 1
         assert s.scalar(select(func.count()).select_from(Budget)) == 1
+
+
+def test_a_batch_frees_before_it_grants_locally(ledger: Ledger) -> None:
+    """A release queued before a local grant of the same bytes, in one batch, frees them
+    first, whatever the lease ids' order (the agent reused the extent once released)."""
+    seed(ledger, quota_leases=1)
+    d = _delegate(
+        ledger,
+        reserve=[ReserveWant(bytes=4 * MiB)],
+        budgets=[BudgetWant(tenant="t1", bytes=2 * MiB, leases=1)],
+    )
+    assert _ops(ledger, _local(d, "L1")) == [("active", None)]
+    release = LeaseOp(lease_id="L1", op="release")
+    assert _ops(ledger, release, _local(d, "L0", epoch=1)) == [
+        ("released", None),
+        ("active", None),
+    ]
