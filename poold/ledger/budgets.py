@@ -1,6 +1,6 @@
 """How a tenant's budgets move when a lease is granted: what counts against its quota
 (`QuotaUse`), a central grant spending its own host's budget (`spend_for_central`) and a
-local grant committed past its host's budget while the quota has room (`fit_local_grant`).
+local grant kept past its host's budget while the quota has room (`fit_local_grant`).
 
 Its own module so that the grant path (poold/ledger/leases.py) and the delegation
 (poold/ledger/delegation.py) both use it without importing each other. The rule behind
@@ -13,14 +13,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
 
-from sqlalchemy import Connection, insert, update
+from sqlalchemy import Connection, update
 
 from poold.ledger import transitions
 from poold.ledger.models import Budget
 from poold.ledger.transitions import event_row
-from poold.ledger.types import utcnow
 
 
 @dataclass(frozen=True)
@@ -125,56 +123,39 @@ def fit_local_grant(
     quota_bytes: int,
     quota_leases: int,
     length_bytes: int,
-    expires_at: datetime,
     lease_id: str,
     actor: str,
 ) -> bool:
-    """A local grant of `length_bytes` on host `host_id` that its budget there no longer
-    covers (lowered after the agent granted it: a quota cut, a central grant of the host,
-    a fair-share cap): raise the budget to fit when the tenant's quota still has room for
-    the lease, with a `budget.raise` event. False: the quota itself would be exceeded.
+    """May a local grant of `length_bytes` on host `host_id` that its budget there no
+    longer covers (lowered after the agent granted it: a quota cut, a central grant of
+    the host, a fair-share cap) be kept? Yes when the tenant's quota has room for it,
+    with a `budget.overrun` event; False: the quota itself would be exceeded.
 
-    The caller swaps the tenant's generation in the same transaction, so a racing grant
-    or clawback reads again."""
+    The budget row is left as it is: quota use counts max(budget, local leases) per
+    host, so the lease counts once committed, and not writing the row keeps the lock
+    order of a central grant (budget, then tenant) from meeting this batch's (tenant,
+    then budget). The caller swaps the tenant's generation, so a racing grant or
+    clawback reads again."""
     local_bytes, local_leases = use.local.get(host_id, (0, 0))
-    old = use.budgets.get(host_id)
-    new = (
-        max(old[0] if old else 0, local_bytes + length_bytes),
-        max(old[1] if old else 0, local_leases + 1),
+    after = dataclasses.replace(
+        use, local={**use.local, host_id: (local_bytes + length_bytes, local_leases + 1)}
     )
-    after = dataclasses.replace(use, budgets={**use.budgets, host_id: new})
     if after.bytes() > quota_bytes or after.leases() > quota_leases:
         return False
-    if old is None:
-        conn.execute(
-            insert(Budget),
-            {
-                "tenant_id": tenant_id,
-                "host_id": host_id,
-                "bytes": new[0],
-                "leases": new[1],
-                "created_at": utcnow(),
-                "expires_at": expires_at,
-            },
-        )
-    else:
-        conn.execute(
-            update(Budget)
-            .where(Budget.tenant_id == tenant_id, Budget.host_id == host_id)
-            .values(bytes=new[0], leases=new[1])
-        )
+    budget = use.budgets.get(host_id, (0, 0))
     transitions.record(
         conn,
         event_row(
             actor=actor,
-            kind="budget.raise",
+            kind="budget.overrun",
             tenant_id=tenant_id,
             host_id=host_id,
             reason="a local grant its host made before its budget was lowered fits the quota",
             detail={
-                "bytes": new[0],
-                "leases": new[1],
-                "length_bytes": length_bytes,
+                "budget_bytes": budget[0],
+                "budget_leases": budget[1],
+                "local_bytes": local_bytes + length_bytes,
+                "local_leases": local_leases + 1,
                 "lease_id": lease_id,
             },
         ),

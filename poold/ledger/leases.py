@@ -825,7 +825,6 @@ def _local_grant(
         quota_bytes=tenant.quota_bytes,
         quota_leases=tenant.quota_leases,
         length_bytes=grant.length_bytes,
-        expires_at=res.expires_at,
         lease_id=grant.lease_id,
         actor=actor,
     ):

@@ -244,13 +244,16 @@ def test_a_local_grant_past_a_lowered_budget_is_kept_while_the_quota_has_room(
     )
     assert [(b.bytes, b.leases) for b in d.budgets] == [(4 * MiB, 2)]
     # The agent granted three before hearing that its budget is 2 leases: the third
-    # fits the quota, so it is kept and the budget raised to it.
+    # fits the quota, so it is kept.
     ops = [_local(d, f"L{i}", 2 * MiB * i, i) for i in range(3)]
     assert [r.code for r in leases.apply_ops(ledger, "h1", ops, "agent:h1")] == [None] * 3
-    assert _budget(ledger) == (6 * MiB, 3)
+    assert _budget(ledger) == (4 * MiB, 2)  # left as it is: the lease counts itself
+    assert _use(ledger) == (6 * MiB, 3)
     with ledger.read() as s:
-        raised = s.execute(select(Event.detail).where(Event.kind == "budget.raise")).scalars()
-        assert [(e["bytes"], e["leases"], e["lease_id"]) for e in raised] == [(6 * MiB, 3, "L2")]
+        kept = s.execute(select(Event.detail).where(Event.kind == "budget.overrun")).scalars()
+        assert [(e["local_bytes"], e["local_leases"], e["lease_id"]) for e in kept] == [
+            (6 * MiB, 3, "L2")
+        ]
     # Central leases fill the rest of the quota: a fourth local grant no longer fits it.
     leases.grant(ledger, "h1", _grant(8 * MiB), "agent:h1")
     leases.grant(ledger, "h1", _grant(2 * MiB), "agent:h1")
