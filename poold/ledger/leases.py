@@ -812,21 +812,21 @@ def _local_grant(
     spent_bytes, spent_leases = (int(x) for x in conn.execute(_LOCAL_USE, params).one())
     # The budget is a mechanism, the quota the invariant: a grant its agent made before
     # hearing its budget was lowered (a quota cut, a central grant of this host, a fair
-    # share) is kept when the quota has room for it (budgets.fit_local_grant).
-    if (
-        budget is None
-        or spent_leases + 1 > budget.leases
-        or spent_bytes + grant.length_bytes > budget.bytes
-    ) and not budgets.fit_local_grant(
-        conn,
-        tenant_id=tenant.id,
-        host_id=host_id,
-        use=quota_use(conn, tenant.id),
-        quota_bytes=tenant.quota_bytes,
-        quota_leases=tenant.quota_leases,
-        length_bytes=grant.length_bytes,
-        lease_id=grant.lease_id,
-        actor=actor,
+    # share) is kept when the quota has room for it (budgets.fit_local_grant). No budget
+    # row at all: the agent never held one here, or asked it back having capped its view.
+    if budget is None or (
+        (spent_leases + 1 > budget.leases or spent_bytes + grant.length_bytes > budget.bytes)
+        and not budgets.fit_local_grant(
+            conn,
+            tenant_id=tenant.id,
+            host_id=host_id,
+            use=quota_use(conn, tenant.id),
+            quota_bytes=tenant.quota_bytes,
+            quota_leases=tenant.quota_leases,
+            length_bytes=grant.length_bytes,
+            lease_id=grant.lease_id,
+            actor=actor,
+        )
     ):
         raise BudgetExceeded(
             f"tenant {tenant.name!r} on host {host_name!r} would hold "
