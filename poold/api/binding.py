@@ -70,35 +70,30 @@ class Binder:
         if route is None:
             raise RuntimeError(f"handler {fn.__name__} has no route in poold.wire.routes")
         body_param = _check_body(route, fn)
+        endpoint: Callable[..., Any] = fn
+        extra: dict[str, Any] = {}
         if inspect.iscoroutinefunction(fn):
             if route.auth != "none" and route.name not in ASYNC_ROUTES:
                 raise RuntimeError(
                     f"handler {fn.__name__} is async: ledger work runs in worker threads"
                 )
-            self.app.add_api_route(
-                route.path,
-                fn,
-                methods=[route.method],
-                status_code=route.status_code,
-                dependencies=AUTH_DEPENDENCIES[route.auth],
-                name=route.name,
-            )
         else:
             endpoint = _threaded(route, fn, body_param, self.limiter, self.outage)
+            extra["response_model"] = None  # rendered in the worker thread (`_threaded`)
             if route.name in DIRECT_ROUTES:
                 params = set(inspect.signature(fn).parameters) - {body_param}
                 if params != {"p"} or "{" in route.path:
                     raise RuntimeError(f"direct route {route.name} takes more than its body and p")
                 self.direct[route.name] = _direct_call(endpoint.poold_call)  # type: ignore[attr-defined]
-            self.app.add_api_route(
-                route.path,
-                endpoint,
-                methods=[route.method],
-                status_code=route.status_code,
-                dependencies=AUTH_DEPENDENCIES[route.auth],
-                name=route.name,
-                response_model=None,  # rendered in the worker thread (`_threaded`)
-            )
+        self.app.add_api_route(
+            route.path,
+            endpoint,
+            methods=[route.method],
+            status_code=route.status_code,
+            dependencies=AUTH_DEPENDENCIES[route.auth],
+            name=route.name,
+            **extra,
+        )
         self.bound.add(route.name)
         return fn
 
