@@ -11,8 +11,10 @@ from sqlalchemy import select
 from poold.ledger import heartbeat, hosts, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Base
+from poold.ledger.types import utcnow
 from poold.wire.admin import TenantSpec
-from poold.wire.agent import InventoryDevice
+from poold.wire.agent import InventoryDevice, LeaseOp, LocalGrant
+from poold.wire.delegation import Delegation
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -93,3 +95,35 @@ def at_once(*calls: Callable[[], Any]) -> list[Any]:
         t.join(60)
     assert not errors, errors
     return results
+
+
+def local_grant_op(
+    d: Delegation,
+    lease_id: str,
+    offset: int = 0,
+    length: int = 2 * MiB,
+    epoch: int = 0,
+    *,
+    tenant: str = "t1",
+    pid: int = 42,
+) -> LeaseOp:
+    """The `local_grant` op an agent sends for a lease it granted alone in ``d``'s first
+    reservation: ``offset`` and ``epoch`` are relative to that reservation's."""
+    res = d.reservations[0]
+    return LeaseOp(
+        lease_id=lease_id,
+        op="local_grant",
+        grant=LocalGrant(
+            lease_id=lease_id,
+            reservation_id=res.id,
+            tenant=tenant,
+            offset_bytes=res.offset_bytes + offset,
+            length_bytes=length,
+            requested_bytes=length,
+            epoch=res.epoch_base + epoch,
+            ttl_s=60,
+            granted_at=utcnow(),
+            uid=UID,
+            pid=pid,
+        ),
+    )

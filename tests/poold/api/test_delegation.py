@@ -7,40 +7,16 @@ import pytest
 
 from poold.api.client import PooldClient
 from poold.errors import PoolError
-from poold.ledger.types import utcnow
 from poold.wire.agent import Heartbeat, LeaseOp
 from poold.wire.delegation import (
     BudgetWant,
-    Delegation,
     DelegationRequest,
-    LocalGrant,
     ReserveWant,
 )
 from tests.conftest import ThreadedServer
 from tests.poold.api.conftest import Agent, Raw
 from tests.poold.api.test_metrics import scrape
-from tests.poold.conftest import UID, MiB
-
-
-def _local(d: Delegation, lease_id: str, offset: int = 0) -> LeaseOp:
-    res = d.reservations[0]
-    return LeaseOp(
-        lease_id=lease_id,
-        op="local_grant",
-        grant=LocalGrant(
-            lease_id=lease_id,
-            reservation_id=res.id,
-            tenant="t1",
-            offset_bytes=res.offset_bytes + offset,
-            length_bytes=2 * MiB,
-            requested_bytes=2 * MiB,
-            epoch=res.epoch_base,
-            ttl_s=60,
-            granted_at=utcnow(),
-            uid=UID,
-            pid=7,
-        ),
-    )
+from tests.poold.conftest import MiB, local_grant_op
 
 
 def test_delegate_reserve_grant_locally_and_give_back(agent: Agent, admin: PooldClient) -> None:
@@ -62,7 +38,7 @@ def test_delegate_reserve_grant_locally_and_give_back(agent: Agent, admin: Poold
         == d
     )
 
-    (result,) = agent.client.apply_ops([_local(d, "local-1")])
+    (result,) = agent.client.apply_ops([local_grant_op(d, "local-1")])
     assert (result.state, result.code) == ("active", None)
     listed = {x.id: x for x in admin.list_leases()}
     assert listed["local-1"].host == "h1"
@@ -86,8 +62,8 @@ def test_delegate_reserve_grant_locally_and_give_back(agent: Agent, admin: Poold
 def test_local_grant_refusals_are_per_op(agent: Agent, other_agent: Agent) -> None:
     d = agent.client.delegate(DelegationRequest(reserve=[ReserveWant(bytes=4 * MiB)]))
     # No budget for the tenant on this host; the other host does not hold the reservation.
-    assert [r.code for r in agent.client.apply_ops([_local(d, "a")])] == ["budget_exceeded"]
-    assert [r.code for r in other_agent.client.apply_ops([_local(d, "b")])] == ["not_owner"]
+    assert [r.code for r in agent.client.apply_ops([local_grant_op(d, "a")])] == ["budget_exceeded"]
+    assert [r.code for r in other_agent.client.apply_ops([local_grant_op(d, "b")])] == ["not_owner"]
 
 
 def test_delegation_needs_an_agent_and_a_valid_body(raw: Raw, agent: Agent) -> None:

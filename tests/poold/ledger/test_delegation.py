@@ -46,10 +46,9 @@ from poold.wire.delegation import (
     BudgetWant,
     Delegation,
     DelegationRequest,
-    LocalGrant,
     ReserveWant,
 )
-from tests.poold.conftest import UID, MiB, at_once, device, seed
+from tests.poold.conftest import UID, MiB, at_once, device, local_grant_op, seed
 
 
 def _delegate(ledger: Ledger, host: str = "h1", **kw: object) -> Delegation:
@@ -60,26 +59,6 @@ def _grant(size_bytes: int = 2 * MiB, tenant: str = "t1") -> GrantRequest:
     return GrantRequest(
         tenant=tenant, size_bytes=size_bytes, uid=UID, pid=1, ttl_s=60, activate=True
     )
-
-
-def _local(
-    d: Delegation, lease_id: str, offset: int = 0, length: int = 2 * MiB, epoch: int = 0
-) -> LeaseOp:
-    res = d.reservations[0]
-    grant = LocalGrant(
-        lease_id=lease_id,
-        reservation_id=res.id,
-        tenant="t1",
-        offset_bytes=res.offset_bytes + offset,
-        length_bytes=length,
-        requested_bytes=length,
-        epoch=res.epoch_base + epoch,
-        ttl_s=60,
-        granted_at=utcnow(),
-        uid=UID,
-        pid=42,
-    )
-    return LeaseOp(lease_id=lease_id, op="local_grant", grant=grant)
 
 
 def _ops(ledger: Ledger, *ops: LeaseOp, host: str = "h1") -> list[tuple[str | None, str | None]]:
@@ -164,7 +143,7 @@ def test_no_reservation_on_a_draining_device_and_drain_returns_unleased(
     seed(ledger)
     d = _delegate(ledger, reserve=[ReserveWant(bytes=8 * MiB), ReserveWant(bytes=2 * MiB)])
     _delegate(ledger, budgets=[BudgetWant(tenant="t1", bytes=4 * MiB, leases=2)])
-    assert _ops(ledger, _local(d, "L1")) == [("active", None)]
+    assert _ops(ledger, local_grant_op(d, "L1")) == [("active", None)]
     admin_ops.drain_device(
         ledger, "dev-0", "admin", deadline_s=3600.0, now_=False, revoke_deadline_s=30.0
     )
@@ -176,7 +155,7 @@ def test_no_reservation_on_a_draining_device_and_drain_returns_unleased(
     after = _delegate(ledger, reserve=[ReserveWant(bytes=2 * MiB)])
     assert after.reservations == []
     unleased = Delegation(server_time=d.server_time, reservations=[d.reservations[1]])
-    assert _ops(ledger, _local(unleased, "L2")) == [("active", None)]
+    assert _ops(ledger, local_grant_op(unleased, "L2")) == [("active", None)]
     leases.end(ledger, "L2", leases.LeaseEvent.RELEASE, "agent:h1", host_name="h1")
     with ledger.write_conn() as conn:
         delegation.reap(conn, utcnow())
@@ -202,7 +181,7 @@ def test_give_back_is_whole_and_refused_while_a_lease_lies_inside(ledger: Ledger
         budgets=[BudgetWant(tenant="t1", bytes=4 * MiB, leases=2)],
     )
     rid = d.reservations[0].id
-    assert _ops(ledger, _local(d, "L1")) == [("active", None)]
+    assert _ops(ledger, local_grant_op(d, "L1")) == [("active", None)]
     with pytest.raises(ReservationInUse):
         _delegate(ledger, give_back=[rid])
     leases.end(ledger, "L1", leases.LeaseEvent.RELEASE, "agent:h1", host_name="h1")
@@ -253,7 +232,7 @@ def test_a_quota_cut_claws_budgets_back_but_not_below_what_is_granted(ledger: Le
         reserve=[ReserveWant(bytes=8 * MiB)],
         budgets=[BudgetWant(tenant="t1", bytes=16 * MiB, leases=8)],
     )
-    assert _ops(ledger, _local(d, "L1", length=4 * MiB)) == [("active", None)]
+    assert _ops(ledger, local_grant_op(d, "L1", length=4 * MiB)) == [("active", None)]
     tenants.update_tenant(
         ledger, "t1", TenantUpdate(quota_bytes=2 * MiB), "admin", delegation.claw_back
     )
@@ -275,7 +254,7 @@ def test_a_local_grant_is_recorded_once_inside_its_reservation(ledger: Ledger) -
         reserve=[ReserveWant(bytes=8 * MiB)],
         budgets=[BudgetWant(tenant="t1", bytes=4 * MiB, leases=1)],
     )
-    op = _local(d, "L1", epoch=3)
+    op = local_grant_op(d, "L1", epoch=3)
     assert _ops(ledger, op) == [("active", None)]
     assert _ops(ledger, op) == [("active", None)]  # a replay is a no-op
     got = leases.lease_views.show(ledger, "L1")
@@ -287,11 +266,13 @@ def test_a_local_grant_is_recorded_once_inside_its_reservation(ledger: Ledger) -
     # Refusals, each with its code, and nothing written.
     assert _ops(
         ledger,
-        _local(d, "L1", offset=2 * MiB),  # the same id with other fields
-        _local(d, "L2", offset=0),  # overlaps L1
-        _local(d, "L3", offset=8 * MiB),  # past the reservation's end
-        _local(d, "L4", offset=2 * MiB, epoch=EPOCH_BLOCK),  # past its epoch block
-        _local(d, "L5", offset=2 * MiB),  # the budget's (and the quota's) one lease is spent
+        local_grant_op(d, "L1", offset=2 * MiB),  # the same id with other fields
+        local_grant_op(d, "L2", offset=0),  # overlaps L1
+        local_grant_op(d, "L3", offset=8 * MiB),  # past the reservation's end
+        local_grant_op(d, "L4", offset=2 * MiB, epoch=EPOCH_BLOCK),  # past its epoch block
+        local_grant_op(
+            d, "L5", offset=2 * MiB
+        ),  # the budget's (and the quota's) one lease is spent
     ) == [
         (None, "local_grant_mismatch"),
         (None, "lease_overlap"),
@@ -300,11 +281,11 @@ def test_a_local_grant_is_recorded_once_inside_its_reservation(ledger: Ledger) -
         (None, "budget_exceeded"),
     ]
     seed(ledger, host="h2", devices=[], tenant=None)
-    assert _ops(ledger, _local(d, "L6", offset=4 * MiB), host="h2") == [(None, "not_owner")]
+    assert _ops(ledger, local_grant_op(d, "L6", offset=4 * MiB), host="h2") == [(None, "not_owner")]
     # Then ordinary ops: a release ends it, and frees the bytes inside the reservation.
     ((state, code),) = _ops(ledger, LeaseOp(lease_id="L1", op="release"))
     assert code is None and state not in LIVE_STATE_VALUES
-    assert _ops(ledger, _local(d, "L7", epoch=4)) == [("active", None)]
+    assert _ops(ledger, local_grant_op(d, "L7", epoch=4)) == [("active", None)]
 
 
 # --- heartbeats and expiry ----------------------------------------------------------------
@@ -317,7 +298,7 @@ def test_heartbeats_renew_the_delegation_and_expiry_returns_it(ledger: Ledger) -
         reserve=[ReserveWant(bytes=4 * MiB), ReserveWant(bytes=2 * MiB)],
         budgets=[BudgetWant(tenant="t1", bytes=4 * MiB, leases=2)],
     )
-    assert _ops(ledger, _local(d, "L1")) == [("active", None)]
+    assert _ops(ledger, local_grant_op(d, "L1")) == [("active", None)]
     long_ago = utcnow() - timedelta(hours=1)
     with ledger.write() as s:
         s.execute(update(Reservation).values(expires_at=long_ago))
@@ -425,7 +406,7 @@ def test_the_audit_checks_delegation_and_reclaims_down_hosts_reservations(
         reserve=[ReserveWant(bytes=4 * MiB), ReserveWant(bytes=2 * MiB)],
         budgets=[BudgetWant(tenant="t1", bytes=4 * MiB, leases=2)],
     )
-    assert _ops(ledger, _local(d, "L1")) == [("active", None)]
+    assert _ops(ledger, local_grant_op(d, "L1")) == [("active", None)]
     leases.grant(ledger, "h1", _grant(), "agent:h1")
     heartbeat.receive_heartbeat(ledger, "h1", Heartbeat(), "agent:h1")  # the host is up
     report = audit.run_audit(ledger, ReaperPolicy())
@@ -475,9 +456,9 @@ def test_a_batch_frees_before_it_grants_locally(ledger: Ledger) -> None:
         reserve=[ReserveWant(bytes=4 * MiB)],
         budgets=[BudgetWant(tenant="t1", bytes=2 * MiB, leases=1)],
     )
-    assert _ops(ledger, _local(d, "L1")) == [("active", None)]
+    assert _ops(ledger, local_grant_op(d, "L1")) == [("active", None)]
     release = LeaseOp(lease_id="L1", op="release")
-    assert _ops(ledger, release, _local(d, "L0", epoch=1)) == [
+    assert _ops(ledger, release, local_grant_op(d, "L0", epoch=1)) == [
         ("released", None),
         ("active", None),
     ]

@@ -19,11 +19,10 @@ from poold.errors import QuotaExceeded
 from poold.ledger import delegation, heartbeat, leases, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Budget, Event
-from poold.ledger.types import utcnow
 from poold.wire.admin import TenantUpdate
-from poold.wire.agent import GrantRequest, Heartbeat, LeaseOp, LocalUse
-from poold.wire.delegation import BudgetWant, Delegation, DelegationRequest, LocalGrant, ReserveWant
-from tests.poold.conftest import UID, MiB, at_once, device, seed
+from poold.wire.agent import GrantRequest, Heartbeat, LocalUse
+from poold.wire.delegation import BudgetWant, Delegation, DelegationRequest, ReserveWant
+from tests.poold.conftest import UID, MiB, at_once, device, local_grant_op, seed
 
 
 def _delegate(ledger: Ledger, host: str = "h1", **kw: object) -> Delegation:
@@ -32,27 +31,6 @@ def _delegate(ledger: Ledger, host: str = "h1", **kw: object) -> Delegation:
 
 def _grant(size_bytes: int = 2 * MiB) -> GrantRequest:
     return GrantRequest(tenant="t1", size_bytes=size_bytes, uid=UID, pid=1, ttl_s=60, activate=True)
-
-
-def _local(d: Delegation, lease_id: str, offset: int, epoch: int, length: int = 2 * MiB) -> LeaseOp:
-    res = d.reservations[0]
-    return LeaseOp(
-        lease_id=lease_id,
-        op="local_grant",
-        grant=LocalGrant(
-            lease_id=lease_id,
-            reservation_id=res.id,
-            tenant="t1",
-            offset_bytes=res.offset_bytes + offset,
-            length_bytes=length,
-            requested_bytes=length,
-            epoch=res.epoch_base + epoch,
-            ttl_s=60,
-            granted_at=utcnow(),
-            uid=UID,
-            pid=7,
-        ),
-    )
 
 
 def _budget(ledger: Ledger, host_id: int = 1) -> tuple[int, int] | None:
@@ -78,7 +56,9 @@ def test_a_central_grant_spends_its_own_hosts_budget_never_past_the_quota(ledger
     )
     assert [(b.bytes, b.leases) for b in d.budgets] == [(16 * MiB, 4)]
     # The reservation is spent by one local lease; the next request goes central.
-    assert [r.code for r in leases.apply_ops(ledger, "h1", [_local(d, "L1", 0, 0)], "a")] == [None]
+    assert [
+        r.code for r in leases.apply_ops(ledger, "h1", [local_grant_op(d, "L1", 0, epoch=0)], "a")
+    ] == [None]
     lease = leases.grant(ledger, "h1", _grant(4 * MiB), "agent:h1")
     assert lease.reservation_id is None
     # Shrunk by what the grant needed: 2 MiB local + 4 MiB central + 10 MiB budget.
@@ -111,7 +91,7 @@ def test_a_budget_spent_by_local_grants_is_not_spent_again(ledger: Ledger) -> No
         reserve=[ReserveWant(bytes=16 * MiB)],
         budgets=[BudgetWant(tenant="t1", bytes=16 * MiB, leases=16)],
     )
-    ops = [_local(d, f"L{i}", i * 2 * MiB, i) for i in range(6)]
+    ops = [local_grant_op(d, f"L{i}", i * 2 * MiB, epoch=i) for i in range(6)]
     assert all(r.code is None for r in leases.apply_ops(ledger, "h1", ops, "agent:h1"))
     # 12 MiB granted locally: a central 6 MiB would need 2 MiB more than the budget has.
     with pytest.raises(QuotaExceeded):
@@ -140,7 +120,9 @@ def test_central_grants_racing_local_grants_never_exceed_the_quota(ledger: Ledge
 
     def local() -> object:
         for i in range(12):
-            leases.apply_ops(ledger, "h1", [_local(d, f"L{i}", i * 2 * MiB, i)], "agent:h1")
+            leases.apply_ops(
+                ledger, "h1", [local_grant_op(d, f"L{i}", i * 2 * MiB, epoch=i)], "agent:h1"
+            )
         return None
 
     def central() -> object:
@@ -225,7 +207,7 @@ def test_a_central_grant_spends_only_past_the_local_use_the_agent_reports(
         )
     assert _budget(ledger) == (8 * MiB, 3)
     # Both commits later: inside the budget left.
-    ops = [_local(d, "L1", 0, 0), _local(d, "L2", 2 * MiB, 1)]
+    ops = [local_grant_op(d, "L1", 0, epoch=0), local_grant_op(d, "L2", 2 * MiB, epoch=1)]
     assert [r.code for r in leases.apply_ops(ledger, "h1", ops, "agent:h1")] == [None, None]
     assert _use(ledger) == (16 * MiB, 4)
     # Another tenant's count says nothing of this one.
@@ -245,7 +227,7 @@ def test_a_local_grant_past_a_lowered_budget_is_kept_while_the_quota_has_room(
     assert [(b.bytes, b.leases) for b in d.budgets] == [(4 * MiB, 2)]
     # The agent granted three before hearing that its budget is 2 leases: the third
     # fits the quota, so it is kept.
-    ops = [_local(d, f"L{i}", 2 * MiB * i, i) for i in range(3)]
+    ops = [local_grant_op(d, f"L{i}", 2 * MiB * i, epoch=i) for i in range(3)]
     assert [r.code for r in leases.apply_ops(ledger, "h1", ops, "agent:h1")] == [None] * 3
     assert _budget(ledger) == (4 * MiB, 2)  # left as it is: the lease counts itself
     assert _use(ledger) == (6 * MiB, 3)
@@ -258,7 +240,9 @@ def test_a_local_grant_past_a_lowered_budget_is_kept_while_the_quota_has_room(
     leases.grant(ledger, "h1", _grant(8 * MiB), "agent:h1")
     leases.grant(ledger, "h1", _grant(2 * MiB), "agent:h1")
     assert _use(ledger) == (16 * MiB, 5)
-    [result] = leases.apply_ops(ledger, "h1", [_local(d, "L3", 6 * MiB, 3)], "agent:h1")
+    [result] = leases.apply_ops(
+        ledger, "h1", [local_grant_op(d, "L3", 6 * MiB, epoch=3)], "agent:h1"
+    )
     assert result.code == "budget_exceeded"
     assert _use(ledger) == (16 * MiB, 5)
 
@@ -270,13 +254,13 @@ def test_a_heartbeat_does_not_call_a_lease_it_has_not_heard_of_ended(ledger: Led
         reserve=[ReserveWant(bytes=4 * MiB)],
         budgets=[BudgetWant(tenant="t1", bytes=4 * MiB, leases=2)],
     )
-    [ok] = leases.apply_ops(ledger, "h1", [_local(d, "L1", 0, 0)], "agent:h1")
+    [ok] = leases.apply_ops(ledger, "h1", [local_grant_op(d, "L1", 0, epoch=0)], "agent:h1")
     assert ok.code is None
     leases.end(ledger, "L1", leases.LeaseEvent.RELEASE, "agent:h1", host_name="h1")
     # L2 is a local grant whose local_grant is still queued: not ended. L1 is.
     reply = heartbeat.receive_heartbeat(ledger, "h1", Heartbeat(held=["L1", "L2"]), "agent:h1")
     assert [r.lease_id for r in reply.revocations] == ["L1"]
-    [late] = leases.apply_ops(ledger, "h1", [_local(d, "L2", 2 * MiB, 1)], "agent:h1")
+    [late] = leases.apply_ops(ledger, "h1", [local_grant_op(d, "L2", 2 * MiB, epoch=1)], "agent:h1")
     assert (late.code, late.state) == (None, "active")
 
 
@@ -298,5 +282,5 @@ def test_a_quota_cut_leaves_each_host_its_fair_share_first(ledger: Ledger) -> No
         delegation.claw_back,
     )
     assert _budget(ledger, 1) == (4 * MiB, 2) and _budget(ledger, 2) == (4 * MiB, 2)
-    [late] = leases.apply_ops(ledger, "h1", [_local(d1, "L1", 0, 0)], "agent:h1")
+    [late] = leases.apply_ops(ledger, "h1", [local_grant_op(d1, "L1", 0, epoch=0)], "agent:h1")
     assert (late.code, late.state) == (None, "active")
