@@ -13,8 +13,8 @@ from poold.ledger.db import Ledger
 from poold.ledger.models import Base
 from poold.ledger.types import utcnow
 from poold.wire.admin import TenantSpec
-from poold.wire.agent import InventoryDevice, LeaseOp, LocalGrant
-from poold.wire.delegation import Delegation
+from poold.wire.agent import InventoryDevice, LeaseOp
+from poold.wire.delegation import Delegation, LocalGrant
 
 MiB = 1 << 20
 GiB = 1 << 30
