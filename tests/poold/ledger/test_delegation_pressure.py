@@ -19,8 +19,7 @@ from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Reservation
 from poold.wire.agent import GrantRequest, Heartbeat, LeaseReport
 from poold.wire.delegation import BudgetWant, DelegationRequest, ReserveWant
-from tests.poold.conftest import UID, MiB, device, seed
-from tests.poold.ledger.test_delegation_central import _local
+from tests.poold.conftest import UID, MiB, device, local_grant_op, seed
 
 
 def _grant(size_bytes: int) -> GrantRequest:
@@ -98,7 +97,7 @@ def test_leases_are_asked_only_for_what_reservations_cannot_cover(ledger: Ledger
 def test_a_reservation_with_a_lease_inside_is_not_recalled(ledger: Ledger) -> None:
     lease_id, rid = _setup(ledger)
     d = delegation.delegate(ledger, "h1", DelegationRequest(), "agent:h1")
-    op = _local(d, "L1", 0, 0)
+    op = local_grant_op(d, "L1", 0, epoch=0)
     assert [r.code for r in leases.apply_ops(ledger, "h1", [op], "agent:h1")] == [None]
     reply = heartbeat.receive_heartbeat(
         ledger, "h1", Heartbeat(admission_wanted_bytes=56 * MiB), "agent:h1"
