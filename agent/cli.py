@@ -82,9 +82,10 @@ def serve(ctx: click.Context, /, config_path: Path | None, **_flags: object) -> 
     """Serve tenants on the agent socket and keep poold informed."""
     config, _ = config_from(ctx, config_path)
     from agent.run import run
-    from poold.logs import setup_logging
+    from poold.logs import dump_stacks_on_sigusr1, setup_logging
 
     setup_logging(config.log_level, config.log_format)
+    dump_stacks_on_sigusr1()
     raise SystemExit(run(config))
 
 

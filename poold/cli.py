@@ -79,10 +79,11 @@ def main(ctx: click.Context) -> None:
 def serve(ctx: click.Context, /, config_path: Path | None, **_flags: object) -> None:
     """Serve the poold HTTP API."""
     settings, _ = settings_from(ctx, config_path)
-    from poold.logs import setup_logging
+    from poold.logs import dump_stacks_on_sigusr1, setup_logging
     from poold.server import serve as run
 
     setup_logging(settings.log_level, settings.log_format)
+    dump_stacks_on_sigusr1()
     run(settings)
 
 

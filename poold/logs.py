@@ -15,9 +15,11 @@ not read them through the journal.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 from datetime import UTC, datetime
 from typing import Annotated, Any, Final, Literal, TextIO
@@ -129,3 +131,10 @@ def setup_logging(
     for name in _QUIET_ALWAYS:
         logging.getLogger(name).setLevel(logging.WARNING)
     return handler
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` writes every thread's stack to stderr (the journal): what a
+    stalled daemon is doing, asked without stopping it (faulthandler, async-signal safe,
+    so it answers even when every Python thread is stuck)."""
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,3 +133,44 @@ def test_real_daemons_at_info_log_no_library_noise(tmp_path: Path) -> None:
     assert not [line for line in agent_lines if "HTTP Request" in line], agent_lines
     # Start, registration and shutdown: a handful of lines, none per heartbeat.
     assert len(agent_lines) < 12, agent_lines
+
+
+def test_sigusr1_dumps_every_thread_and_the_daemons_go_on(tmp_path: Path) -> None:
+    """`kill -USR1` on poold or an agent writes each thread's stack to its log; both go on."""
+    port = procs.free_port()
+    state = tmp_path / "poold"
+    poold = procs.start_poold(state, port)
+    sock_dir = Path(f"/tmp/pu-{os.getpid()}")
+    agent: procs.Child | None = None
+    try:
+        with procs.admin_client(state, port) as admin:
+            credential = tmp_path / "credential"
+            credential.write_text(admin.add_host("usr1-host").credential)
+            agent = procs.start_agent(
+                tmp_path,
+                host="usr1-host",
+                poold_url=f"http://127.0.0.1:{port}",
+                credential_file=credential,
+                socket_path=sock_dir / "agent.sock",
+                emulated_capacity_bytes=64 << 20,
+            )
+            for child in (poold, agent):
+                child.proc.send_signal(signal.SIGUSR1)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not all(
+                "Current thread" in c.log_path.read_text(errors="replace") for c in (poold, agent)
+            ):
+                time.sleep(0.1)
+            assert poold.alive() and agent.alive()
+            assert admin.health() is not None  # still answering
+        for child, frame in ((poold, "poold/server.py"), (agent, "agent/run.py")):
+            text = child.log_path.read_text(errors="replace")
+            assert "Current thread" in text and frame in text, child.log_tail(60)
+    finally:
+        if agent is not None:
+            agent.stop()
+        poold.stop()
+        for leftover in sock_dir.glob("*"):
+            leftover.unlink()
+        if sock_dir.exists():
+            sock_dir.rmdir()
