@@ -109,6 +109,13 @@ class Stack:
             f"--- agent log ---\n{self.agent.log_tail(40)}"
         )
 
+    def stalled_logs(self) -> str:
+        """The logs, with enough of the agent's for the thread dump SIGUSR1 wrote there."""
+        return (
+            f"--- poold log ---\n{self.poold.log_tail(60)}\n"
+            f"--- agent log ---\n{self.agent.log_tail(400)}"
+        )
+
     def poolctl(self, *args: str) -> subprocess.CompletedProcess[str]:
         """`poolctl ARGS` as the administrator runs it (HTTP to poold, the admin token)."""
         env = {**os.environ, "POOLD_URL": self.url, "POOLD_TOKEN_FILE": str(self.token_file)}
@@ -273,8 +280,11 @@ def pool(stack: Stack, machine: GuestMachine, poold_process: PooldProcess) -> It
     while (stack.live_leases() or stack.sub_devices()) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = stack.live_leases()
-    assert left == [], f"{lease_histories(poold_process, left)}\n{stack.logs()}"
-    assert stack.sub_devices() == {}, stack.logs()
+    if left or stack.sub_devices():
+        stack.agent.proc.send_signal(signal.SIGUSR1)  # what each agent thread waits on
+        time.sleep(1)
+    assert left == [], f"{lease_histories(poold_process, left)}\n{stack.stalled_logs()}"
+    assert stack.sub_devices() == {}, stack.stalled_logs()
     assert dax_device_state(machine.claimed_device) == claimed
 
 
