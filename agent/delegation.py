@@ -16,10 +16,9 @@ abort, unmapped, scrubbed) has been *delivered* to poold (:meth:`delivered`), no
 queued: poold applies a batch in lease-id order, so a new lease placed on a range whose
 release poold has not applied yet would overlap it there.
 
-:class:`DelegatedCapacity` is pure but for one lock: no I/O, tested without poold.
-:class:`LocalGrants` is its edge: it journals each grant (agent/journal.py GrantLog)
-before the fd leaves, queues its ``local_grant`` op in the outbox, and asks poold for
-refills off the request path (agent/link.py).
+:class:`DelegatedCapacity` is pure but for one lock: no I/O, tested without poold. Its
+edge (journal, outbox, poold's ``delegate`` route) is agent/local_grants.py
+:class:`~agent.local_grants.LocalGrants`; how much to ask poold for is agent/refill.py's.
 """
 
 from __future__ import annotations
@@ -29,23 +28,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from agent.held import HeldLease, HeldLeases, memfd_inode
-from agent.journal import Journal
-from agent.link import PooldLink
+from agent.refill import Demand, HeldReservation, RefillPolicy, budget_want, reservation_want
 from poold import placement
-from poold.errors import (
-    DelegationExpired,
-    LedgerUnavailable,
-    PooldUnreachable,
-    PoolError,
-    QuotaExceeded,
-)
+from poold.errors import DelegationExpired
 from poold.extents import Extent
 from poold.lease_states import LeaseState
-from poold.wire.agent import GrantRequest, LeaseOp, LocalUse
+from poold.wire.agent import GrantRequest
 from poold.wire.common import LeaseOut
 from poold.wire.delegation import (
     EPOCH_BLOCK,
@@ -138,33 +129,6 @@ class _Limit:
     local_use: tuple[int, int] = (0, 0)
 
 
-@dataclass(frozen=True)
-class RefillPolicy:
-    """How much the agent asks to hold: headroom for ``horizon_intervals`` of recent
-    demand (an EWMA of bytes and leases granted per interval), at least ``min_*``, at most
-    ``max_reserve_bytes``; below half of that it asks for more, above twice it gives back."""
-
-    min_reserve_bytes: int = 64 << 20
-    max_reserve_bytes: int = 4 << 30
-    min_budget_leases: int = 16
-    horizon_intervals: float = 4.0
-    alpha: float = 0.3
-    low_fraction: float = 0.5
-    high_factor: float = 2.0
-    # A tenant with no lease here for this long gives its budget back (asks 0).
-    idle_budget_s: float = 600.0
-
-
-@dataclass
-class _Demand:
-    """What was granted on this host lately (local and central), per tenant and media."""
-
-    bytes_now: dict[tuple[str, str], int] = field(default_factory=dict)
-    leases_now: dict[tuple[str, str], int] = field(default_factory=dict)
-    bytes_ewma: dict[tuple[str, str], float] = field(default_factory=dict)
-    leases_ewma: dict[tuple[str, str], float] = field(default_factory=dict)
-
-
 class DelegatedCapacity:
     """The host's reservations, budgets and local leases (thread-safe, one lock)."""
 
@@ -184,7 +148,7 @@ class DelegatedCapacity:
         self._leases: dict[str, LocalLease] = {}
         # Epochs granted before a restart (journal), by reservation: max epoch seen.
         self._epoch_seen: dict[str, int] = {}
-        self._demand = _Demand()
+        self._demand = Demand()
         # Set by the service: whether this host has real far memory (placement never
         # picks emulated memory then unless asked by name; poold sees all its devices).
         self.host_has_real: Callable[[], bool] = lambda: False
@@ -645,10 +609,7 @@ class DelegatedCapacity:
 
     def _note_demand(self, tenant: str, media: str, length_bytes: int) -> None:
         self._last_demand[tenant] = self._clock()
-        key = (tenant, media)
-        d = self._demand
-        d.bytes_now[key] = d.bytes_now.get(key, 0) + length_bytes
-        d.leases_now[key] = d.leases_now.get(key, 0) + 1
+        self._demand.note(tenant, media, length_bytes)
 
     def wants(self, now: float | None = None) -> DelegationRequest | None:
         """Close one demand interval and say what to ask poold for (None: nothing).
@@ -661,23 +622,7 @@ class DelegatedCapacity:
         now = self._clock() if now is None else now
         p = self.policy
         with self._lock:
-            d = self._demand
-            keys = set(d.bytes_ewma) | set(d.bytes_now)
-            for key in keys:
-                d.bytes_ewma[key] = p.alpha * d.bytes_now.get(key, 0) + (1 - p.alpha) * (
-                    d.bytes_ewma.get(key, 0.0)
-                )
-                d.leases_ewma[key] = p.alpha * d.leases_now.get(key, 0) + (1 - p.alpha) * (
-                    d.leases_ewma.get(key, 0.0)
-                )
-            d.bytes_now.clear()
-            d.leases_now.clear()
-            by_media: dict[str, float] = {}
-            by_tenant: dict[str, tuple[float, float]] = {}
-            for (tenant, media), rate in d.bytes_ewma.items():
-                by_media[media] = by_media.get(media, 0.0) + rate
-                b, n = by_tenant.get(tenant, (0.0, 0.0))
-                by_tenant[tenant] = (b + rate, n + d.leases_ewma.get((tenant, media), 0.0))
+            by_media, by_tenant = self._demand.close_interval(p.alpha)
             for tenant, refused in self._refused.items():
                 b, n = by_tenant.get(tenant, (0.0, 0.0))
                 by_tenant[tenant] = (b + refused, n + 1)
@@ -687,27 +632,23 @@ class DelegatedCapacity:
             for media, rate in sorted(by_media.items()):
                 if now - self._recalled_at.get(media, -RECALL_COOLDOWN_S) < RECALL_COOLDOWN_S:
                     continue  # poold asked one back lately: leave the bytes to others
-                target = int(
-                    min(p.max_reserve_bytes, max(p.min_reserve_bytes, rate * p.horizon_intervals))
-                )
                 mine = [
-                    h
+                    HeldReservation(
+                        h.reservation.id,
+                        h.reservation.length_bytes,
+                        self._free_in(h),
+                        bool(self._occupied(h.reservation)),
+                    )
                     for h in self._reservations.values()
                     if h.reservation.media == media
                     and h.deadline > now
                     and h.epochs_used < EPOCH_BLOCK
                 ]
-                free = sum(self._free_in(h) for h in mine)
-                if free < target * p.low_fraction:
-                    reserve.append(ReserveWant(bytes=target - free, media=media))
-                elif free > target * p.high_factor:
-                    for h in sorted(mine, key=lambda h: h.reservation.length_bytes):
-                        size = h.reservation.length_bytes
-                        if self._occupied(h.reservation) or free - size < target:
-                            continue
-                        give_back.append(h.reservation.id)
-                        self._giving.add(h.reservation.id)
-                        free -= size
+                more_bytes, given = reservation_want(p, rate, mine)
+                if more_bytes is not None:
+                    reserve.append(ReserveWant(bytes=more_bytes, media=media))
+                give_back.extend(given)
+                self._giving.update(given)
             spent = [
                 h.reservation.id
                 for h in self._reservations.values()
@@ -716,7 +657,7 @@ class DelegatedCapacity:
             give_back.extend(spent)
             self._giving.update(spent)
             budgets: list[BudgetWant] = []
-            for tenant, (rate, leases_rate) in sorted(by_tenant.items()):
+            for tenant, rates in sorted(by_tenant.items()):
                 used_bytes, used_leases = self._used_by(tenant)
                 idle = now - self._last_demand.get(tenant, now)
                 if idle > p.idle_budget_s and not used_bytes:
@@ -726,35 +667,19 @@ class DelegatedCapacity:
                     cap = _Limit(tenant, 0, 0, cap=True)  # nothing granted meanwhile
                     self._limits.append(cap)
                     self._asking.append(cap)
-                    for key in [k for k in d.bytes_ewma if k[0] == tenant]:
-                        d.bytes_ewma.pop(key, None)
-                        d.leases_ewma.pop(key, None)
+                    self._demand.forget(tenant)
                     self._last_demand.pop(tenant, None)
                     continue
-                head_bytes = int(
-                    min(p.max_reserve_bytes, max(p.min_reserve_bytes, rate * p.horizon_intervals))
-                )
-                head_leases = int(max(p.min_budget_leases, leases_rate * p.horizon_intervals))
                 entry = self._budgets.get(tenant)
-                held_bytes, held_leases = (0, 0) if entry is None else self._view(entry.budget)
-                free_bytes = held_bytes - used_bytes
-                free_leases = held_leases - used_leases
-                low = (
-                    entry is None
-                    or free_bytes < head_bytes * p.low_fraction
-                    or free_leases < head_leases * p.low_fraction
-                )
-                high = free_bytes > head_bytes * p.high_factor
-                want_bytes, want_leases = used_bytes + head_bytes, used_leases + head_leases
+                held = None if entry is None else self._view(entry.budget)
+                share = None
                 if entry is not None and entry.budget.share_bytes is not None:
-                    # Other hosts of the tenant want some: ask no more than a fair share
-                    # (never less than what is granted here).
-                    share_leases = entry.budget.share_leases or 0
-                    want_bytes = min(want_bytes, max(used_bytes, entry.budget.share_bytes))
-                    want_leases = min(want_leases, max(used_leases, share_leases))
-                    high = high or held_bytes > want_bytes or held_leases > want_leases
-                if low or high:
+                    share = (entry.budget.share_bytes, entry.budget.share_leases or 0)
+                want = budget_want(p, rates, (used_bytes, used_leases), held, share)
+                if want is not None:
+                    want_bytes, want_leases = want
                     budgets.append(BudgetWant(tenant=tenant, bytes=want_bytes, leases=want_leases))
+                    held_bytes, held_leases = (0, 0) if held is None else held
                     if want_bytes < held_bytes or want_leases < held_leases:
                         # poold sets a smaller budget as asked: spend no more meanwhile.
                         cap = _Limit(tenant, want_bytes, want_leases, cap=True)
@@ -784,256 +709,3 @@ def _expired(req: GrantRequest, what: str) -> DelegationExpired:
         "passed without poold renewing them (is poold down?)",
         size_bytes=req.size_bytes,
     )
-
-
-# --- the agent's edge: journal, outbox, poold ---------------------------------------------
-
-
-class LocalGrants:
-    """The local grants of one agent: :class:`DelegatedCapacity` bound to the journal
-    (agent/journal.py GrantLog), the outbox and poold's ``delegate`` route (agent/link.py).
-
-    What the link asks of it is :class:`agent.link.LocalOps`; the service asks
-    :meth:`grant`, :meth:`commit` and :meth:`restore`.
-    """
-
-    # After poold said it has no delegation route (an older poold), ask again this late.
-    NO_ROUTE_RETRY_S = 60.0
-
-    def __init__(self, capacity: DelegatedCapacity, link: PooldLink, held: HeldLeases) -> None:
-        self.capacity = capacity
-        self.link = link
-        self.held = held
-        self._lock = threading.Lock()
-        self._changed = threading.Condition()  # a local lease committed or given up
-        self._plans: dict[str, LocalPlan] = {}  # granted, memory being made
-        self._uncommitted: set[str] = set()  # journalled, local_grant not yet applied
-        self._seq_of: dict[int, tuple[LeaseOp, int]] = {}  # id(op) -> (op, journal seq)
-        self._asked = False
-        self._no_route_until = 0.0
-        self.enabled = True
-        link.local = self
-        link.on_delegation = self.replace
-
-    @property
-    def journal(self) -> Journal | None:
-        return self.held.journal
-
-    # --- the request path ---------------------------------------------------------
-    def grant(self, req: GrantRequest) -> LeaseOut | None:
-        """A local grant for ``req`` (memory not made yet), or None: the central path."""
-        if not self.enabled or not self.capacity.holds_any():
-            return None
-        plan = self.capacity.grant_locally(req)
-        if plan is None:
-            return None
-        with self._lock:
-            self._plans[plan.lease.id] = plan
-        if self.capacity.free_reserved_bytes() < self.capacity.policy.min_reserve_bytes:
-            self.link.wake_delegation()  # refill off the request path
-        return plan.lease
-
-    def is_pending(self, lease_id: str) -> bool:
-        return lease_id in self._plans
-
-    def commit(self, held: HeldLease) -> None:
-        """Journal a local lease (before its fd leaves) and queue its ``local_grant``."""
-        with self._lock:
-            plan = self._plans.pop(held.lease.id)
-        grant = plan.grant
-        op = LeaseOp.model_construct(
-            lease_id=grant.lease_id,
-            op="local_grant",
-            reason="",
-            length_bytes=None,
-            grant=grant,
-        )
-        journal = self.journal
-        if journal is not None:
-            if held.inode is None and held.memory is not None:
-                held.inode = memfd_inode(held.memory)
-            seq = journal.add_local(
-                held.journal_entry(),
-                grant.model_dump_json(),
-                grant.reservation_id,
-                grant.epoch,
-                plan.persistent,
-            )
-            with self._lock:
-                self._seq_of[id(op)] = (op, seq)
-        with self._lock:
-            self._uncommitted.add(grant.lease_id)
-        self.link.enqueue(op)
-
-    def abandon(self, lease_id: str) -> bool:
-        with self._lock:
-            plan = self._plans.pop(lease_id, None)
-        if plan is None:
-            return False
-        self.capacity.abandon(lease_id)
-        with self._changed:
-            self._changed.notify_all()
-        return True
-
-    # --- what the link tells ------------------------------------------------------
-    def is_local(self, lease_id: str) -> bool:
-        return self.capacity.is_local(lease_id)
-
-    def on_enqueue(self, op: LeaseOp) -> None:
-        journal = self.journal
-        if journal is None or op.op == "local_grant" or id(op) in self._seq_of:
-            return
-        seq = journal.local.op(op.lease_id, op.model_dump_json())
-        with self._lock:
-            self._seq_of[id(op)] = (op, seq)
-
-    def on_delivered(self, ops: list[LeaseOp]) -> None:
-        seqs: list[int] = []
-        with self._lock:
-            for op in ops:
-                known = self._seq_of.pop(id(op), None)
-                if known is not None and known[0] is op:
-                    seqs.append(known[1])
-                if op.op == "local_grant":
-                    self._uncommitted.discard(op.lease_id)
-        for op in ops:
-            self.capacity.delivered(op.lease_id, op.op, op.length_bytes)
-        with self._changed:
-            self._changed.notify_all()
-        journal = self.journal
-        if journal is not None and seqs:
-            journal.local.acked(seqs)
-
-    def uncommitted(self, lease_id: str) -> bool:
-        return lease_id in self._uncommitted
-
-    def uncommitted_count(self) -> int:
-        with self._lock:
-            return len(self._uncommitted)
-
-    # --- the central path --------------------------------------------------------
-    def central(self, req: GrantRequest, grant: Callable[[GrantRequest], LeaseOut]) -> LeaseOut:
-        """poold's grant of ``req`` (``grant``: the link's), which poold may pay from this
-        host's budget of the tenant: the agent's view of that budget is lowered by the
-        request before it leaves (so no local grant meanwhile spends what poold takes),
-        and the request says the tenant's local use here as the agent counts it, local
-        grants poold has not heard of included (poold spends the budget only down to the
-        larger of that and what it has committed). So it need not wait for those to be
-        committed, however far behind the outbox is."""
-        limit = self.capacity.debit(req, self._alignment())
-        if limit is None:
-            return self._central(req, grant)
-        used_bytes, used_leases = limit.local_use
-        req = req.model_copy(
-            update={
-                "local_use": LocalUse(tenant=limit.tenant, bytes=used_bytes, leases=used_leases)
-            }
-        )
-        try:
-            lease = grant(req)
-        except PoolError as err:
-            unknown = isinstance(err, (PooldUnreachable, LedgerUnavailable)) or (
-                err.http_status >= 500
-            )
-            self.capacity.settle(limit, None, known=not unknown)
-            if isinstance(err, QuotaExceeded):
-                self.capacity.note_refused(limit.tenant, req.size_bytes)
-            raise
-        except BaseException:
-            self.capacity.settle(limit, None, known=False)
-            raise
-        self.capacity.settle(limit, lease.length_bytes, known=True)
-        return lease
-
-    def _central(self, req: GrantRequest, grant: Callable[[GrantRequest], LeaseOut]) -> LeaseOut:
-        try:
-            return grant(req)
-        except QuotaExceeded:
-            if req.tenant is not None:
-                self.capacity.note_refused(req.tenant, req.size_bytes)
-            raise
-
-    def _alignment(self) -> int:
-        """The largest alignment of any device here: a central lease is at most its
-        request rounded up to it."""
-        aligns = [d.alignment_bytes for d in self.link.inventory]
-        aligns += [r.alignment_bytes for r in self.capacity.reservations()]
-        return max(aligns, default=1)
-
-    # --- poold's side -----------------------------------------------------------------
-    def replace(self, delegation: Delegation, sent_at: float | None = None) -> None:
-        """poold's whole delegation now (a heartbeat or ``delegate`` reply; ``sent_at``:
-        when its request left, monotonic)."""
-        self.capacity.replace(delegation, sent_at=sent_at)
-        journal = self.journal
-        if journal is not None:
-            journal.local.delegation(delegation.model_dump_json(), time.time())
-        if self.capacity.has_withdrawn():
-            self.link.wake_delegation()  # give back what poold asked back, now
-
-    def step(self) -> None:
-        """Refill or give back off the request path: ask poold once at start (what is held
-        already), then whenever demand says so."""
-        now = time.monotonic()
-        if not self.enabled or now < self._no_route_until:
-            return
-        want = self.capacity.wants()
-        if want is None:
-            if self._asked:
-                return
-            want = DelegationRequest()
-        sent_at = time.monotonic()
-        try:
-            delegation = self.link.delegate(want)
-        except PoolError as err:
-            self.capacity.asked(sent_at, ok=False)
-            if err.http_status in (404, 405) or err.code == "internal":
-                if not self._asked or now >= self._no_route_until:
-                    log.info("poold grants no delegation (%s); every lease is central", err)
-                self._no_route_until = now + self.NO_ROUTE_RETRY_S
-                self._asked = True
-                return
-            raise
-        except BaseException:
-            self.capacity.asked(sent_at, ok=False)
-            raise
-        self._asked = True
-        self.capacity.asked(sent_at, ok=True)
-        self.replace(delegation, sent_at)
-
-    # --- restart ----------------------------------------------------------------------
-    def restore(self) -> int:
-        """After a restart, before adoption: the journal's local leases occupy their
-        extents, their epochs stay spent, the last delegation is held again (its TTL
-        counted from when it came), and every op poold had not applied is queued again,
-        in order (a repeat of one it did apply is answered idempotently). Returns how
-        many ops were queued again."""
-        journal = self.journal
-        if journal is None:
-            return 0
-        state = journal.local.state
-        grants = [LocalGrant.model_validate_json(g) for g in state.grants.values()]
-        if state.delegation is not None:
-            text, wall = state.delegation
-            age = max(0.0, time.time() - wall)
-            try:
-                self.capacity.replace(
-                    Delegation.model_validate_json(text), received_at=time.monotonic() - age
-                )
-            except ValueError:
-                log.warning("the journalled delegation does not parse; waiting for poold's")
-        self.capacity.restore(grants)
-        for reservation_id, epoch in state.epochs.items():
-            self.capacity.note_epoch(reservation_id, epoch)
-        replayed = 0
-        for seq, text in list(state.pending):
-            op = LeaseOp.model_validate_json(text)
-            with self._lock:
-                self._seq_of[id(op)] = (op, seq)
-                if op.op == "local_grant":
-                    self._uncommitted.add(op.lease_id)
-            self.link.enqueue(op)
-            replayed += 1
-        if replayed:
-            log.info("journal: %d op(s) of local leases queued again for poold", replayed)
-        return replayed

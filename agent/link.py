@@ -111,7 +111,7 @@ def inventory_digest(inventory: list[InventoryDevice]) -> str:
 
 
 class LocalOps(Protocol):
-    """What the link tells the agent's local grants (agent/delegation.py LocalGrants)."""
+    """What the link tells the agent's local grants (agent/local_grants.py LocalGrants)."""
 
     def is_local(self, lease_id: str) -> bool:
         """The lease was granted inside the delegation (its ops are journalled)."""
@@ -225,7 +225,7 @@ class PooldLink:
         self.heartbeat_state: HeartbeatState | None = None
         # Set by the agent service: reconciliation after a failed exchange.
         self.resync: Resync | None = None
-        # Set by the agent service: its local grants (agent/delegation.py).
+        # Set by the agent service: its local grants (agent/local_grants.py).
         self.local: LocalOps | None = None
         # Told every delegation a heartbeat reply carries (the whole of it: replaced).
         # With when the request it answers left (monotonic), which orders replies.

@@ -21,11 +21,11 @@ from agent.backends.emulated import EmulatedBackend
 from agent.backends.numa import NumaBackend
 from agent.client import PoolClient
 from agent.config import AgentConfig, metrics_address
-from agent.delegation import RefillPolicy
 from agent.inventory import InventoryWatcher, host_inventory
 from agent.journal import Journal
 from agent.link import PooldLink
 from agent.metrics import start_metrics_server
+from agent.refill import RefillPolicy
 from agent.server import AgentServer, SocketLimits
 from agent.service import AgentService
 from agent.warm import WarmPool

@@ -28,12 +28,14 @@ from agent import restart
 from agent.admission import Admission, InFlight, InFlightLimits
 from agent.backends import Backend, Materialised
 from agent.backends.emulated import available_bytes
-from agent.delegation import DelegatedCapacity, LocalGrants, RefillPolicy
+from agent.delegation import DelegatedCapacity
 from agent.held import HeldLease, HeldLeases
 from agent.holders import Holder
 from agent.journal import Journal
 from agent.link import Holdings, PooldLink
+from agent.local_grants import LocalGrants
 from agent.memory import LeaseMemory, LocalDevice, Pin
+from agent.refill import RefillPolicy
 from agent.resync import Resync
 from agent.revocation import Revocations
 from agent.server import Peer

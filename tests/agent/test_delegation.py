@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from agent.delegation import DelegatedCapacity, RefillPolicy
+from agent.delegation import DelegatedCapacity
+from agent.refill import RefillPolicy
 from poold.errors import DelegationExpired
 from poold.wire.agent import GrantRequest
 from poold.wire.delegation import EPOCH_BLOCK, Budget, Delegation, Reservation

@@ -6,7 +6,8 @@ comes back from a stale reply; after one is asked back, that media is not refill
 
 from __future__ import annotations
 
-from agent.delegation import RECALL_COOLDOWN_S, DelegatedCapacity, RefillPolicy
+from agent.delegation import RECALL_COOLDOWN_S, DelegatedCapacity
+from agent.refill import RefillPolicy
 from tests.agent.test_delegation import (
     Clock,
     MiB,
