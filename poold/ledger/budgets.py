@@ -2,8 +2,8 @@
 (`QuotaUse`), a central grant spending its own host's budget (`spend_for_central`) and a
 local grant kept past its host's budget while the quota has room (`fit_local_grant`).
 
-Its own module so that the grant path (poold/ledger/leases.py) and the delegation
-(poold/ledger/delegation.py) both use it without importing each other. The rule behind
+Its own module so that the grant paths (poold/ledger/leases.py, local_commit.py) and the
+delegation (poold/ledger/delegation.py) all use it without importing each other. The rule behind
 both moves: the budget is a mechanism, the quota is the invariant (docs/design-changes.md
 "Local grants poold has not heard of yet").
 """

@@ -9,7 +9,7 @@ budgets, which its agent spends alone (DESIGN.md "Delegated capacity").
   generation past an epoch block (`EPOCH_BLOCK`): the reservation's local leases take
   epochs from that block, every later grant of those bytes a larger one.
 * Budgets: a tenant's quota use is its central leases plus, per host, the larger of its
-  budget and its local leases there (`leases.quota_use`); a budget is set under the
+  budget and its local leases there (`granting.quota_use`); a budget is set under the
   tenant's generation swap, so it and a racing central grant cannot both pass. Raised
   at most to a fair share when other hosts of the tenant want some (`_set_budget`);
   lowered only by its agent, a quota cut (`claw_back`), or a central grant of the same
@@ -53,7 +53,7 @@ from poold.errors import (
 )
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATES_SQL
-from poold.ledger import agent_requests, leases, transitions
+from poold.ledger import agent_requests, granting, leases, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import (
     Budget,
@@ -372,7 +372,7 @@ def _reserve(
     policy: DelegationPolicy,
 ) -> None:
     """Place each wanted reservation with the grants' placement code, each capped."""
-    found, paths = leases._candidates(conn, host_id)
+    found, paths = granting.candidates(conn, host_id)
     # Whole-only devices (static dax regions) can only be leased whole: never reserved.
     candidates = {c.device_id: c for c in found if not c.whole_only}
     by_uid = {paths[c]["uid"]: c for c in candidates}
@@ -530,7 +530,7 @@ def _set_budget(
         raise UnknownTenant(f"no tenant named {tenant_name!r}", tenant=tenant_name)
     if tenant.allowed_hosts and host_name not in tenant.allowed_hosts:
         raise NotOwner(f"tenant {tenant_name!r} may not lease on host {host_name!r}")
-    use = leases.quota_use(conn, tenant.id)
+    use = granting.quota_use(conn, tenant.id)
     old = use.budgets.get(host_id)
     hosts = len(set(use.budgets) | {host_id})
     local_bytes, local_leases = use.local.get(host_id, (0, 0))
@@ -593,7 +593,7 @@ def _shares(conn: Connection, host_id: int, rows: Sequence[Any]) -> dict[int, tu
         n = int(hosts.get(r.id, 1))
         if n <= 1:
             continue
-        use = leases.quota_use(conn, r.id)
+        use = granting.quota_use(conn, r.id)
         share = (
             fair_share(r.quota_bytes, use.central_bytes, n),
             fair_share(r.quota_leases, use.central_leases, n),
@@ -620,11 +620,11 @@ def claw_back(conn: Connection, tenant_id: int) -> None:
     knows it. A budget never goes below its host's committed local use; and a host that
     had granted no more than its fair share keeps room for it, though poold may not have
     heard of those grants yet (their commit is then within its budget, or, past it, within
-    the quota: leases.py `_local_grant`)."""
+    the quota: local_commit.py `commit`)."""
     tenant = conn.execute(
         select(Tenant.quota_bytes, Tenant.quota_leases).where(Tenant.id == tenant_id)
     ).one()
-    use = leases.quota_use(conn, tenant_id)
+    use = granting.quota_use(conn, tenant_id)
     over_bytes = use.bytes() - tenant.quota_bytes
     over_leases = use.leases() - tenant.quota_leases
     if over_bytes <= 0 and over_leases <= 0:

@@ -30,6 +30,7 @@ from poold.ledger import (
     devices,
     hosts,
     leases,
+    mapped,
     news,
     transitions,
 )
@@ -505,7 +506,7 @@ def heartbeat(
     if beat.held_leases is not None:
         # Ended memfd leases still mapped: freed once the agent reports them no more.
         reported = {x.lease_id: x.state for x in beat.held_leases}
-        ended_mapped = leases.settle_mapped(session.connection(), host.id, host.name, reported, now)
+        ended_mapped = mapped.settle_mapped(session.connection(), host.id, host.name, reported, now)
     revoking = session.execute(
         select(Lease.id, Lease.expires_at).where(
             Lease.host_id == host.id, Lease.state == LeaseState.REVOKING.value

@@ -31,149 +31,47 @@ nothing, and a grant does not return their results.
 from __future__ import annotations
 
 import uuid
-from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, case, func, insert, select, text, union_all, update
+from sqlalchemy import Connection, bindparam, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from poold import placement
 from poold.errors import (
-    BadRequest,
-    BudgetExceeded,
     GenerationConflict,
     InvalidSize,
     LeaseNotActive,
-    LeaseOverlap,
-    LocalGrantMismatch,
     NoCapacity,
     NotOwner,
-    OutsideReservation,
     PoolError,
     QuotaExceeded,
     UnknownLease,
-    UnknownReservation,
 )
-from poold.extents import Extent
-from poold.lease_states import (
-    LIVE_STATES_SQL,
-    MAPPED_STATE_VALUES,
-    LeaseEvent,
-    LeaseState,
-    next_state,
+from poold.lease_states import LeaseEvent, LeaseState, next_state
+from poold.ledger import (
+    agent_requests,
+    budgets,
+    granting,
+    lease_views,
+    local_commit,
+    tenants,
+    transitions,
 )
-from poold.ledger import agent_requests, budgets, devices, lease_views, tenants, transitions
-from poold.ledger.budgets import QuotaUse
 from poold.ledger.db import Ledger, Prepared
-from poold.ledger.models import (
-    Budget,
-    Device,
-    DevicePath,
-    Host,
-    Lease,
-    Quarantine,
-    Reservation,
-    Tenant,
-)
+from poold.ledger.mapped import still_mapped
+from poold.ledger.models import Device, Host, Lease, Quarantine, Tenant
 from poold.ledger.transitions import event_row
 from poold.ledger.types import check_ints_fit, utcnow
 from poold.wire.agent import GrantRequest, LeaseOp, LeaseOpResult, Renewal, RenewResult
 from poold.wire.common import LeaseOut
-from poold.wire.delegation import EPOCH_BLOCK, LocalGrant
 
 # The hot path's statements, built once: constructing a Select costs tens of
 # microseconds of Python each time, and a grant runs about ten of them.
-_LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
 _HOST_ID = select(Host.id).where(Host.name == bindparam("host_name"))
 _HOST_STATUS = Prepared(select(Host.status, Host.generation).where(Host.id == bindparam("host_id")))
-_CENTRAL = Lease.reservation_id.is_(None)
-# A tenant's live leases per host, central and local (granted inside a reservation).
-_TENANT_USAGE = Prepared(
-    select(
-        Lease.host_id,
-        func.coalesce(func.sum(case((_CENTRAL, Lease.length_bytes), else_=0)), 0),
-        func.count(case((_CENTRAL, 1))),
-        func.coalesce(func.sum(case((_CENTRAL, 0), else_=Lease.length_bytes)), 0),
-        func.count(case((_CENTRAL, None), else_=1)),
-    )
-    .where(Lease.tenant_id == bindparam("tenant_id"), _LIVE_SQL)
-    .group_by(Lease.host_id)
-)
-_TENANT_BUDGETS = Prepared(
-    select(Budget.host_id, Budget.bytes, Budget.leases).where(
-        Budget.tenant_id == bindparam("tenant_id")
-    )
-)
-_HOST_DEVICES = Prepared(
-    select(
-        Device.id,
-        Device.uid,
-        Device.kind,
-        Device.media,
-        Device.state,
-        Device.health,
-        Device.capacity_bytes,
-        Device.alignment_bytes,
-        Device.generation,
-        DevicePath.read_latency_ns,
-        DevicePath.distance,
-        DevicePath.numa_node,
-        DevicePath.local_name,
-        Device.reserved_extents,
-        Device.reported_annotations,
-    )
-    .join(DevicePath, DevicePath.device_id == Device.id)
-    .where(DevicePath.host_id == bindparam("host_id"), DevicePath.present.is_(True))
-)
-_HOST_DEVICE_IDS = select(DevicePath.device_id).where(
-    DevicePath.host_id == bindparam("host_id"), DevicePath.present.is_(True)
-)
-# What occupies the host's devices, in one statement: live leases, quarantined ranges,
-# and every reservation: a reservation occupies its bytes for a central grant, the
-# requesting host's own too (its agent places local leases there without asking, so a
-# central lease in them would collide with a local one not yet committed).
-_USED = Prepared(
-    union_all(
-        select(Lease.device_id, Lease.offset_bytes, Lease.length_bytes).where(
-            Lease.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery()), _LIVE_SQL
-        ),
-        select(Quarantine.device_id, Quarantine.offset_bytes, Quarantine.length_bytes).where(
-            Quarantine.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery())
-        ),
-        select(Reservation.device_id, Reservation.offset_bytes, Reservation.length_bytes).where(
-            Reservation.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery())
-        ),
-    )
-)
-# Every column a new lease row is given (central and local grants give the same).
-_NEW_LEASE_COLUMNS = (
-    "id",
-    "tenant_id",
-    "host_id",
-    "device_id",
-    "offset_bytes",
-    "length_bytes",
-    "requested_bytes",
-    "state",
-    "ttl_s",
-    "epoch",
-    "granted_at",
-    "activated_at",
-    "expires_at",
-    "ended_at",
-    "holder_uid",
-    "holder_gid",
-    "holder_pid",
-    "labels",
-    "exclusive_bytes",
-    "replica_bytes",
-    "reported_at",
-    "reservation_id",
-)
-_INSERT_LEASE = Prepared(insert(Lease), column_keys=_NEW_LEASE_COLUMNS)
 _INSERT_QUARANTINE = insert(Quarantine)
 # What an op on an existing lease reads of it.
 _HELD_COLUMNS = (
@@ -307,9 +205,9 @@ def _grant_once(
     host_generation = _refuse_if_host_draining(conn, host_id, host_name)
     tenant = tenants.resolve(conn, req.tenant, req.uid, req.gids, host_name)
     # Budgets delegated to hosts are used quota, whether spent there yet or not.
-    use = quota_use(conn, tenant.id)
+    use = granting.quota_use(conn, tenant.id)
     used_bytes, used_leases = use.bytes(), use.leases()
-    candidates, paths = _candidates(conn, host_id)
+    candidates, paths = granting.candidates(conn, host_id)
     choice = placement.place(
         placement.Request(
             size_bytes=req.size_bytes,
@@ -344,7 +242,7 @@ def _grant_once(
         )
         used_bytes, used_leases = use.bytes(), use.leases()
     if used_leases + 1 > tenant.quota_leases:
-        mapped, why = _still_mapped(conn, tenant.id)
+        mapped, why = still_mapped(conn, tenant.id)
         raise QuotaExceeded(
             f"tenant {tenant.name!r} holds {used_leases} of {tenant.quota_leases} leases{why}",
             quota_leases=tenant.quota_leases,
@@ -353,7 +251,7 @@ def _grant_once(
             **mapped,
         )
     if used_bytes + length > tenant.quota_bytes:
-        mapped, why = _still_mapped(conn, tenant.id)
+        mapped, why = still_mapped(conn, tenant.id)
         raise QuotaExceeded(
             f"tenant {tenant.name!r} would hold {used_bytes + length} bytes, "
             f"quota is {tenant.quota_bytes}{why}",
@@ -408,7 +306,7 @@ def _grant_once(
     ):
         if not transitions.compare_and_bump(conn, model, row_id, seen):
             raise transitions.LostRace
-    _INSERT_LEASE.write(conn, values)
+    granting.INSERT_LEASE.write(conn, values)
     common: dict[str, Any] = {
         "at": now,
         "actor": actor,
@@ -454,52 +352,6 @@ def _grant_once(
     )
 
 
-def quota_use(conn: Connection, tenant_id: int) -> QuotaUse:
-    """The tenant's quota use as this transaction reads it (under its generation swap)."""
-    params = {"tenant_id": tenant_id}
-    central_bytes = central_leases = 0
-    local: dict[int, tuple[int, int]] = {}
-    # int(): PostgreSQL's SUM(bigint) is a numeric (Decimal), which would leak
-    # into the quota_exceeded detail and fail to serialise to JSON.
-    for host_id, c_bytes, c_leases, l_bytes, l_leases in _TENANT_USAGE.rows(conn, params):
-        central_bytes += int(c_bytes)
-        central_leases += int(c_leases)
-        if l_leases:
-            local[int(host_id)] = (int(l_bytes), int(l_leases))
-    budgets = {int(h): (int(b), int(n)) for h, b, n in _TENANT_BUDGETS.rows(conn, params)}
-    return QuotaUse(central_bytes, central_leases, local, budgets)
-
-
-_MAPPED_OF_TENANT = (
-    select(Lease.id, Lease.state, Lease.length_bytes)
-    .where(Lease.tenant_id == bindparam("tenant_id"), Lease.state.in_(MAPPED_STATE_VALUES))
-    .order_by(Lease.granted_at, Lease.id)
-)
-# How many of them a quota refusal names (the detail carries as many).
-_MAPPED_NAMED = 20
-
-
-def _still_mapped(conn: Connection, tenant_id: int) -> tuple[dict[str, Any], str]:
-    """The tenant's ended leases whose memfd some process still maps (they count against
-    its quota: DESIGN.md "Memory follows the pages"), and the words a refusal adds for
-    them (detail `mapped_leases`, absent when none). Read only on the refusal path."""
-    rows = conn.execute(_MAPPED_OF_TENANT, {"tenant_id": tenant_id}).all()
-    if not rows:
-        return {}, ""
-    mapped = [
-        {"lease_id": r.id, "state": r.state, "length_bytes": int(r.length_bytes)}
-        for r in rows[:_MAPPED_NAMED]
-    ]
-    total = sum(int(r.length_bytes) for r in rows)
-    named = ", ".join(f"{m['lease_id']} ({m['state']})" for m in mapped)
-    more = f" and {len(rows) - len(mapped)} more" if len(rows) > len(mapped) else ""
-    why = (
-        f"; {len(rows)} ended lease(s) of {total} bytes still count because a process "
-        f"still maps or holds their memory: {named}{more} (unmap and close them)"
-    )
-    return {"mapped_leases": mapped, "mapped_bytes": total}, why
-
-
 def _refuse_if_host_draining(conn: Connection, host_id: int, host_name: str) -> int:
     """A draining host (`poolctl hosts drain`) keeps its leases but gets no new ones; the
     host's generation this grant read (it swaps it, so a drain in between is noticed)."""
@@ -511,46 +363,6 @@ def _refuse_if_host_draining(conn: Connection, host_id: int, host_name: str) -> 
             host_status="draining",
         )
     return int(generation)
-
-
-def _candidates(
-    conn: Connection, host_id: int
-) -> tuple[list[placement.Candidate], dict[int, dict[str, Any]]]:
-    """The devices a host reaches, with what occupies them, and how the host names them."""
-    params = {"host_id": host_id}
-    rows = _HOST_DEVICES.rows(conn, params)
-    if not rows:
-        return [], {}
-    used: dict[int, list[Extent]] = defaultdict(list)
-    for device_id, offset, length in _USED.rows(conn, params):
-        used[device_id].append(Extent(offset, length))
-    reserved: dict[int, tuple[Extent, ...]] = {}
-    for row in rows:  # held by dax devices poold did not place (poold/ledger/devices.py)
-        reserved[row.id] = tuple(devices.reserved(row.reserved_extents))
-        used[row.id].extend(reserved[row.id])
-    candidates = [
-        placement.Candidate(
-            device_id=row.id,
-            kind=row.kind,
-            media=row.media,
-            state=row.state,
-            health=row.health,
-            capacity_bytes=row.capacity_bytes,
-            alignment_bytes=row.alignment_bytes,
-            used=tuple(used[row.id]),
-            read_latency_ns=row.read_latency_ns,
-            distance=row.distance,
-            generation=row.generation,
-            whole_only=devices.whole_only(row.reported_annotations),
-            reserved=reserved[row.id],
-        )
-        for row in rows
-    ]
-    paths = {
-        row.id: {"uid": row.uid, "numa_node": row.numa_node, "local_name": row.local_name}
-        for row in rows
-    }
-    return candidates, paths
 
 
 # --- an agent's outbox ------------------------------------------------------------------
@@ -649,7 +461,7 @@ def _apply_op(
 ) -> LeaseOpResult:
     """One op of a batch; a PoolError is that op's refusal (raised before it writes)."""
     if op.grant is not None:
-        return _local_grant(conn, host_id, host_name, op.grant, now, actor)
+        return local_commit.commit(conn, host_id, host_name, op.grant, now, actor)
     row = _LEASE_FOR_OP.one_or_none(conn, {"lease_id": op.lease_id})
     if row is None:
         raise UnknownLease(f"no lease {op.lease_id!r}", lease_id=op.lease_id)
@@ -684,217 +496,6 @@ def _apply_op(
 
 
 _DEVICE_ALIGNMENT = select(Device.alignment_bytes).where(Device.id == bindparam("device_id"))
-_RESERVATION = (
-    select(
-        Reservation.id,
-        Reservation.host_id,
-        Reservation.device_id,
-        Reservation.offset_bytes,
-        Reservation.length_bytes,
-        Reservation.epoch_base,
-        Reservation.expires_at,
-        Device.alignment_bytes,
-    )
-    .join(Device, Device.id == Reservation.device_id)
-    .where(Reservation.id == bindparam("reservation_id"))
-)
-_LOCAL_GRANT_AS_RECORDED = select(
-    Lease.host_id,
-    Lease.reservation_id,
-    Lease.tenant_id,
-    Lease.offset_bytes,
-    Lease.length_bytes,
-    Lease.epoch,
-    Lease.state,
-).where(Lease.id == bindparam("lease_id"))
-_OVERLAPPING = (
-    select(Lease.id)
-    .where(
-        Lease.device_id == bindparam("device_id"),
-        _LIVE_SQL,
-        Lease.offset_bytes < bindparam("end"),
-        Lease.offset_bytes + Lease.length_bytes > bindparam("offset"),
-    )
-    .limit(1)
-)
-_BUDGET_OF = select(Budget.bytes, Budget.leases).where(
-    Budget.tenant_id == bindparam("tenant_id"), Budget.host_id == bindparam("host_id")
-)
-_LOCAL_USE = select(func.coalesce(func.sum(Lease.length_bytes), 0), func.count(Lease.id)).where(
-    Lease.tenant_id == bindparam("tenant_id"),
-    Lease.host_id == bindparam("host_id"),
-    Lease.reservation_id.is_not(None),
-    _LIVE_SQL,
-)
-
-
-def _local_grant(
-    conn: Connection, host_id: int, host_name: str, grant: LocalGrant, now: datetime, actor: str
-) -> LeaseOpResult:
-    """Record a lease the host's agent granted alone inside its reservation (an ordinary
-    active lease from then on), or refuse it with a code; idempotent by lease id.
-
-    Checked before anything is written: the reservation is this host's, the extent lies
-    in it (aligned) and its epoch in its block, no live lease overlaps it, the process
-    may act for the tenant there, and the tenant's budget on this host covers it. The
-    tenant's generation is swapped, so a clawback that read the budget's use before this
-    commits reads again (no quota excess between them).
-    """
-    recorded = conn.execute(_LOCAL_GRANT_AS_RECORDED, {"lease_id": grant.lease_id}).one_or_none()
-    tenant = tenants.resolve(conn, grant.tenant, grant.uid, grant.gids, host_name)
-    if recorded is not None:
-        same = (
-            recorded.host_id == host_id
-            and recorded.reservation_id == grant.reservation_id
-            and recorded.tenant_id == tenant.id
-            and recorded.offset_bytes == grant.offset_bytes
-            and recorded.length_bytes == grant.length_bytes
-            and recorded.epoch == grant.epoch
-        )
-        if not same:
-            raise LocalGrantMismatch(
-                f"lease {grant.lease_id} is already recorded with other fields",
-                lease_id=grant.lease_id,
-            )
-        return LeaseOpResult(lease_id=grant.lease_id, state=recorded.state)  # a replay
-    res = conn.execute(_RESERVATION, {"reservation_id": grant.reservation_id}).one_or_none()
-    if res is None:
-        raise UnknownReservation(
-            f"no reservation {grant.reservation_id!r}", reservation_id=grant.reservation_id
-        )
-    if res.host_id != host_id:
-        raise NotOwner(
-            f"reservation {res.id} is not held by host {host_name!r}", reservation_id=res.id
-        )
-    end_bytes = grant.offset_bytes + grant.length_bytes
-    if (
-        grant.offset_bytes < res.offset_bytes
-        or end_bytes > res.offset_bytes + res.length_bytes
-        or not res.epoch_base <= grant.epoch < res.epoch_base + EPOCH_BLOCK
-    ):
-        raise OutsideReservation(
-            f"lease {grant.lease_id} [{grant.offset_bytes}, {end_bytes}) epoch {grant.epoch} "
-            f"is outside reservation {res.id} [{res.offset_bytes}, "
-            f"{res.offset_bytes + res.length_bytes}) epochs {res.epoch_base}+{EPOCH_BLOCK}",
-            lease_id=grant.lease_id,
-            reservation_id=res.id,
-        )
-    if grant.offset_bytes % res.alignment_bytes or grant.length_bytes % res.alignment_bytes:
-        raise InvalidSize(
-            f"lease {grant.lease_id} is not aligned to its device's {res.alignment_bytes} bytes",
-            lease_id=grant.lease_id,
-            alignment_bytes=res.alignment_bytes,
-        )
-    if grant.granted_at > res.expires_at:
-        raise OutsideReservation(
-            f"lease {grant.lease_id} was granted after reservation {res.id} expired",
-            lease_id=grant.lease_id,
-            reservation_id=res.id,
-        )
-    other = conn.execute(
-        _OVERLAPPING,
-        {"device_id": res.device_id, "offset": grant.offset_bytes, "end": end_bytes},
-    ).scalar()
-    if other is not None:
-        raise LeaseOverlap(
-            f"lease {grant.lease_id} overlaps live lease {other}",
-            lease_id=grant.lease_id,
-            other_lease_id=other,
-        )
-    if grant.requested_bytes > grant.length_bytes:
-        raise BadRequest(
-            f"lease {grant.lease_id} requested more bytes than it holds",
-            lease_id=grant.lease_id,
-        )
-    check_ints_fit(Lease.__table__, {"holder_uid": grant.uid, "holder_pid": grant.pid})
-    params = {"tenant_id": tenant.id, "host_id": host_id}
-    budget = conn.execute(_BUDGET_OF, params).one_or_none()
-    spent_bytes, spent_leases = (int(x) for x in conn.execute(_LOCAL_USE, params).one())
-    # The budget is a mechanism, the quota the invariant: a grant its agent made before
-    # hearing its budget was lowered (a quota cut, a central grant of this host, a fair
-    # share) is kept when the quota has room for it (budgets.fit_local_grant). No budget
-    # row at all: the agent never held one here, or asked it back having capped its view.
-    if budget is None or (
-        (spent_leases + 1 > budget.leases or spent_bytes + grant.length_bytes > budget.bytes)
-        and not budgets.fit_local_grant(
-            conn,
-            tenant_id=tenant.id,
-            host_id=host_id,
-            use=quota_use(conn, tenant.id),
-            quota_bytes=tenant.quota_bytes,
-            quota_leases=tenant.quota_leases,
-            length_bytes=grant.length_bytes,
-            lease_id=grant.lease_id,
-            actor=actor,
-        )
-    ):
-        raise BudgetExceeded(
-            f"tenant {tenant.name!r} on host {host_name!r} would hold "
-            f"{spent_bytes + grant.length_bytes} bytes in {spent_leases + 1} local leases; "
-            f"its budget there is "
-            + ("none" if budget is None else f"{budget.bytes} bytes, {budget.leases} leases"),
-            tenant=tenant.name,
-            budget_bytes=0 if budget is None else budget.bytes,
-            budget_leases=0 if budget is None else budget.leases,
-        )
-    if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
-        raise transitions.LostRace
-    _INSERT_LEASE.write(
-        conn,
-        {
-            "id": grant.lease_id,
-            "tenant_id": tenant.id,
-            "host_id": host_id,
-            "device_id": res.device_id,
-            "offset_bytes": grant.offset_bytes,
-            "length_bytes": grant.length_bytes,
-            "requested_bytes": grant.requested_bytes,
-            "state": LeaseState.ACTIVE.value,
-            "ttl_s": grant.ttl_s,
-            "epoch": grant.epoch,
-            "granted_at": grant.granted_at,
-            "activated_at": grant.granted_at,
-            "expires_at": grant.granted_at + timedelta(seconds=grant.ttl_s),
-            "ended_at": None,
-            "holder_uid": grant.uid,
-            "holder_gid": grant.gids[0] if grant.gids else None,
-            "holder_pid": grant.pid,
-            "labels": dict(grant.labels),
-            "exclusive_bytes": 0,
-            "replica_bytes": 0,
-            "reported_at": None,
-            "reservation_id": res.id,
-        },
-    )
-    common: dict[str, Any] = {
-        "at": now,
-        "actor": actor,
-        "lease_id": grant.lease_id,
-        "tenant_id": tenant.id,
-        "host_id": host_id,
-        "device_id": res.device_id,
-    }
-    transitions.record(
-        conn,
-        event_row(
-            **common,
-            kind="lease.grant",
-            to_state="granted",
-            detail={
-                "offset_bytes": grant.offset_bytes,
-                "length_bytes": grant.length_bytes,
-                "epoch": grant.epoch,
-                "uid": grant.uid,
-                "pid": grant.pid,
-                "reservation_id": res.id,
-                "granted_at": grant.granted_at.isoformat(),
-            },
-        ),
-        event_row(**common, kind="lease.activate", from_state="granted", to_state="active"),
-    )
-    return LeaseOpResult(lease_id=grant.lease_id, state=LeaseState.ACTIVE.value)
-
-
 _SHRINK_STATE = select(Lease.shrink_wanted_bytes, Lease.shrink_deadline_at).where(
     Lease.id == bindparam("lease_id")
 )
@@ -1185,51 +786,3 @@ def end(
         raise refused
 
     return transitions.retrying(attempt, what=f"{event.value} of {lease_id}")
-
-
-# --- memory that follows the pages ----------------------------------------------------------
-
-_MAPPED_OF_HOST = (
-    select(Lease.id, Lease.state, Lease.tenant_id, Lease.host_id, Lease.device_id)
-    .where(Lease.host_id == bindparam("host_id"), Lease.state.in_(MAPPED_STATE_VALUES))
-    .order_by(Lease.id)  # lock order
-)
-
-
-def settle_mapped(
-    conn: Connection, host_id: int, host_name: str, reported: Mapping[str, str], now: datetime
-) -> list[str]:
-    """What a detailed agent report (lease id -> the agent's state of it) says of the host's
-    leases that ended with their memfd still mapped; in the heartbeat's transaction.
-
-    A lease the agent no longer reports at all is mapped and held by nobody: the agent
-    watches every such memfd until none does (agent/mappings.py), so its silence is the
-    word `unmapped` (released_mapped -> released, revoked_mapped -> reclaimed), the same
-    move its own `unmapped` op makes, whichever lands first. A lease the agent still
-    reports as held (the reaper ended an expired or orphaned memfd lease under a live
-    holder) is returned: the reply revokes it, and the agent takes it into its watch.
-    """
-    rows = conn.execute(_MAPPED_OF_HOST, {"host_id": host_id}).all()
-    if not rows:
-        return []
-    held: list[str] = []
-    freed: set[int] = set()
-    for row in rows:
-        agent_state = reported.get(row.id)
-        if agent_state is None:
-            transitions.move_if(
-                conn,
-                row.id,
-                LeaseState(row.state),
-                LeaseEvent.UNMAPPED,
-                actor=f"agent:{host_name}",
-                reason="the agent sees no process mapping or holding its memfd",
-                now=now,
-                lease=row,
-                freed=freed,
-            )
-        elif agent_state in ("held", "revoked_held"):
-            held.append(row.id)
-    for device_id in sorted(freed):
-        transitions.bump(conn, Device, device_id)
-    return held

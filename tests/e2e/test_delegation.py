@@ -324,7 +324,7 @@ def _central(pool: Pool, lease_id: str) -> bool:
 
 def _quota_use(pool: Pool) -> int:
     """The tenant's quota use as poold counts it: central leases, and per host the larger
-    of its budget and its local leases (leases.quota_use)."""
+    of its budget and its local leases (granting.quota_use)."""
     [(central, local)] = pool.query(
         "SELECT coalesce(sum(CASE WHEN reservation_id IS NULL THEN length_bytes END), 0), "
         "coalesce(sum(CASE WHEN reservation_id IS NOT NULL THEN length_bytes END), 0) "

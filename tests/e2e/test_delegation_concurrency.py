@@ -9,7 +9,7 @@ sample) about every 100 ms and checks the invariants that must hold at every ins
 no two live leases overlap on a device; no reservation overlaps another; a live lease
 overlaps no reservation but its own; a local lease lies inside its reservation, of its
 host; each tenant's quota use (central leases + per host max(budget, local leases),
-poold/ledger/leases.py `quota_use`) is within its quota in bytes and in lease count.
+poold/ledger/granting.py `quota_use`) is within its quota in bytes and in lease count.
 At the end, once the agents have committed: every lease a tenant was granted is in the
 ledger, none is left live, each lease a tenant released ends `released`, the same checks
 pass, and `poolctl audit` exits 0.
@@ -163,7 +163,7 @@ def violations(conn: Connection) -> list[str]:
         )
     for lease, res in conn.execute(_LOCAL_OUTSIDE_ITS_RESERVATION):
         found.append(f"local lease {lease} is not inside its reservation {res} of its host")
-    # Quota use as leases.quota_use counts it.
+    # Quota use as granting.quota_use counts it.
     central: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     local: dict[tuple[int, int], tuple[int, int]] = {}
     for tenant_id, host_id, is_central, nbytes, count in conn.execute(_LIVE_USE):

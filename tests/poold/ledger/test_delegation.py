@@ -30,6 +30,7 @@ from poold.ledger import (
     audit,
     delegation,
     device_hosts,
+    granting,
     heartbeat,
     hosts,
     leases,
@@ -389,7 +390,7 @@ def test_budgets_racing_central_grants_never_exceed_the_quota(ledger: Ledger) ->
 
     at_once(budget("h1"), budget("h2"), central, central)
     with ledger.write_conn() as conn:
-        use = leases.quota_use(conn, 1)
+        use = granting.quota_use(conn, 1)
     assert use.bytes() <= 32 * MiB
     assert use.leases() <= 100
 

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import select
 
 from poold.errors import QuotaExceeded
-from poold.ledger import delegation, heartbeat, leases, tenants
+from poold.ledger import delegation, granting, heartbeat, leases, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Budget, Event
 from poold.wire.admin import TenantUpdate
@@ -43,7 +43,7 @@ def _budget(ledger: Ledger, host_id: int = 1) -> tuple[int, int] | None:
 
 def _use(ledger: Ledger) -> tuple[int, int]:
     with ledger.write_conn() as conn:
-        use = leases.quota_use(conn, 1)
+        use = granting.quota_use(conn, 1)
     return use.bytes(), use.leases()
 
 
@@ -144,7 +144,7 @@ def test_central_grants_racing_local_grants_never_exceed_the_quota(ledger: Ledge
     budget = _budget(ledger)
     assert budget is not None
     with ledger.write_conn() as conn:
-        use = leases.quota_use(conn, 1)
+        use = granting.quota_use(conn, 1)
     # The budget never went under what was granted inside it.
     assert budget[0] >= use.local.get(1, (0, 0))[0]
 

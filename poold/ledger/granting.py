@@ -1,0 +1,167 @@
+"""What every grant of a lease reads and writes alike: the tenant's quota use as the
+granting transaction reads it (`quota_use`), the devices a host reaches with what
+occupies them (`candidates`), and the one insert of a new lease row (`INSERT_LEASE`).
+
+Its own module so that the central grant (poold/ledger/leases.py), the commit of a
+lease an agent granted alone (poold/ledger/local_commit.py) and the placing of a
+reservation (poold/ledger/delegation.py) share them without importing each other.
+Core statements, prepared once: they run on every grant.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from sqlalchemy import Connection, bindparam, case, func, insert, select, text, union_all
+
+from poold import placement
+from poold.extents import Extent
+from poold.lease_states import LIVE_STATES_SQL
+from poold.ledger import devices
+from poold.ledger.budgets import QuotaUse
+from poold.ledger.db import Prepared
+from poold.ledger.models import Budget, Device, DevicePath, Lease, Quarantine, Reservation
+
+_LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
+_CENTRAL = Lease.reservation_id.is_(None)
+# A tenant's live leases per host, central and local (granted inside a reservation).
+_TENANT_USAGE = Prepared(
+    select(
+        Lease.host_id,
+        func.coalesce(func.sum(case((_CENTRAL, Lease.length_bytes), else_=0)), 0),
+        func.count(case((_CENTRAL, 1))),
+        func.coalesce(func.sum(case((_CENTRAL, 0), else_=Lease.length_bytes)), 0),
+        func.count(case((_CENTRAL, None), else_=1)),
+    )
+    .where(Lease.tenant_id == bindparam("tenant_id"), _LIVE_SQL)
+    .group_by(Lease.host_id)
+)
+_TENANT_BUDGETS = Prepared(
+    select(Budget.host_id, Budget.bytes, Budget.leases).where(
+        Budget.tenant_id == bindparam("tenant_id")
+    )
+)
+_HOST_DEVICES = Prepared(
+    select(
+        Device.id,
+        Device.uid,
+        Device.kind,
+        Device.media,
+        Device.state,
+        Device.health,
+        Device.capacity_bytes,
+        Device.alignment_bytes,
+        Device.generation,
+        DevicePath.read_latency_ns,
+        DevicePath.distance,
+        DevicePath.numa_node,
+        DevicePath.local_name,
+        Device.reserved_extents,
+        Device.reported_annotations,
+    )
+    .join(DevicePath, DevicePath.device_id == Device.id)
+    .where(DevicePath.host_id == bindparam("host_id"), DevicePath.present.is_(True))
+)
+_HOST_DEVICE_IDS = select(DevicePath.device_id).where(
+    DevicePath.host_id == bindparam("host_id"), DevicePath.present.is_(True)
+)
+# What occupies the host's devices, in one statement: live leases, quarantined ranges,
+# and every reservation: a reservation occupies its bytes for a central grant, the
+# requesting host's own too (its agent places local leases there without asking, so a
+# central lease in them would collide with a local one not yet committed).
+_USED = Prepared(
+    union_all(
+        select(Lease.device_id, Lease.offset_bytes, Lease.length_bytes).where(
+            Lease.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery()), _LIVE_SQL
+        ),
+        select(Quarantine.device_id, Quarantine.offset_bytes, Quarantine.length_bytes).where(
+            Quarantine.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery())
+        ),
+        select(Reservation.device_id, Reservation.offset_bytes, Reservation.length_bytes).where(
+            Reservation.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery())
+        ),
+    )
+)
+# Every column a new lease row is given (central and local grants give the same).
+_NEW_LEASE_COLUMNS = (
+    "id",
+    "tenant_id",
+    "host_id",
+    "device_id",
+    "offset_bytes",
+    "length_bytes",
+    "requested_bytes",
+    "state",
+    "ttl_s",
+    "epoch",
+    "granted_at",
+    "activated_at",
+    "expires_at",
+    "ended_at",
+    "holder_uid",
+    "holder_gid",
+    "holder_pid",
+    "labels",
+    "exclusive_bytes",
+    "replica_bytes",
+    "reported_at",
+    "reservation_id",
+)
+INSERT_LEASE = Prepared(insert(Lease), column_keys=_NEW_LEASE_COLUMNS)
+
+
+def quota_use(conn: Connection, tenant_id: int) -> QuotaUse:
+    """The tenant's quota use as this transaction reads it (under its generation swap)."""
+    params = {"tenant_id": tenant_id}
+    central_bytes = central_leases = 0
+    local: dict[int, tuple[int, int]] = {}
+    # int(): PostgreSQL's SUM(bigint) is a numeric (Decimal), which would leak
+    # into the quota_exceeded detail and fail to serialise to JSON.
+    for host_id, c_bytes, c_leases, l_bytes, l_leases in _TENANT_USAGE.rows(conn, params):
+        central_bytes += int(c_bytes)
+        central_leases += int(c_leases)
+        if l_leases:
+            local[int(host_id)] = (int(l_bytes), int(l_leases))
+    budgets = {int(h): (int(b), int(n)) for h, b, n in _TENANT_BUDGETS.rows(conn, params)}
+    return QuotaUse(central_bytes, central_leases, local, budgets)
+
+
+def candidates(
+    conn: Connection, host_id: int
+) -> tuple[list[placement.Candidate], dict[int, dict[str, Any]]]:
+    """The devices a host reaches, with what occupies them, and how the host names them."""
+    params = {"host_id": host_id}
+    rows = _HOST_DEVICES.rows(conn, params)
+    if not rows:
+        return [], {}
+    used: dict[int, list[Extent]] = defaultdict(list)
+    for device_id, offset, length in _USED.rows(conn, params):
+        used[device_id].append(Extent(offset, length))
+    reserved: dict[int, tuple[Extent, ...]] = {}
+    for row in rows:  # held by dax devices poold did not place (poold/ledger/devices.py)
+        reserved[row.id] = tuple(devices.reserved(row.reserved_extents))
+        used[row.id].extend(reserved[row.id])
+    found = [
+        placement.Candidate(
+            device_id=row.id,
+            kind=row.kind,
+            media=row.media,
+            state=row.state,
+            health=row.health,
+            capacity_bytes=row.capacity_bytes,
+            alignment_bytes=row.alignment_bytes,
+            used=tuple(used[row.id]),
+            read_latency_ns=row.read_latency_ns,
+            distance=row.distance,
+            generation=row.generation,
+            whole_only=devices.whole_only(row.reported_annotations),
+            reserved=reserved[row.id],
+        )
+        for row in rows
+    ]
+    paths = {
+        row.id: {"uid": row.uid, "numa_node": row.numa_node, "local_name": row.local_name}
+        for row in rows
+    }
+    return found, paths
