@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from agent.backends.emulated import materialise
-from agent.kv import BlockTooLarge, Key, KeyTooLong, KVStore
+from agent.kv import KVStore
+from agent.kv_index import BlockTooLarge, Key, KeyTooLong
 from agent.kv_layout import HEADER_BYTES, MAGIC, MAX_KEY_BYTES, RECORD_BYTES
 from agent.kv_report import Reporter
 
