@@ -13,7 +13,11 @@ host row and then, with an inventory, its devices) takes them in the same order.
 
 Every state change is `transitions.move_if`; what a lease looks like from
 outside is poold/ledger/lease_views.py. Core statements only: these run for
-every lease a tenant takes.
+every lease a tenant takes. Beside this module, each answering its own question:
+what a grant reads and writes (granting.py: quota use, placement candidates, the
+lease insert), an existing lease as a transaction holds it (held_lease.py), the
+commit of a lease an agent granted alone (local_commit.py, dispatched from
+`apply_ops`), and ended leases still mapped (mapped.py).
 
 Each entry point is one transaction run by `transitions.retrying`: a lost race,
 a deadlock or a serialisation failure runs it again from a fresh read. Leases
@@ -32,7 +36,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -55,6 +58,7 @@ from poold.ledger import (
     agent_requests,
     budgets,
     granting,
+    held_lease,
     lease_views,
     local_commit,
     tenants,
@@ -73,25 +77,6 @@ from poold.wire.common import LeaseOut
 _HOST_ID = select(Host.id).where(Host.name == bindparam("host_name"))
 _HOST_STATUS = Prepared(select(Host.status, Host.generation).where(Host.id == bindparam("host_id")))
 _INSERT_QUARANTINE = insert(Quarantine)
-# What an op on an existing lease reads of it.
-_HELD_COLUMNS = (
-    Lease.id,
-    Lease.state,
-    Lease.host_id,
-    Lease.tenant_id,
-    Lease.device_id,
-    Lease.expires_at,
-    Lease.ttl_s,
-    Lease.offset_bytes,
-    Lease.length_bytes,
-)
-_LEASE_FOR_OP = Prepared(select(*_HELD_COLUMNS).where(Lease.id == bindparam("lease_id")))
-# ORDER BY id: PostgreSQL locks the rows in the order it returns them (lock order).
-_LEASES_FOR_UPDATE = (
-    select(*_HELD_COLUMNS)
-    .where(Lease.id.in_(bindparam("lease_ids", expanding=True)))
-    .order_by(Lease.id)
-).with_for_update()
 _RENEW = (
     update(Lease)
     .where(Lease.id == bindparam("lease_id"))
@@ -108,22 +93,6 @@ _OP_EVENTS = {
     "reclaim_mapped": LeaseEvent.RECLAIM_MAPPED,
     "unmapped": LeaseEvent.UNMAPPED,
 }
-
-
-@dataclass
-class _Held:
-    """An existing lease as this transaction read it, kept in step with what it writes."""
-
-    id: str
-    state: str
-    host_id: int
-    tenant_id: int
-    device_id: int
-    expires_at: datetime
-    ttl_s: int
-    offset_bytes: int
-    length_bytes: int
-    renewed: bool = False
 
 
 def _host_id(ledger: Ledger, conn: Connection, host_name: str) -> int:
@@ -462,11 +431,10 @@ def _apply_op(
     """One op of a batch; a PoolError is that op's refusal (raised before it writes)."""
     if op.grant is not None:
         return local_commit.commit(conn, host_id, host_name, op.grant, now, actor)
-    row = _LEASE_FOR_OP.one_or_none(conn, {"lease_id": op.lease_id})
-    if row is None:
+    lease = held_lease.read(conn, op.lease_id)
+    if lease is None:
         raise UnknownLease(f"no lease {op.lease_id!r}", lease_id=op.lease_id)
-    lease = _Held(*row)
-    _owned_by_host(lease, host_id, host_name)
+    held_lease.owned_by_host(lease, host_id, host_name)
     if op.op == "shrink":
         _shrink(conn, op, lease, now, actor)
         freed.add(lease.device_id)
@@ -474,12 +442,12 @@ def _apply_op(
     event = _OP_EVENTS[op.op]
     if event in (LeaseEvent.RELEASE, LeaseEvent.RELEASE_DIRTY, LeaseEvent.RELEASE_MAPPED):
         # Past its ttl the holder no longer owns it (the expiry is kept, journalled).
-        _expire_if_due(conn, lease, now)
+        held_lease.expire_if_due(conn, lease, now)
     if event is LeaseEvent.RELEASE_MAPPED and lease.state == LeaseState.EXPIRED.value:
         # Released after its ttl, still mapped: the lease is over and its pages are not.
         event = LeaseEvent.RECLAIM_MAPPED
     after = next_state(LeaseState(lease.state), event)
-    _move(conn, lease, event, actor, now, op.reason, freed=freed)
+    held_lease.move(conn, lease, event, actor, now, op.reason, freed=freed)
     if event is LeaseEvent.SCRUB_FAILED:
         # Bytes that may still hold a tenant's data are never handed out again.
         conn.execute(
@@ -512,7 +480,9 @@ _SET_LENGTH = (
 _SHRINKABLE_STATES = frozenset({LeaseState.GRANTED.value, LeaseState.ACTIVE.value})
 
 
-def _shrink(conn: Connection, op: LeaseOp, lease: _Held, now: datetime, actor: str) -> None:
+def _shrink(
+    conn: Connection, op: LeaseOp, lease: held_lease.Held, now: datetime, actor: str
+) -> None:
     """The holder gave back the tail of its lease: shorter extent, same state and offset.
 
     What poold asked for under pressure (shrink_wanted_bytes) is reduced by what was
@@ -579,76 +549,6 @@ def _shrink(conn: Connection, op: LeaseOp, lease: _Held, now: datetime, actor: s
 # --- one lease at a time: activate, renew, end ------------------------------------------
 
 
-def _lock(conn: Connection, lease_ids: Sequence[str]) -> dict[str, _Held]:
-    """Leases by id, row-locked until the transaction ends (a heartbeat renews many at once)."""
-    out: dict[str, _Held] = {}
-    for chunk in transitions.chunks(transitions.lock_order(lease_ids)):
-        for row in conn.execute(_LEASES_FOR_UPDATE, {"lease_ids": list(chunk)}):
-            out[row.id] = _Held(**row._mapping)
-    return out
-
-
-def _lock_one(conn: Connection, lease_id: str) -> _Held:
-    lease = _lock(conn, [lease_id]).get(lease_id)
-    if lease is None:
-        raise UnknownLease(f"no lease {lease_id!r}", lease_id=lease_id)
-    return lease
-
-
-def _owned_by_host(lease: _Held, host_id: int, host_name: str) -> None:
-    if lease.host_id != host_id:
-        # Same wording as an unknown id would leak existence; the code differs
-        # on purpose so an operator can tell a misrouted agent from a typo.
-        raise NotOwner(f"lease {lease.id} is not held on host {host_name!r}", lease_id=lease.id)
-
-
-def _move(
-    conn: Connection,
-    lease: _Held,
-    event: LeaseEvent,
-    actor: str,
-    now: datetime,
-    reason: str | None = None,
-    *,
-    where: Sequence[Any] = (),
-    values: dict[str, Any] | None = None,
-    freed: set[int] | None = None,
-) -> None:
-    """`transitions.move_if` from the state this transaction read; a lost race is refused."""
-    before = LeaseState(lease.state)
-    moved = transitions.move_if(
-        conn,
-        lease.id,
-        before,
-        event,
-        actor=actor,
-        reason=reason,
-        now=now,
-        where=where,
-        values=values,
-        lease=lease,
-        freed=freed,
-    )
-    if not moved:
-        raise GenerationConflict(f"lease {lease.id} changed state meanwhile", lease_id=lease.id)
-    lease.state = next_state(before, event).value
-
-
-def _expire_if_due(conn: Connection, lease: _Held, now: datetime) -> None:
-    """Lazy expiry: a held lease past its expiry is expired before anything else happens."""
-    if lease.state == LeaseState.ACTIVE.value and lease.expires_at <= now:
-        _move(
-            conn,
-            lease,
-            LeaseEvent.EXPIRE,
-            "poold",
-            now,
-            "ttl passed without renewal",
-            # A renewal that committed since this transaction read the lease wins.
-            where=(Lease.expires_at <= now,),
-        )
-
-
 def activate(ledger: Ledger, host_name: str, lease_id: str, actor: str) -> LeaseOut:
     """The agent made the memory of a granted lease: granted → active, its ttl from now.
 
@@ -659,14 +559,14 @@ def activate(ledger: Ledger, host_name: str, lease_id: str, actor: str) -> Lease
     def attempt() -> LeaseOut:
         with ledger.write_conn() as conn:
             host_id = _host_id(ledger, conn, host_name)
-            lease = _lock_one(conn, lease_id)
-            _owned_by_host(lease, host_id, host_name)
+            lease = held_lease.lock_one(conn, lease_id)
+            held_lease.owned_by_host(lease, host_id, host_name)
             if lease.state == LeaseState.ACTIVE.value:
                 # A repeat whose first reply was lost (poold died, the agent failed over):
                 # the first activation stands, ttl and all.
                 return lease_views.show_in(conn, lease_id)
             now = utcnow()
-            _move(
+            held_lease.move(
                 conn,
                 lease,
                 LeaseEvent.ACTIVATE,
@@ -681,19 +581,19 @@ def activate(ledger: Ledger, host_name: str, lease_id: str, actor: str) -> Lease
 
 def _renew(
     conn: Connection,
-    held: dict[str, _Held],
+    held: dict[str, held_lease.Held],
     host_id: int,
     host_name: str,
     lease_id: str,
     ttl_s: int | None,
     now: datetime,
-) -> _Held:
+) -> held_lease.Held:
     """Extend one held lease in `held` (written by `_store_renewals`); checks before it writes."""
     lease = held.get(lease_id)
     if lease is None:
         raise UnknownLease(f"no lease {lease_id!r}", lease_id=lease_id)
-    _owned_by_host(lease, host_id, host_name)
-    _expire_if_due(conn, lease, now)
+    held_lease.owned_by_host(lease, host_id, host_name)
+    held_lease.expire_if_due(conn, lease, now)
     next_state(LeaseState(lease.state), LeaseEvent.RENEW)  # raises lease_not_active
     if ttl_s is not None:
         lease.ttl_s = ttl_s
@@ -702,7 +602,7 @@ def _renew(
     return lease
 
 
-def _store_renewals(conn: Connection, held: dict[str, _Held]) -> None:
+def _store_renewals(conn: Connection, held: dict[str, held_lease.Held]) -> None:
     params = [
         {"lease_id": x.id, "new_ttl_s": x.ttl_s, "new_expires_at": x.expires_at}
         for x in held.values()
@@ -720,7 +620,7 @@ def renew_all(
     One locked read and one batched write however many renewals: a heartbeat
     carrying N of them costs two statements, not N.
     """
-    held = _lock(conn, [r.lease_id for r in renewals])
+    held = held_lease.lock(conn, [r.lease_id for r in renewals])
     results: list[RenewResult] = []
     for renewal in renewals:
         try:
@@ -743,7 +643,7 @@ def renew(ledger: Ledger, host_name: str, lease_id: str, ttl_s: int | None) -> L
         refused: LeaseNotActive | None = None
         with ledger.write_conn() as conn:
             host_id = _host_id(ledger, conn, host_name)
-            held = _lock(conn, [lease_id])
+            held = held_lease.lock(conn, [lease_id])
             try:
                 _renew(conn, held, host_id, host_name, lease_id, ttl_s, now)
             except LeaseNotActive as err:
@@ -771,14 +671,14 @@ def end(
     def attempt() -> LeaseOut:
         refused: LeaseNotActive | None = None
         with ledger.write_conn() as conn:
-            lease = _lock_one(conn, lease_id)
+            lease = held_lease.lock_one(conn, lease_id)
             if host_name is not None:
-                _owned_by_host(lease, _host_id(ledger, conn, host_name), host_name)
+                held_lease.owned_by_host(lease, _host_id(ledger, conn, host_name), host_name)
             now = utcnow()
             if event in (LeaseEvent.RELEASE, LeaseEvent.RELEASE_DIRTY):
-                _expire_if_due(conn, lease, now)
+                held_lease.expire_if_due(conn, lease, now)
             try:
-                _move(conn, lease, event, actor, now, reason)
+                held_lease.move(conn, lease, event, actor, now, reason)
             except LeaseNotActive as err:
                 refused = err  # keep a lazy expiry, as renew() does
             else:
