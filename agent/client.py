@@ -295,17 +295,25 @@ class Lease:
 
     def release(self) -> None:
         """Give the memory back and close the fd; idempotent."""
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-        self._client._forget(self)
-        # Closed first: the agent frees the bytes only once no process maps or holds the
-        # memfd (DESIGN.md "Memory follows the pages"); this fd must not be one of them.
-        os.close(self._fd)
+        if not self._claim_release():
+            return
+        self._let_go()
         # Already over (expired, revoked, reclaimed): nothing left to give back.
         with contextlib.suppress(LeaseNotActive, UnknownLease):
-            self._client.release(self.lease_id)
+            self._client._release(self.lease_id)
+
+    def _claim_release(self) -> bool:
+        """True for the one caller that releases it (a release is idempotent)."""
+        with self._lock:
+            first, self._released = not self._released, True
+        return first
+
+    def _let_go(self) -> None:
+        """Stop renewing and close the fd, before the release is asked: the agent frees
+        the bytes only once no process maps or holds the memfd (DESIGN.md "Memory follows
+        the pages"); this fd must not be one of them."""
+        self._client._forget(self)
+        os.close(self._fd)
 
     def _mark_lost(self, err: PoolError) -> None:
         """A renewal says the lease is over."""
@@ -556,7 +564,16 @@ class PoolClient:
         )[0]
 
     def release(self, lease_id: str) -> ReleaseResult:
-        """Release by id; prefer :meth:`Lease.release`, which also closes the fd."""
+        """Release by id. A lease this client holds is let go first, as
+        :meth:`Lease.release` does (renewals stop, its fd is closed): otherwise its own
+        fd would keep the bytes counted (``released_mapped``) and its renewals would find
+        the lease over."""
+        held = self._held(lease_id)
+        if held is not None and held._claim_release():
+            held._let_go()
+        return self._release(lease_id)
+
+    def _release(self, lease_id: str) -> ReleaseResult:
         return self._call(
             OPERATIONS["release"], _args(ReleaseArgs, lease_id=lease_id), ReleaseResult
         )[0]

@@ -327,6 +327,24 @@ def test_a_release_through_the_socket_takes_the_fast_path(
 
 
 @needs_check
+def test_a_release_by_id_lets_go_of_the_clients_own_lease(
+    agent: tuple[PoolClient, AgentService],
+) -> None:
+    """`PoolClient.release(id)` of a lease that client holds closes its fd and stops its
+    renewals first, as `Lease.release()` does: the client's own fd is not a holder that
+    keeps the bytes counted (`released_mapped`)."""
+    client, service = agent
+    check = service.memory.release_check
+    for _ in range(3):
+        lease = client.lease(2 * MIB, tenant="t", ttl_s=60)
+        client.release(lease.lease_id)
+        assert lease.released and client.leases == []
+    assert (check.fast, check.scanned) == (3, 0)
+    assert service.held.mapped() == []
+    lease.release()  # and Lease.release() after it asks nothing more
+
+
+@needs_check
 def test_a_release_with_a_mapping_kept_is_released_mapped(
     agent: tuple[PoolClient, AgentService],
 ) -> None:
