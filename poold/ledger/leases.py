@@ -405,11 +405,12 @@ def _apply_batch(
 ) -> list[LeaseOpResult]:
     now = utcnow()
     freed: set[int] = set()
+    reads = local_commit.BatchReads()
     results: list[LeaseOpResult | None] = [None] * len(ops)
     for i in order:
         op = ops[i]
         try:
-            results[i] = _apply_op(conn, host_id, host_name, op, now, actor, freed)
+            results[i] = _apply_op(conn, host_id, host_name, op, now, actor, freed, reads)
         except PoolError as err:
             results[i] = LeaseOpResult(lease_id=op.lease_id, code=err.code, message=err.message)
     # One bump per device however many of its leases ended; in id order, so
@@ -427,10 +428,11 @@ def _apply_op(
     now: datetime,
     actor: str,
     freed: set[int],
+    reads: local_commit.BatchReads,
 ) -> LeaseOpResult:
     """One op of a batch; a PoolError is that op's refusal (raised before it writes)."""
     if op.grant is not None:
-        return local_commit.commit(conn, host_id, host_name, op.grant, now, actor)
+        return local_commit.commit(conn, host_id, host_name, op.grant, now, actor, reads)
     lease = held_lease.read(conn, op.lease_id)
     if lease is None:
         raise UnknownLease(f"no lease {op.lease_id!r}", lease_id=op.lease_id)

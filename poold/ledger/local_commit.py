@@ -10,6 +10,7 @@ grant arrives as a lease poold has never seen, made within a delegation
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -27,6 +28,7 @@ from poold.errors import (
 )
 from poold.lease_states import LIVE_STATES_SQL, LeaseState
 from poold.ledger import budgets, tenants, transitions
+from poold.ledger.db import Prepared
 from poold.ledger.granting import INSERT_LEASE, quota_use
 from poold.ledger.models import Budget, Device, Lease, Reservation, Tenant
 from poold.ledger.transitions import event_row
@@ -35,7 +37,7 @@ from poold.wire.agent import LeaseOpResult
 from poold.wire.delegation import EPOCH_BLOCK, LocalGrant
 
 _LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
-_RESERVATION = (
+_RESERVATION = Prepared(
     select(
         Reservation.id,
         Reservation.host_id,
@@ -49,16 +51,18 @@ _RESERVATION = (
     .join(Device, Device.id == Reservation.device_id)
     .where(Reservation.id == bindparam("reservation_id"))
 )
-_LOCAL_GRANT_AS_RECORDED = select(
-    Lease.host_id,
-    Lease.reservation_id,
-    Lease.tenant_id,
-    Lease.offset_bytes,
-    Lease.length_bytes,
-    Lease.epoch,
-    Lease.state,
-).where(Lease.id == bindparam("lease_id"))
-_OVERLAPPING = (
+_LOCAL_GRANT_AS_RECORDED = Prepared(
+    select(
+        Lease.host_id,
+        Lease.reservation_id,
+        Lease.tenant_id,
+        Lease.offset_bytes,
+        Lease.length_bytes,
+        Lease.epoch,
+        Lease.state,
+    ).where(Lease.id == bindparam("lease_id"))
+)
+_OVERLAPPING = Prepared(
     select(Lease.id)
     .where(
         Lease.device_id == bindparam("device_id"),
@@ -68,19 +72,75 @@ _OVERLAPPING = (
     )
     .limit(1)
 )
-_BUDGET_OF = select(Budget.bytes, Budget.leases).where(
-    Budget.tenant_id == bindparam("tenant_id"), Budget.host_id == bindparam("host_id")
+_BUDGET_OF = Prepared(
+    select(Budget.bytes, Budget.leases).where(
+        Budget.tenant_id == bindparam("tenant_id"), Budget.host_id == bindparam("host_id")
+    )
 )
-_LOCAL_USE = select(func.coalesce(func.sum(Lease.length_bytes), 0), func.count(Lease.id)).where(
-    Lease.tenant_id == bindparam("tenant_id"),
-    Lease.host_id == bindparam("host_id"),
-    Lease.reservation_id.is_not(None),
-    _LIVE_SQL,
+_LOCAL_USE = Prepared(
+    select(
+        func.coalesce(func.sum(Lease.length_bytes), 0).label("bytes"),
+        func.count(Lease.id).label("leases"),
+    ).where(
+        Lease.tenant_id == bindparam("tenant_id"),
+        Lease.host_id == bindparam("host_id"),
+        Lease.reservation_id.is_not(None),
+        _LIVE_SQL,
+    )
 )
+
+
+@dataclass
+class BatchReads:
+    """What the local grants of one op batch read once, in its transaction, instead of
+    once per grant: the batch's statements are most of poold's CPU per local lease.
+
+    Sound because nothing the batch does changes them but its own grants, which update
+    them here: reservations are not written by op batches; every budget change swaps
+    the tenant's generation, and this batch holds the tenant's row from its first swap
+    on (a change before that fails the swap and reruns the batch with fresh reads); a
+    batch's grants go after its other ops (`leases.apply_ops`), so the local use read at
+    its first grant already counts the batch's releases."""
+
+    tenants: dict[tuple[str | None, int, tuple[int, ...]], Any] = field(default_factory=dict)
+    reservations: dict[str, Any] = field(default_factory=dict)
+    budgets: dict[int, Any] = field(default_factory=dict)  # by tenant id; None: no row
+    spent: dict[int, list[int]] = field(default_factory=dict)  # tenant id -> [bytes, leases]
+    swapped: set[int] = field(default_factory=set)  # tenants whose generation it swapped
+
+    def tenant(self, conn: Connection, grant: LocalGrant, host_name: str) -> Any:
+        key = (grant.tenant, grant.uid, tuple(grant.gids))
+        if key not in self.tenants:
+            self.tenants[key] = tenants.resolve(
+                conn, grant.tenant, grant.uid, grant.gids, host_name
+            )
+        return self.tenants[key]
+
+    def reservation(self, conn: Connection, reservation_id: str) -> Any:
+        if reservation_id not in self.reservations:
+            self.reservations[reservation_id] = _RESERVATION.one_or_none(
+                conn, {"reservation_id": reservation_id}
+            )
+        return self.reservations[reservation_id]
+
+    def budget_and_spent(
+        self, conn: Connection, tenant_id: int, host_id: int
+    ) -> tuple[Any, list[int]]:
+        if tenant_id not in self.spent:
+            params = {"tenant_id": tenant_id, "host_id": host_id}
+            self.budgets[tenant_id] = _BUDGET_OF.one_or_none(conn, params)
+            self.spent[tenant_id] = [int(x) for x in _LOCAL_USE.rows(conn, params)[0]]
+        return self.budgets[tenant_id], self.spent[tenant_id]
 
 
 def commit(
-    conn: Connection, host_id: int, host_name: str, grant: LocalGrant, now: datetime, actor: str
+    conn: Connection,
+    host_id: int,
+    host_name: str,
+    grant: LocalGrant,
+    now: datetime,
+    actor: str,
+    batch: BatchReads | None = None,
 ) -> LeaseOpResult:
     """Record a lease the host's agent granted alone inside its reservation (an ordinary
     active lease from then on), or refuse it with a code; idempotent by lease id.
@@ -91,8 +151,9 @@ def commit(
     tenant's generation is swapped, so a clawback that read the budget's use before this
     commits reads again (no quota excess between them).
     """
-    recorded = conn.execute(_LOCAL_GRANT_AS_RECORDED, {"lease_id": grant.lease_id}).one_or_none()
-    tenant = tenants.resolve(conn, grant.tenant, grant.uid, grant.gids, host_name)
+    batch = BatchReads() if batch is None else batch
+    recorded = _LOCAL_GRANT_AS_RECORDED.one_or_none(conn, {"lease_id": grant.lease_id})
+    tenant = batch.tenant(conn, grant, host_name)
     if recorded is not None:
         same = (
             recorded.host_id == host_id
@@ -108,7 +169,7 @@ def commit(
                 lease_id=grant.lease_id,
             )
         return LeaseOpResult(lease_id=grant.lease_id, state=recorded.state)  # a replay
-    res = conn.execute(_RESERVATION, {"reservation_id": grant.reservation_id}).one_or_none()
+    res = batch.reservation(conn, grant.reservation_id)
     if res is None:
         raise UnknownReservation(
             f"no reservation {grant.reservation_id!r}", reservation_id=grant.reservation_id
@@ -142,10 +203,9 @@ def commit(
             lease_id=grant.lease_id,
             reservation_id=res.id,
         )
-    other = conn.execute(
-        _OVERLAPPING,
-        {"device_id": res.device_id, "offset": grant.offset_bytes, "end": end_bytes},
-    ).scalar()
+    other = _OVERLAPPING.scalar(
+        conn, {"device_id": res.device_id, "offset": grant.offset_bytes, "end": end_bytes}
+    )
     if other is not None:
         raise LeaseOverlap(
             f"lease {grant.lease_id} overlaps live lease {other}",
@@ -158,9 +218,8 @@ def commit(
             lease_id=grant.lease_id,
         )
     check_ints_fit(Lease.__table__, {"holder_uid": grant.uid, "holder_pid": grant.pid})
-    params = {"tenant_id": tenant.id, "host_id": host_id}
-    budget = conn.execute(_BUDGET_OF, params).one_or_none()
-    spent_bytes, spent_leases = (int(x) for x in conn.execute(_LOCAL_USE, params).one())
+    budget, spent = batch.budget_and_spent(conn, tenant.id, host_id)
+    spent_bytes, spent_leases = spent
     # The budget is a mechanism, the quota the invariant: a grant its agent made before
     # hearing its budget was lowered (a quota cut, a central grant of this host, a fair
     # share) is kept when the quota has room for it (budgets.fit_local_grant). No budget
@@ -188,8 +247,10 @@ def commit(
             budget_bytes=0 if budget is None else budget.bytes,
             budget_leases=0 if budget is None else budget.leases,
         )
-    if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
-        raise transitions.LostRace
+    if tenant.id not in batch.swapped:
+        if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
+            raise transitions.LostRace
+        batch.swapped.add(tenant.id)
     INSERT_LEASE.write(
         conn,
         {
@@ -243,4 +304,6 @@ def commit(
         ),
         event_row(**common, kind="lease.activate", from_state="granted", to_state="active"),
     )
+    spent[0] += grant.length_bytes
+    spent[1] += 1
     return LeaseOpResult(lease_id=grant.lease_id, state=LeaseState.ACTIVE.value)

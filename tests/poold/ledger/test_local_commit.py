@@ -1,0 +1,60 @@
+"""Does one batch of local grants check each against what the grants before it in the
+same batch spent? (poold/ledger/local_commit.py reads the tenant, reservation, budget and
+local use once per batch: SQLite and PostgreSQL.)"""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+
+from poold.ledger import delegation, leases
+from poold.ledger.db import Ledger
+from poold.ledger.models import Event, Lease, Tenant
+from poold.wire.agent import LeaseOp
+from poold.wire.delegation import BudgetWant, DelegationRequest, ReserveWant
+from tests.poold.conftest import MiB, local_grant_op, seed
+
+
+def _ops(ledger: Ledger, ops: list[LeaseOp]) -> list[tuple[str | None, str | None]]:
+    return [(r.state, r.code) for r in leases.apply_ops(ledger, "h1", ops, "agent:h1")]
+
+
+def _generation(ledger: Ledger) -> int:
+    with ledger.read() as s:
+        return int(s.scalar(select(Tenant.generation).where(Tenant.name == "t1")) or 0)
+
+
+def test_a_batch_spends_the_budget_grant_by_grant_and_frees_before_it_grants(
+    ledger: Ledger,
+) -> None:
+    # The quota is the budget: a grant past the budget cannot be kept as an overrun.
+    seed(ledger, quota_bytes=6 * MiB, quota_leases=3)
+    d = delegation.delegate(
+        ledger,
+        "h1",
+        DelegationRequest(
+            reserve=[ReserveWant(bytes=16 * MiB)],
+            budgets=[BudgetWant(tenant="t1", bytes=6 * MiB, leases=3)],
+        ),
+        "agent:h1",
+    )
+    before = _generation(ledger)
+    first = [local_grant_op(d, f"L{i}", i * 2 * MiB, epoch=i) for i in range(5)]
+    assert _ops(ledger, first) == [("active", None)] * 3 + [(None, "budget_exceeded")] * 2
+    assert _generation(ledger) == before + 1  # one swap for the batch's grants
+    with ledger.read() as s:
+        live = s.scalars(select(Lease.id).where(Lease.state == "active").order_by(Lease.id))
+        assert list(live) == ["L0", "L1", "L2"]
+        assert s.scalar(select(func.count()).select_from(Event)) >= 6
+    # A release in the batch frees its budget for the batch's grants (they go after it),
+    # and the second grant meets the budget the first spent.
+    second = [
+        local_grant_op(d, "L5", 5 * 2 * MiB, epoch=5),
+        LeaseOp(lease_id="L0", op="release", reason="released"),
+        local_grant_op(d, "L6", 6 * 2 * MiB, epoch=6),
+    ]
+    assert _ops(ledger, second) == [("active", None), ("released", None), (None, "budget_exceeded")]
+    # A replay of the whole batch answers the same and changes nothing.
+    assert _ops(ledger, second)[0] == ("active", None)
+    with ledger.read() as s:
+        live = s.scalars(select(Lease.id).where(Lease.state == "active").order_by(Lease.id))
+        assert list(live) == ["L1", "L2", "L5"]
