@@ -483,15 +483,22 @@ class PooldLink:
         answer at all is raised, after the batch is back in line.
         """
         with self._deliver:
+            with self._lock:
+                # What is queued now, not what queues while this sends: ops keep coming at
+                # the lease rate, and chasing them sent a batch of a few ops per round trip
+                # (50 requests a second at 300 leases a second) instead of one per
+                # LOCAL_FLUSH_S. An op that must go at once wakes the loop again.
+                due = len(self._outbox)
             while True:
                 with self._lock:
                     if self._batches:
                         batch = self._batches.pop(0)
                         self._in_flight_ops.update(op.lease_id for op in batch.ops)
                     else:
-                        ops = self._take_ops()
+                        ops = self._take_ops() if due > 0 else []
                         if not ops:
                             return  # nothing queued, or only ops waiting for a grant's
+                        due -= len(ops)
                         batch = AgentOps(ops=ops, request_id=new_request_id())
                 try:
                     results = self.client.apply_ops(batch.ops, request_id=batch.request_id)

@@ -9,7 +9,7 @@ from agent.link import PooldLink
 from poold.api.client import PooldClient
 from poold.errors import Unauthorized
 from poold.wire.admin import TenantSpec
-from poold.wire.agent import GrantRequest, LeaseOp
+from poold.wire.agent import GrantRequest, LeaseOp, LeaseOpResult
 from tests.conftest import ThreadedServer
 from tests.poold.conftest import UID, device
 
@@ -39,3 +39,36 @@ def test_ops_refused_for_the_credential_stay_queued(
     assert link.outbox_size() == 0
     assert admin.show_lease(lease.id).state == "released"
     good.close()
+
+
+def test_a_flush_sends_what_was_queued_not_what_queues_while_it_sends(
+    api: ThreadedServer, admin: PooldClient
+) -> None:
+    """Ops keep arriving at the lease rate; a flush that chased them sent a few ops per
+    round trip instead of one batch per flush interval."""
+    credential = admin.add_host("h1").credential
+    admin.create_tenant(TenantSpec(name="t1", quota_bytes=1 << 30, allowed_uids=[UID]))
+    client = PooldClient(api.url, credential)
+    link = PooldLink(client, "test")
+    link.register([device()])
+    first, later = (
+        link.grant(GrantRequest(tenant="t1", size_bytes=2 * MIB, uid=UID, pid=1, activate=True))
+        for _ in range(2)
+    )
+    sent: list[list[str]] = []
+    apply_ops = client.apply_ops
+
+    def sending(ops: list[LeaseOp], *, request_id: str | None = None) -> list[LeaseOpResult]:
+        sent.append([op.lease_id for op in ops])
+        if len(sent) == 1:  # an op queued while the first batch is on its way
+            link.enqueue(LeaseOp(lease_id=later.id, op="release", reason="done"))
+        return apply_ops(ops, request_id=request_id)
+
+    client.apply_ops = sending  # type: ignore[method-assign]
+    link.enqueue(LeaseOp(lease_id=first.id, op="release", reason="done"))
+    link.flush()
+    assert sent == [[first.id]] and link.outbox_size() == 1
+    link.flush()
+    assert sent == [[first.id], [later.id]] and link.outbox_size() == 0
+    assert {admin.show_lease(x.id).state for x in (first, later)} == {"released"}
+    client.close()
