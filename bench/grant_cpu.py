@@ -8,7 +8,9 @@ it starts one `poold serve` (reaper off), registers one host with a large emulat
 device and one tenant, and then, acting as that host's agent over HTTP, runs `--rounds`
 rounds of: `--block` sequential grants (2 MiB, activated, with a request id, as
 pool-agent sends them), then the `--block` releases (one op batch each, with a request
-id, as the agent's outbox sends them when nothing rides on a grant).
+id, as the agent's outbox sends them when nothing rides on a grant), then the commit of
+`--block` leases the agent granted locally inside its reservation (issue "Delegated
+capacity"): one op batch of `--block` local grants, one of their releases.
 
 poold's CPU (user + system, all threads, psutil) is read before and after each block:
 one figure per round for "ms of poold CPU per grant" and per release. CPU time is what
@@ -28,7 +30,9 @@ a database of its own and runs its rounds interleaved with this tree's, each fir
 turn: a before/after comparison on the same machine in the same minutes.
 `--baseline-asyncio` hides uvloop from the baseline (uvicorn then runs asyncio's loop).
 
-The target (issue "poold under load and faults"): poold CPU per central grant <= 1.5 ms.
+The targets: poold CPU per central grant <= 1.5 ms (issue "poold under load and
+faults"); per committed local lease (grant + release, batched) <= 0.3 ms (issue
+"Delegated capacity").
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +68,19 @@ from poold.ledger.db import Ledger  # noqa: E402
 from poold.ledger.models import Host  # noqa: E402
 from poold.wire.admin import TenantSpec  # noqa: E402
 from poold.wire.agent import GrantRequest, Heartbeat, InventoryDevice, LeaseOp  # noqa: E402
+from poold.wire.delegation import (  # noqa: E402
+    BudgetWant,
+    Delegation,
+    DelegationRequest,
+    LocalGrant,
+    ReserveWant,
+)
 
 MiB = 1 << 20
 GiB = 1 << 30
 LEASE_BYTES = 2 * MiB
 TARGET_CPU_MS = 1.5
+TARGET_LOCAL_CPU_MS = 0.3  # issue "Delegated capacity": poold CPU per lease, batched commits
 HOST = "grant-cpu-h0"
 TENANT = "grant-cpu-t0"
 IDLE_S = 1.0
@@ -164,6 +177,9 @@ class Poold:
     grants: Series = field(default_factory=Series)
     releases: Series = field(default_factory=Series)
     health: Series = field(default_factory=Series)
+    local: Series = field(default_factory=Series)
+    delegation: Delegation | None = None
+    epoch: int = 0
 
     @property
     def pid(self) -> int:
@@ -190,6 +206,47 @@ class Poold:
         if results[0].code is not None:
             raise RuntimeError(f"release refused: {results[0].code} {results[0].message}")
 
+    def local_block(self, block: int, *, measure: bool = True) -> None:
+        """One op batch of ``block`` local grants inside the host's reservation, then one
+        of their releases, as an agent's outbox sends them: CPU per lease committed."""
+        assert self.delegation is not None
+        res = self.delegation.reservations[0]
+        now = datetime.now(UTC)
+        ids = [str(uuid.uuid4()) for _ in range(block)]
+        grants = []
+        for i, lease_id in enumerate(ids):
+            grants.append(
+                LeaseOp(
+                    lease_id=lease_id,
+                    op="local_grant",
+                    grant=LocalGrant(
+                        lease_id=lease_id,
+                        reservation_id=res.id,
+                        tenant=TENANT,
+                        offset_bytes=res.offset_bytes + i * LEASE_BYTES,
+                        length_bytes=LEASE_BYTES,
+                        requested_bytes=LEASE_BYTES,
+                        epoch=res.epoch_base + self.epoch,
+                        ttl_s=600,
+                        granted_at=now,
+                        uid=os.getuid(),
+                        gids=[os.getgid()],
+                        pid=os.getpid(),
+                    ),
+                )
+            )
+            self.epoch += 1
+        releases = [LeaseOp(lease_id=lease_id, op="release") for lease_id in ids]
+        c0, t0 = cpu_s(self.pid), time.perf_counter()
+        for ops in (grants, releases):
+            results = self.agent.apply_ops(ops, request_id=str(uuid.uuid4()))
+            refused = [r for r in results if r.code is not None]
+            if refused:
+                raise RuntimeError(f"local op refused: {refused[0].code} {refused[0].message}")
+        if measure:
+            self.local.latency_ms.append((time.perf_counter() - t0) * 1000)
+            self.local.cpu_ms.append((cpu_s(self.pid) - c0) * 1000 / block)
+
     def get_health(self) -> None:
         self.http.get("/v1/health").raise_for_status()
 
@@ -197,6 +254,7 @@ class Poold:
         timed_block(self.pid, self.grants, [self.grant] * block, measure=measure)
         timed_block(self.pid, self.releases, [self.release] * block, measure=measure)
         timed_block(self.pid, self.health, [self.get_health] * block, measure=measure)
+        self.local_block(block, measure=measure)
 
     def close(self) -> None:
         self.agent.close()
@@ -279,7 +337,13 @@ def provision(
             ],
         )
     )
-    return Poold(label, child, agent, httpx.Client(base_url=base))
+    delegation = agent.delegate(
+        DelegationRequest(
+            reserve=[ReserveWant(bytes=4 * GiB, media="emulated")],
+            budgets=[BudgetWant(tenant=TENANT, bytes=64 * GiB, leases=100_000)],
+        )
+    )
+    return Poold(label, child, agent, httpx.Client(base_url=base), delegation=delegation)
 
 
 def child_url(child: procs.Child) -> str:
@@ -327,7 +391,10 @@ def run_backend(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
                         "grant": pd.grants.summary(),
                         "release": pd.releases.summary(),
                         "health": pd.health.summary(),
+                        "local": pd.local.summary(),
                         "target_met": statistics.median(pd.grants.cpu_ms) <= TARGET_CPU_MS,
+                        "local_target_met": statistics.median(pd.local.cpu_ms)
+                        <= TARGET_LOCAL_CPU_MS,
                     }
                     for pd in poolds
                 ],
@@ -347,7 +414,12 @@ def print_table(results: list[dict[str, Any]]) -> None:
         f"{'backend':<11}{'poold':<11}{'series':<18}{'CPU ms median':>14}{'min':>8}{'max':>8}"
         f"{'lat p50 ms':>12}{'lat p99 ms':>12}"
     )
-    names = {"grant": "grant", "release": "release", "health": "floor: health"}
+    names = {
+        "grant": "grant",
+        "release": "release",
+        "local": "local commit",
+        "health": "floor: health",
+    }
     for r in results:
         for pd in r["poolds"]:
             for name, label in names.items():
@@ -370,6 +442,11 @@ def print_table(results: list[dict[str, Any]]) -> None:
             print(
                 f"target poold CPU per central grant <= {TARGET_CPU_MS} ms "
                 f"({r['backend']}, {pd['label']}): {pd['grant']['cpu_ms_median']:.3f} ms, {verdict}"
+            )
+            verdict = "met" if pd["local_target_met"] else "NOT MET"
+            print(
+                f"target poold CPU per committed local lease+release <= {TARGET_LOCAL_CPU_MS} ms "
+                f"({r['backend']}, {pd['label']}): {pd['local']['cpu_ms_median']:.3f} ms, {verdict}"
             )
 
 
