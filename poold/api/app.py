@@ -45,6 +45,7 @@ from poold.lease_states import LeaseEvent
 from poold.ledger import accounting as ledger_accounting
 from poold.ledger import (
     admin_ops,
+    budget_sizing,
     capacity,
     delegation,
     device_hosts,
@@ -239,7 +240,7 @@ def create_app(
     @bind
     def update_tenant(name: str, change: TenantUpdate, p: Caller) -> TenantOut:
         return tenants.update_tenant(
-            ledger, name, change, p.actor, on_quota_change=delegation.claw_back
+            ledger, name, change, p.actor, on_quota_change=budget_sizing.claw_back
         )
 
     @bind

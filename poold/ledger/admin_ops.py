@@ -51,7 +51,7 @@ from poold.lease_states import (
     LeaseState,
     next_state,
 )
-from poold.ledger import delegation, devices, hosts, lease_views, transitions
+from poold.ledger import delegation_renewal, devices, hosts, lease_views, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, DevicePath, Event, Host, Lease, Quarantine
 from poold.ledger.reaper import reclaim_event, reclaim_events, revoke_in, revoke_matching
@@ -313,7 +313,7 @@ def _change(
                 ),
             )
             if after == "draining":  # its reservations no lease lies in go back now
-                delegation.return_unleased(s.connection(), actor, event["kind"], **target)
+                delegation_renewal.return_unleased(s.connection(), actor, event["kind"], **target)
             return _Changed(found.id, _live_leases(s, kind, found.id), after, True)
 
     return transitions.retrying(attempt, what=f"{event['kind']} of {name!r}")

@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import insert, select
 
 from poold.lease_states import LIVE_STATES, LeaseEvent, LeaseState
-from poold.ledger import delegation, transitions
+from poold.ledger import delegation_renewal, transitions
 from poold.ledger.audit_agents import (
     NEEDS_HUMAN,
     SCRUB_STUCK_AFTER_S,
@@ -144,7 +144,7 @@ def run_audit(
         scrub_stuck_after_s=scrub_stuck_after_s,
     )
     if reclaim_safe:
-        reclaimed += delegation.return_for_audit(ledger, findings.reclaimable, ACTOR)
+        reclaimed += delegation_renewal.return_for_audit(ledger, findings.reclaimable, ACTOR)
         host_ids = {name: host_id for host_id, name in snap.host_names.items()}
         reclaimed += reclaim_stale(ledger, agents.stale, now)
         reclaimed += order_leftover_deletes(ledger, agents.leaked, host_ids)

@@ -15,7 +15,7 @@ from poold import extents
 from poold.errors import UnknownDevice
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATE_VALUES
-from poold.ledger import delegation
+from poold.ledger import delegation_renewal
 from poold.ledger.db import Ledger
 from poold.ledger.devices import admin_annotation, reserved
 from poold.ledger.hosts import DELETED
@@ -54,7 +54,7 @@ def pool_status(ledger: Ledger) -> PoolStatus:
         ):
             used[device_id].append(Extent(offset, length))
             quarantined[device_id].append(Extent(offset, length))
-        unleased = delegation.unleased_by_reservation(session.connection())
+        unleased = delegation_renewal.unleased_by_reservation(session.connection())
         delegated: dict[int, list[DelegatedExtent]] = defaultdict(list)
         host_delegated: dict[int, int] = defaultdict(int)
         for r in session.execute(

@@ -1,5 +1,6 @@
 """What is delegated to which host: its reservations of device extents and its tenants'
-budgets, which its agent spends alone (DESIGN.md "Delegated capacity").
+budgets, which its agent spends alone (DESIGN.md "Delegated capacity"). This module
+answers what a host holds and how its agent's refill changes it.
 
 * `delegate` (`POST /v1/agent/delegation`): give back reservations, reserve more, set
   budgets, in one transaction; idempotent by request id; the reply is the host's whole
@@ -8,18 +9,11 @@ budgets, which its agent spends alone (DESIGN.md "Delegated capacity").
   quarantined range, under the device-generation swap, which moves the device's
   generation past an epoch block (`EPOCH_BLOCK`): the reservation's local leases take
   epochs from that block, every later grant of those bytes a larger one.
-* Budgets: a tenant's quota use is its central leases plus, per host, the larger of its
-  budget and its local leases there (`granting.quota_use`); a budget is set under the
-  tenant's generation swap, so it and a racing central grant cannot both pass. Raised
-  at most to a fair share when other hosts of the tenant want some (`_set_budget`);
-  lowered only by its agent, a quota cut (`claw_back`), or a central grant of the same
-  host, which spends it (poold/ledger/budgets.py `spend_for_central`); raised by a
-  local grant committed past it while the quota has room (`budgets.fit_local_grant`).
-* `renew` (each heartbeat): held reservations and budgets live on for the TTL; a
-  reservation on a device that is no longer online, or of a draining host, is returned
-  (`return_unleased`). `claw_back`: a quota lowered below what is delegated.
-* `reap` (the reaper): expired reservations with no lease inside go; one with leases
-  inside stays, taking no new lease, until they end. Expired budgets go.
+* `host_delegation`: what the host holds now (its heartbeat reply and `delegate`'s).
+* How big a budget may be (set on request, fair shares, a quota cut's `claw_back`):
+  poold/ledger/budget_sizing.py. How long a reservation or budget lives (renewed by
+  each heartbeat, returned on a drain, recalled under pressure, reaped at its TTL):
+  poold/ledger/delegation_renewal.py.
 
 Reservation states: "held" (renewed, takes local grants), "returning" (its TTL passed,
 its device or host drains, or `audit --reclaim` found its host down: it takes no new
@@ -34,13 +28,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import uuid
-from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, delete, func, insert, select, text, update
+from sqlalchemy import Connection, and_, delete, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from poold import extents, placement
@@ -49,11 +40,9 @@ from poold.errors import (
     ReservationInUse,
     UnknownDevice,
     UnknownReservation,
-    UnknownTenant,
 )
-from poold.extents import Extent
 from poold.lease_states import LIVE_STATES_SQL
-from poold.ledger import agent_requests, granting, leases, transitions
+from poold.ledger import agent_requests, budget_sizing, granting, leases, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import (
     Budget,
@@ -82,7 +71,7 @@ RECALLED = "recalled"
 REQUEST_KIND = "delegation"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class DelegationPolicy:
     """How much poold delegates, and for how long."""
 
@@ -171,7 +160,7 @@ def host_delegation(conn: Connection, host_id: int, now: datetime) -> Delegation
         .where(Budget.host_id == host_id)
         .order_by(Tenant.name)
     ).all()
-    shares = _shares(conn, host_id, rows)
+    shares = budget_sizing.shares(conn, host_id, rows)
     budgets = [
         BudgetOut(
             tenant=b.name,
@@ -265,7 +254,9 @@ def _delegate_once(
             raise transitions.LostRace
         _reserve(conn, host_id, host_name, req, actor, now, expires_at, policy)
     for want in sorted(req.budgets, key=lambda w: w.tenant):  # tenants swapped in one order
-        _set_budget(conn, host_id, host_name, want.tenant, want.bytes, want.leases, now, expires_at)
+        budget_sizing.set_budget(
+            conn, host_id, host_name, want.tenant, want.bytes, want.leases, now, expires_at
+        )
     return host_delegation(conn, host_id, now)
 
 
@@ -306,7 +297,7 @@ def _give_back(
                 reservation_id=rid,
                 lease_ids=inside[:20],
             )
-        _drop(conn, rid, host_id, row.device_id, actor, now, "given back")
+        drop(conn, rid, host_id, row.device_id, actor, now, "given back")
         freed.add(row.device_id)
     for device_id in sorted(freed):  # freed bytes change what the allocator may hand out
         transitions.bump(conn, Device, device_id)
@@ -337,7 +328,7 @@ def _leases_inside(conn: Connection, reservation_id: str) -> list[str]:
     )
 
 
-def _drop(
+def drop(
     conn: Connection,
     reservation_id: str,
     host_id: int,
@@ -346,6 +337,7 @@ def _drop(
     now: datetime,
     reason: str,
 ) -> None:
+    """The reservation goes, its return journalled (`_was_returned` reads that event)."""
     conn.execute(delete(Reservation).where(Reservation.id == reservation_id))
     transitions.record(
         conn,
@@ -482,419 +474,3 @@ def _place_capped(
         if isinstance(choice, placement.Choice):
             return choice
     return None
-
-
-# --- budgets -----------------------------------------------------------------------------
-
-_TENANT = select(
-    Tenant.id,
-    Tenant.name,
-    Tenant.quota_bytes,
-    Tenant.quota_leases,
-    Tenant.allowed_hosts,
-    Tenant.generation,
-).where(Tenant.name == bindparam("name"))
-
-
-def fair_share(quota: int, central: int, hosts: int) -> int:
-    """One host's fair share of what a tenant's central leases leave of its quota, among
-    the `hosts` that hold (or asked for) a budget of it."""
-    return max(0, math.ceil((quota - central) / max(1, hosts)))
-
-
-def _set_budget(
-    conn: Connection,
-    host_id: int,
-    host_name: str,
-    tenant_name: str,
-    want_bytes: int,
-    want_leases: int,
-    now: datetime,
-    expires_at: datetime,
-) -> None:
-    """The tenant's budget on this host: what it asks, as far as its quota allows, and no
-    more than a fair share when other hosts of the tenant want some too.
-
-    The rule (docs/design-changes.md "Budgets that never starve"):
-    * raised to at most min(want, what the quota leaves, max(fair share, local use
-      here)), where the fair share is `fair_share` over the hosts holding a budget row of
-      the tenant (a host that asked and got nothing keeps a zero row: it wants some);
-    * never lowered below min(old, want): the agent may be spending up to what it last
-      held, and it lowered its own view to `want` before it asked (agent/delegation.py),
-      so only the agent lowers its budget (a quota cut: `claw_back`; a central grant of
-      this host: `spend_for_central`). A host holding more than its share hears it
-      (`Budget.share_bytes`) and asks less next time.
-    """
-    tenant = conn.execute(_TENANT, {"name": tenant_name}).one_or_none()
-    if tenant is None:
-        raise UnknownTenant(f"no tenant named {tenant_name!r}", tenant=tenant_name)
-    if tenant.allowed_hosts and host_name not in tenant.allowed_hosts:
-        raise NotOwner(f"tenant {tenant_name!r} may not lease on host {host_name!r}")
-    use = granting.quota_use(conn, tenant.id)
-    old = use.budgets.get(host_id)
-    hosts = len(set(use.budgets) | {host_id})
-    local_bytes, local_leases = use.local.get(host_id, (0, 0))
-    if hosts > 1:
-        fair_bytes = fair_share(tenant.quota_bytes, use.central_bytes, hosts)
-        fair_leases = fair_share(tenant.quota_leases, use.central_leases, hosts)
-    else:
-        fair_bytes, fair_leases = tenant.quota_bytes, tenant.quota_leases
-    cap_bytes = min(tenant.quota_bytes - use.bytes(skip_host=host_id), max(fair_bytes, local_bytes))
-    cap_leases = min(
-        tenant.quota_leases - use.leases(skip_host=host_id), max(fair_leases, local_leases)
-    )
-    new_bytes = max(0, min(want_bytes, cap_bytes))
-    new_leases = max(0, min(want_leases, cap_leases))
-    if old is not None:
-        new_bytes = max(new_bytes, min(old[0], want_bytes))
-        new_leases = max(new_leases, min(old[1], want_leases))
-    if old == (new_bytes, new_leases):
-        _renew_budget(conn, tenant.id, host_id, expires_at)
-        return
-    if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
-        raise transitions.LostRace
-    if want_bytes == 0 and want_leases == 0:
-        conn.execute(delete(Budget).where(Budget.tenant_id == tenant.id, Budget.host_id == host_id))
-    elif old is None:
-        conn.execute(
-            insert(Budget),
-            {
-                "tenant_id": tenant.id,
-                "host_id": host_id,
-                "bytes": new_bytes,
-                "leases": new_leases,
-                "created_at": now,
-                "expires_at": expires_at,
-            },
-        )
-    else:
-        conn.execute(
-            update(Budget)
-            .where(Budget.tenant_id == tenant.id, Budget.host_id == host_id)
-            .values(bytes=new_bytes, leases=new_leases, expires_at=expires_at)
-        )
-
-
-def _shares(conn: Connection, host_id: int, rows: Sequence[Any]) -> dict[int, tuple[int, int]]:
-    """Per tenant id: the fair share of this host, where it holds more than that while
-    other hosts hold (or asked for) a budget of the same tenant."""
-    if not rows:
-        return {}
-    ids = [r.id for r in rows]
-    hosts = dict(
-        conn.execute(
-            select(Budget.tenant_id, func.count(Budget.id))
-            .where(Budget.tenant_id.in_(ids))
-            .group_by(Budget.tenant_id)
-        ).all()
-    )
-    out: dict[int, tuple[int, int]] = {}
-    for r in rows:
-        n = int(hosts.get(r.id, 1))
-        if n <= 1:
-            continue
-        use = granting.quota_use(conn, r.id)
-        share = (
-            fair_share(r.quota_bytes, use.central_bytes, n),
-            fair_share(r.quota_leases, use.central_leases, n),
-        )
-        if r.bytes > share[0] or r.leases > share[1]:
-            out[r.id] = share
-    return out
-
-
-def _renew_budget(conn: Connection, tenant_id: int, host_id: int, expires_at: datetime) -> None:
-    conn.execute(
-        update(Budget)
-        .where(Budget.tenant_id == tenant_id, Budget.host_id == host_id)
-        .values(expires_at=expires_at)
-    )
-
-
-def claw_back(conn: Connection, tenant_id: int) -> None:
-    """Reduce the tenant's budgets until its quota use fits its quota again (a quota was
-    lowered); agents learn it from their next reply.
-
-    First down to the fair share of the new quota (`fair_share`), the hosts holding the
-    most above it first, then, if still over, down to what each host granted as poold
-    knows it. A budget never goes below its host's committed local use; and a host that
-    had granted no more than its fair share keeps room for it, though poold may not have
-    heard of those grants yet (their commit is then within its budget, or, past it, within
-    the quota: local_commit.py `commit`)."""
-    tenant = conn.execute(
-        select(Tenant.quota_bytes, Tenant.quota_leases).where(Tenant.id == tenant_id)
-    ).one()
-    use = granting.quota_use(conn, tenant_id)
-    over_bytes = use.bytes() - tenant.quota_bytes
-    over_leases = use.leases() - tenant.quota_leases
-    if over_bytes <= 0 and over_leases <= 0:
-        return
-    budgets = dict(use.budgets)
-    n = max(1, len(budgets))
-    fair = (
-        fair_share(tenant.quota_bytes, use.central_bytes, n),
-        fair_share(tenant.quota_leases, use.central_leases, n),
-    )
-    for i, over in ((0, over_bytes), (1, over_leases)):
-        committed = {h: use.local.get(h, (0, 0))[i] for h in budgets}
-        for floors in ({h: max(fair[i], c) for h, c in committed.items()}, committed):
-            for host in sorted(budgets, key=lambda h: floors[h] - budgets[h][i]):
-                if over <= 0:
-                    break
-                cur = list(budgets[host])
-                give = min(over, max(0, cur[i] - floors[host]))
-                cur[i] -= give
-                over -= give
-                budgets[host] = (cur[0], cur[1])
-    for host, (nbytes, nleases) in budgets.items():
-        if (nbytes, nleases) != use.budgets[host]:
-            conn.execute(
-                update(Budget)
-                .where(Budget.tenant_id == tenant_id, Budget.host_id == host)
-                .values(bytes=nbytes, leases=nleases)
-            )
-            transitions.record(
-                conn,
-                event_row(
-                    actor="poold",
-                    kind="budget.clawback",
-                    tenant_id=tenant_id,
-                    host_id=host,
-                    reason="quota lowered below what is delegated",
-                    detail={"bytes": nbytes, "leases": nleases},
-                ),
-            )
-
-
-# --- renewal, drain, expiry ------------------------------------------------------------------
-
-
-def return_unleased(
-    conn: Connection,
-    actor: str,
-    reason: str,
-    *,
-    device_id: int | None = None,
-    host_id: int | None = None,
-    expired_before: datetime | None = None,
-    reservation_ids: Sequence[str] | None = None,
-    drop_empty: bool = False,
-) -> int:
-    """Return the matching reservations: each becomes `returning` (listed to its agent no
-    more, so it takes no new local lease); how many went.
-
-    One goes only when its agent gives it back or its TTL has passed (`drop_empty`, the
-    reaper and `audit --reclaim`) with no live lease inside: a reservation with no lease
-    poold knows of may still hold a local lease its agent granted before it heard, whose
-    local_grant is on its way (a drain used to drop it, and that commit was refused
-    `unknown_reservation`)."""
-    where: list[Any] = []
-    if device_id is not None:
-        where.append(Reservation.device_id == device_id)
-    if host_id is not None:
-        where.append(Reservation.host_id == host_id)
-    if expired_before is not None:
-        where.append(Reservation.expires_at <= expired_before)
-    if reservation_ids is not None:
-        where.append(Reservation.id.in_(list(reservation_ids)))
-    rows = conn.execute(
-        select(Reservation.id, Reservation.host_id, Reservation.device_id, Reservation.state)
-        .where(*where)
-        .order_by(Reservation.id)
-        .with_for_update()
-    ).all()
-    if not rows:
-        return 0
-    now = utcnow()
-    busy = set(
-        conn.execute(
-            select(Lease.reservation_id)
-            .where(Lease.reservation_id.in_([r.id for r in rows]), _LIVE_SQL)
-            .distinct()
-        ).scalars()
-    )
-    freed: set[int] = set()
-    for r in rows:
-        if r.id in busy or not drop_empty:
-            if r.state != RETURNING:
-                conn.execute(
-                    update(Reservation).where(Reservation.id == r.id).values(state=RETURNING)
-                )
-            continue
-        _drop(conn, r.id, r.host_id, r.device_id, actor, now, reason)
-        freed.add(r.device_id)
-    for dev in sorted(freed):
-        transitions.bump(conn, Device, dev)
-    return len([r for r in rows if r.id not in busy]) if drop_empty else 0
-
-
-def recall(conn: Connection, reservation_ids: Sequence[str], actor: str, reason: str) -> list[str]:
-    """Ask held reservations back (pressure): each with no live lease inside becomes
-    `recalled` (the others are left alone); the ids recalled, with an event each.
-
-    Not dropped here: its agent may have granted inside it a lease poold has not heard
-    of yet. The heartbeat reply's delegation omits it, so the agent grants no more there
-    and gives it back (`delegate` give_back) once no local lease of its lies inside; its
-    bytes are free then. If the agent never does, its TTL returns it (it is not renewed).
-    """
-    if not reservation_ids:
-        return []
-    rows = conn.execute(
-        select(Reservation.id, Reservation.host_id, Reservation.device_id)
-        .where(
-            Reservation.id.in_(sorted(set(reservation_ids))),
-            Reservation.state == HELD,
-            ~select(Lease.id).where(Lease.reservation_id == Reservation.id, _LIVE_SQL).exists(),
-        )
-        .order_by(Reservation.id)
-        .with_for_update()
-    ).all()
-    now = utcnow()
-    for r in rows:
-        conn.execute(update(Reservation).where(Reservation.id == r.id).values(state=RECALLED))
-        transitions.record(
-            conn,
-            event_row(
-                at=now,
-                actor=actor,
-                kind="reservation.recall",
-                host_id=r.host_id,
-                device_id=r.device_id,
-                reason=reason,
-                detail={"reservation_id": r.id},
-            ),
-        )
-    return [r.id for r in rows]
-
-
-def renew(
-    conn: Connection, host_id: int, host_status: str, now: datetime, policy: DelegationPolicy
-) -> None:
-    """A heartbeat: the host's held reservations on online devices and its budgets live on
-    for the TTL; reservations of a draining host or on a device no longer online are
-    returned (kept `returning` while leases lie in them)."""
-    expires_at = now + timedelta(seconds=policy.ttl_s)
-    not_online = select(Device.id).where(Device.state != "online").scalar_subquery()
-    if host_status == "draining":
-        return_unleased(conn, "poold", "host draining", host_id=host_id)
-    else:
-        stale = list(
-            conn.execute(
-                select(Reservation.id).where(
-                    Reservation.host_id == host_id,
-                    Reservation.device_id.in_(not_online),
-                )
-            ).scalars()
-        )
-        if stale:
-            return_unleased(conn, "poold", "device not online", reservation_ids=stale)
-        conn.execute(
-            update(Reservation)
-            .where(
-                Reservation.host_id == host_id,
-                Reservation.state == HELD,
-                Reservation.device_id.not_in(not_online),
-            )
-            .values(expires_at=expires_at)
-        )
-    conn.execute(update(Budget).where(Budget.host_id == host_id).values(expires_at=expires_at))
-
-
-def reap(conn: Connection, now: datetime) -> int:
-    """Expired reservations and budgets: how many went (reservations with leases inside
-    stay, `returning`, until those end; a returning one whose leases ended goes too).
-
-    Only those whose host has spoken since they expired: an agent cut off from poold
-    keeps granting until the TTL and commits afterwards, so what it held must still be
-    there when it comes back (a host that never does: `poolctl audit --reclaim`).
-    """
-    expired = list(
-        conn.execute(
-            select(Reservation.id)
-            .join(Host, Host.id == Reservation.host_id)
-            .where(
-                Reservation.expires_at <= now,
-                Host.last_heartbeat_at.is_not(None),
-                Host.last_heartbeat_at >= Reservation.expires_at,
-            )
-        ).scalars()
-    )
-    gone = 0
-    if expired:
-        # A returning one too: not renewed, it goes here once its last lease has ended.
-        gone += return_unleased(
-            conn, "poold", "ttl passed without renewal", reservation_ids=expired, drop_empty=True
-        )
-    stale_budgets = list(
-        conn.execute(
-            select(Budget.id)
-            .join(Host, Host.id == Budget.host_id)
-            .where(
-                Budget.expires_at <= now,
-                Host.last_heartbeat_at.is_not(None),
-                Host.last_heartbeat_at >= Budget.expires_at,
-            )
-        ).scalars()
-    )
-    if stale_budgets:
-        conn.execute(delete(Budget).where(Budget.id.in_(stale_budgets)))
-    return gone + len(stale_budgets)
-
-
-def reap_expired(ledger: Ledger, now: datetime | None = None) -> int:
-    """`reap` in a transaction of its own."""
-
-    def attempt() -> int:
-        with ledger.write_conn() as conn:
-            return reap(conn, now or utcnow())
-
-    return transitions.retrying(attempt, what="delegation expiry")
-
-
-def unleased_by_reservation(conn: Connection) -> dict[str, int]:
-    """Each reservation's bytes no live lease lies in (reserved-but-unleased)."""
-    out: dict[str, int] = {}
-    inside: dict[str, list[Extent]] = defaultdict(list)
-    for rid, offset, length in conn.execute(
-        select(Lease.reservation_id, Lease.offset_bytes, Lease.length_bytes).where(
-            Lease.reservation_id.is_not(None), _LIVE_SQL
-        )
-    ):
-        inside[str(rid)].append(Extent(offset, length))
-    for rid, offset, length in conn.execute(
-        select(Reservation.id, Reservation.offset_bytes, Reservation.length_bytes)
-    ):
-        shifted = [Extent(e.offset - offset, e.length) for e in inside.get(rid, [])]
-        out[rid] = extents.free_bytes(length, shifted)
-    return out
-
-
-def return_for_audit(ledger: Ledger, items: Sequence[Any], actor: str) -> int:
-    """`poolctl audit --reclaim`: return the reservations of down hosts it found (each
-    `AuditItem` of kind reservation_of_down_host), marking what was done; how many went."""
-    todo = [it for it in items if it.kind == "reservation_of_down_host" and it.reservation_id]
-    if not todo:
-        return 0
-
-    def attempt() -> int:
-        with ledger.write_conn() as conn:
-            # Still down and still without a lease inside: return_unleased re-checks leases.
-            down = select(Host.id).where(Host.status == "down").scalar_subquery()
-            ids = list(
-                conn.execute(
-                    select(Reservation.id).where(
-                        Reservation.id.in_([it.reservation_id for it in todo]),
-                        Reservation.host_id.in_(down),
-                    )
-                ).scalars()
-            )
-            if not ids:
-                return 0
-            return return_unleased(
-                conn, actor, "audit: its host is down", reservation_ids=ids, drop_empty=True
-            )
-
-    went = transitions.retrying(attempt, what="returning reservations of down hosts")
-    for it in todo:
-        it.action = "returned" if went else "lost_race"
-    return went

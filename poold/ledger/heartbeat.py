@@ -26,6 +26,7 @@ from poold.ledger import (
     accounting,
     agent_reports,
     delegation,
+    delegation_renewal,
     device_hosts,
     devices,
     hosts,
@@ -227,7 +228,7 @@ def shrink_hints(
 
     The plan (poold/pressure.py) covers every lease and reservation on those devices,
     whichever host holds it, so each host's heartbeat asks its own share of the same
-    plan. Reservations with no lease inside are asked back first (`delegation.recall`,
+    plan. Reservations with no lease inside are asked back first (`delegation_renewal.recall`,
     in this transaction): their hosts hear it from the delegation in their next reply
     (this one's own included: the reply's delegation is read after this) and give them
     back; other hosts are told to heartbeat now (poold/ledger/news.py).
@@ -336,7 +337,7 @@ def shrink_hints(
     planned = pressure.plan_all(
         free, uses, held, watermark=watermark, now=now, deadline_s=deadline_s
     )
-    recalled = delegation.recall(
+    recalled = delegation_renewal.recall(
         session.connection(), planned.recalls, "poold", "pressure: reserved but unleased"
     )
     asked = {r.lease_id: r for r in planned.shrinks}
@@ -489,7 +490,7 @@ def heartbeat(
     # The host's reservations and budgets live on (or go back, off a draining device).
     delegated = delegation.has_any(session.connection(), host.id)
     if delegated:
-        delegation.renew(session.connection(), host.id, host.status, now, delegation_policy)
+        delegation_renewal.renew(session.connection(), host.id, host.status, now, delegation_policy)
     # After the renewals: a lease that lazily expired just now still held its memory.
     report_errors = store_reports(session, host, beat.reports, now) if beat.reports else []
     if beat.revoked_held:

@@ -23,7 +23,7 @@ from sqlalchemy import Connection, event, select
 from poold import extents
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATE_VALUES
-from poold.ledger import delegation
+from poold.ledger import delegation_renewal
 from poold.ledger.accounting import MEMORY_HELD
 from poold.ledger.db import Ledger
 from poold.ledger.devices import reserved
@@ -170,7 +170,9 @@ def pool_view(ledger: Ledger) -> PoolView:
             )
         )
         budgets = list(session.execute(select(Budget.tenant_id, Budget.bytes, Budget.leases)))
-        unleased = delegation.unleased_by_reservation(session.connection()) if reservations else {}
+        unleased = (
+            delegation_renewal.unleased_by_reservation(session.connection()) if reservations else {}
+        )
         audit = session.execute(
             select(AuditRun.finished_at, AuditRun.exit_code)
             .where(AuditRun.finished_at.is_not(None))

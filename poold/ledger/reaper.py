@@ -56,7 +56,7 @@ from sqlalchemy.orm import Session
 
 from poold.errors import LedgerUnavailable
 from poold.lease_states import LeaseEvent, LeaseState
-from poold.ledger import agent_reports, agent_requests, delegation, transitions
+from poold.ledger import agent_reports, agent_requests, delegation_renewal, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Event, Host, Lease
 from poold.ledger.types import utcnow
@@ -250,7 +250,7 @@ class Reaper:
         self._revoke_unshrunk(now, result)
         self._reclaim(due, now, result)
         # After the reclaims: a returning reservation whose last lease just ended goes.
-        result.delegation_returned = delegation.reap_expired(self.ledger, now)
+        result.delegation_returned = delegation_renewal.reap_expired(self.ledger, now)
         self._forget_requests(now)
         return result
 

@@ -98,7 +98,7 @@ def _claim(session: Session, tenant: Tenant) -> None:
 
 
 # Called in the same transaction when a tenant's quota changes (the delegation's claw
-# back, poold/ledger/delegation.py, which imports this module: passed in, not imported).
+# back, poold/ledger/budget_sizing.py `claw_back`: passed in by the API, not imported).
 QuotaHook = Callable[[Connection, int], None]
 
 

@@ -69,7 +69,7 @@ class Budget(Model):
     allowed_media: list[MediaClass] = Field(default_factory=list, max_length=64)
     expires_at: datetime
     # Other hosts of the tenant want some of its quota too, and this host holds more
-    # than its fair share (poold/ledger/delegation.py `fair_share`): the agent's next
+    # than its fair share (poold/ledger/budget_sizing.py `fair_share`): the agent's next
     # request asks no more than max(what it granted, this). None: no one else wants any.
     share_bytes: int | None = Field(default=None, ge=0)
     share_leases: int | None = Field(default=None, ge=0)

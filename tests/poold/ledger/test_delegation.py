@@ -28,7 +28,9 @@ from poold.lease_states import LIVE_STATE_VALUES
 from poold.ledger import (
     admin_ops,
     audit,
+    budget_sizing,
     delegation,
+    delegation_renewal,
     device_hosts,
     granting,
     heartbeat,
@@ -159,7 +161,7 @@ def test_no_reservation_on_a_draining_device_and_drain_returns_unleased(
     assert _ops(ledger, local_grant_op(unleased, "L2")) == [("active", None)]
     leases.end(ledger, "L2", leases.LeaseEvent.RELEASE, "agent:h1", host_name="h1")
     with ledger.write_conn() as conn:
-        delegation.reap(conn, utcnow())
+        delegation_renewal.reap(conn, utcnow())
     with ledger.read() as s:  # still there: neither given back nor past its TTL
         assert s.scalar(select(func.count()).select_from(Reservation)) == 2
     # The agent gives back both once it holds no lease there (L1's release on its way).
@@ -169,7 +171,7 @@ def test_no_reservation_on_a_draining_device_and_drain_returns_unleased(
     leases.end(ledger, "L1", leases.LeaseEvent.RELEASE, "agent:h1", host_name="h1")
     heartbeat.receive_heartbeat(ledger, "h1", Heartbeat(), "agent:h1")  # spoke since
     with ledger.write_conn() as conn:
-        delegation.reap(conn, utcnow())
+        delegation_renewal.reap(conn, utcnow())
     with ledger.read() as s:
         assert s.scalar(select(func.count()).select_from(Reservation)) == 0
 
@@ -235,7 +237,7 @@ def test_a_quota_cut_claws_budgets_back_but_not_below_what_is_granted(ledger: Le
     )
     assert _ops(ledger, local_grant_op(d, "L1", length=4 * MiB)) == [("active", None)]
     tenants.update_tenant(
-        ledger, "t1", TenantUpdate(quota_bytes=2 * MiB), "admin", delegation.claw_back
+        ledger, "t1", TenantUpdate(quota_bytes=2 * MiB), "admin", budget_sizing.claw_back
     )
     with ledger.read() as s:
         assert list(s.execute(select(Budget.bytes))) == [(4 * MiB,)]
@@ -312,7 +314,7 @@ def test_heartbeats_renew_the_delegation_and_expiry_returns_it(ledger: Ledger) -
         s.execute(update(Reservation).values(expires_at=long_ago))
         s.execute(update(Budget).values(expires_at=long_ago))
     with ledger.write_conn() as conn:
-        delegation.reap(conn, utcnow())
+        delegation_renewal.reap(conn, utcnow())
     with ledger.read() as s:
         left = list(s.execute(select(Reservation.id, Reservation.state)))
         assert s.scalar(select(func.count()).select_from(Budget)) == 0

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import select
 
 from poold.errors import QuotaExceeded
-from poold.ledger import delegation, granting, heartbeat, leases, tenants
+from poold.ledger import budget_sizing, delegation, granting, heartbeat, leases, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Budget, Event
 from poold.wire.admin import TenantUpdate
@@ -279,7 +279,7 @@ def test_a_quota_cut_leaves_each_host_its_fair_share_first(ledger: Ledger) -> No
         "t1",
         TenantUpdate(quota_bytes=8 * MiB, quota_leases=4),
         "admin",
-        delegation.claw_back,
+        budget_sizing.claw_back,
     )
     assert _budget(ledger, 1) == (4 * MiB, 2) and _budget(ledger, 2) == (4 * MiB, 2)
     [late] = leases.apply_ops(ledger, "h1", [local_grant_op(d1, "L1", 0, epoch=0)], "agent:h1")

@@ -1,0 +1,203 @@
+"""How big a host's budget of a tenant may be: what `delegate` sets when its agent asks
+(`set_budget`: as far as the quota allows, at most a fair share when other hosts of the
+tenant want some), the share a host holding more is told of (`shares`), and a quota cut
+taking budgets back (`claw_back`).
+
+Its own module because sizing a budget is a question of quota arithmetic, apart from
+placing reservations (poold/ledger/delegation.py, which calls `set_budget` and `shares`)
+and from the grants' budget moves (poold/ledger/budgets.py). It imports neither
+delegation nor leases (only granting and transitions), so it adds no import circle.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
+
+from poold.errors import NotOwner, UnknownTenant
+from poold.ledger import granting, transitions
+from poold.ledger.models import Budget, Tenant
+from poold.ledger.transitions import event_row
+
+_TENANT = select(
+    Tenant.id,
+    Tenant.name,
+    Tenant.quota_bytes,
+    Tenant.quota_leases,
+    Tenant.allowed_hosts,
+    Tenant.generation,
+).where(Tenant.name == bindparam("name"))
+
+
+def fair_share(quota: int, central: int, hosts: int) -> int:
+    """One host's fair share of what a tenant's central leases leave of its quota, among
+    the `hosts` that hold (or asked for) a budget of it."""
+    return max(0, math.ceil((quota - central) / max(1, hosts)))
+
+
+def set_budget(
+    conn: Connection,
+    host_id: int,
+    host_name: str,
+    tenant_name: str,
+    want_bytes: int,
+    want_leases: int,
+    now: datetime,
+    expires_at: datetime,
+) -> None:
+    """The tenant's budget on this host: what it asks, as far as its quota allows, and no
+    more than a fair share when other hosts of the tenant want some too.
+
+    The rule (docs/design-changes.md "Budgets that never starve"):
+    * raised to at most min(want, what the quota leaves, max(fair share, local use
+      here)), where the fair share is `fair_share` over the hosts holding a budget row of
+      the tenant (a host that asked and got nothing keeps a zero row: it wants some);
+    * never lowered below min(old, want): the agent may be spending up to what it last
+      held, and it lowered its own view to `want` before it asked (agent/delegation.py),
+      so only the agent lowers its budget (a quota cut: `claw_back`; a central grant of
+      this host: `spend_for_central`). A host holding more than its share hears it
+      (`Budget.share_bytes`) and asks less next time.
+    """
+    tenant = conn.execute(_TENANT, {"name": tenant_name}).one_or_none()
+    if tenant is None:
+        raise UnknownTenant(f"no tenant named {tenant_name!r}", tenant=tenant_name)
+    if tenant.allowed_hosts and host_name not in tenant.allowed_hosts:
+        raise NotOwner(f"tenant {tenant_name!r} may not lease on host {host_name!r}")
+    use = granting.quota_use(conn, tenant.id)
+    old = use.budgets.get(host_id)
+    hosts = len(set(use.budgets) | {host_id})
+    local_bytes, local_leases = use.local.get(host_id, (0, 0))
+    if hosts > 1:
+        fair_bytes = fair_share(tenant.quota_bytes, use.central_bytes, hosts)
+        fair_leases = fair_share(tenant.quota_leases, use.central_leases, hosts)
+    else:
+        fair_bytes, fair_leases = tenant.quota_bytes, tenant.quota_leases
+    cap_bytes = min(tenant.quota_bytes - use.bytes(skip_host=host_id), max(fair_bytes, local_bytes))
+    cap_leases = min(
+        tenant.quota_leases - use.leases(skip_host=host_id), max(fair_leases, local_leases)
+    )
+    new_bytes = max(0, min(want_bytes, cap_bytes))
+    new_leases = max(0, min(want_leases, cap_leases))
+    if old is not None:
+        new_bytes = max(new_bytes, min(old[0], want_bytes))
+        new_leases = max(new_leases, min(old[1], want_leases))
+    if old == (new_bytes, new_leases):
+        _renew_budget(conn, tenant.id, host_id, expires_at)
+        return
+    if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
+        raise transitions.LostRace
+    if want_bytes == 0 and want_leases == 0:
+        conn.execute(delete(Budget).where(Budget.tenant_id == tenant.id, Budget.host_id == host_id))
+    elif old is None:
+        conn.execute(
+            insert(Budget),
+            {
+                "tenant_id": tenant.id,
+                "host_id": host_id,
+                "bytes": new_bytes,
+                "leases": new_leases,
+                "created_at": now,
+                "expires_at": expires_at,
+            },
+        )
+    else:
+        conn.execute(
+            update(Budget)
+            .where(Budget.tenant_id == tenant.id, Budget.host_id == host_id)
+            .values(bytes=new_bytes, leases=new_leases, expires_at=expires_at)
+        )
+
+
+def shares(conn: Connection, host_id: int, rows: Sequence[Any]) -> dict[int, tuple[int, int]]:
+    """Per tenant id: the fair share of this host, where it holds more than that while
+    other hosts hold (or asked for) a budget of the same tenant."""
+    if not rows:
+        return {}
+    ids = [r.id for r in rows]
+    hosts = dict(
+        conn.execute(
+            select(Budget.tenant_id, func.count(Budget.id))
+            .where(Budget.tenant_id.in_(ids))
+            .group_by(Budget.tenant_id)
+        ).all()
+    )
+    out: dict[int, tuple[int, int]] = {}
+    for r in rows:
+        n = int(hosts.get(r.id, 1))
+        if n <= 1:
+            continue
+        use = granting.quota_use(conn, r.id)
+        share = (
+            fair_share(r.quota_bytes, use.central_bytes, n),
+            fair_share(r.quota_leases, use.central_leases, n),
+        )
+        if r.bytes > share[0] or r.leases > share[1]:
+            out[r.id] = share
+    return out
+
+
+def _renew_budget(conn: Connection, tenant_id: int, host_id: int, expires_at: datetime) -> None:
+    conn.execute(
+        update(Budget)
+        .where(Budget.tenant_id == tenant_id, Budget.host_id == host_id)
+        .values(expires_at=expires_at)
+    )
+
+
+def claw_back(conn: Connection, tenant_id: int) -> None:
+    """Reduce the tenant's budgets until its quota use fits its quota again (a quota was
+    lowered); agents learn it from their next reply.
+
+    First down to the fair share of the new quota (`fair_share`), the hosts holding the
+    most above it first, then, if still over, down to what each host granted as poold
+    knows it. A budget never goes below its host's committed local use; and a host that
+    had granted no more than its fair share keeps room for it, though poold may not have
+    heard of those grants yet (their commit is then within its budget, or, past it, within
+    the quota: local_commit.py `commit`)."""
+    tenant = conn.execute(
+        select(Tenant.quota_bytes, Tenant.quota_leases).where(Tenant.id == tenant_id)
+    ).one()
+    use = granting.quota_use(conn, tenant_id)
+    over_bytes = use.bytes() - tenant.quota_bytes
+    over_leases = use.leases() - tenant.quota_leases
+    if over_bytes <= 0 and over_leases <= 0:
+        return
+    budgets = dict(use.budgets)
+    n = max(1, len(budgets))
+    fair = (
+        fair_share(tenant.quota_bytes, use.central_bytes, n),
+        fair_share(tenant.quota_leases, use.central_leases, n),
+    )
+    for i, over in ((0, over_bytes), (1, over_leases)):
+        committed = {h: use.local.get(h, (0, 0))[i] for h in budgets}
+        for floors in ({h: max(fair[i], c) for h, c in committed.items()}, committed):
+            for host in sorted(budgets, key=lambda h: floors[h] - budgets[h][i]):
+                if over <= 0:
+                    break
+                cur = list(budgets[host])
+                give = min(over, max(0, cur[i] - floors[host]))
+                cur[i] -= give
+                over -= give
+                budgets[host] = (cur[0], cur[1])
+    for host, (nbytes, nleases) in budgets.items():
+        if (nbytes, nleases) != use.budgets[host]:
+            conn.execute(
+                update(Budget)
+                .where(Budget.tenant_id == tenant_id, Budget.host_id == host)
+                .values(bytes=nbytes, leases=nleases)
+            )
+            transitions.record(
+                conn,
+                event_row(
+                    actor="poold",
+                    kind="budget.clawback",
+                    tenant_id=tenant_id,
+                    host_id=host,
+                    reason="quota lowered below what is delegated",
+                    detail={"bytes": nbytes, "leases": nleases},
+                ),
+            )
