@@ -35,10 +35,10 @@ from agent.journal import Journal
 from agent.link import Holdings, PooldLink
 from agent.local_grants import LocalGrants
 from agent.memory import LeaseMemory, LocalDevice, Pin
+from agent.peer import Peer
 from agent.refill import RefillPolicy
 from agent.resync import Resync
 from agent.revocation import Revocations
-from agent.server import Peer
 from agent.warm import WarmPool
 from poold import __version__
 from poold.errors import (

@@ -23,6 +23,7 @@ import pytest
 from agent.backends import Materialised
 from agent.backends.emulated import EmulatedBackend
 from agent.link import PooldLink
+from agent.peer import Peer
 from agent.protocol import (
     PROTOCOL_VERSION,
     HelloArgs,
@@ -43,7 +44,7 @@ from agent.protocol import (
     StatsArgs,
     StatsResult,
 )
-from agent.server import AgentServer, Peer
+from agent.server import AgentServer
 from agent.service import AgentService
 from poold.api.client import PooldClient
 from poold.errors import LeaseNotActive, NotOwner, NotShrinkable, UnknownLease

@@ -16,6 +16,7 @@ import pytest
 
 from agent.client import Lease, PoolClient
 from agent.paths import SOCKET_ENV, SYSTEM_SOCKET_PATH, client_socket_path, default_socket_path
+from agent.peer import Peer
 from agent.protocol import (
     Event,
     HelloArgs,
@@ -26,7 +27,7 @@ from agent.protocol import (
     encode_error,
     read_frame,
 )
-from agent.server import AgentServer, Peer
+from agent.server import AgentServer
 from poold.errors import (
     AgentBusy,
     AgentUnreachable,

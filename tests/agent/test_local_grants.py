@@ -18,7 +18,7 @@ from agent import protocol as p
 from agent.backends.emulated import EmulatedBackend
 from agent.journal import Journal
 from agent.link import PooldLink
-from agent.server import Peer
+from agent.peer import Peer
 from agent.service import AgentService
 from poold.api.client import PooldClient
 from poold.errors import DelegationExpired

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from agent import protocol as p
 from agent.kv import KVStore
 from agent.kv_report import Reporter
-from agent.server import Peer
+from agent.peer import Peer
 from agent.service import AgentService
 from poold.api.client import PooldClient
 from poold.errors import LeaseNotActive, NotOwner

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from agent.peer import Peer
 from agent.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -34,7 +35,7 @@ from agent.protocol import (
     encode_frame,
     read_frame,
 )
-from agent.server import AgentServer, Peer
+from agent.server import AgentServer
 from tests.agent.conftest import NOBODY, EmulatedHandler
 
 

@@ -19,7 +19,7 @@ from agent import protocol as p
 from agent.backends.devdax import DevdaxBackend
 from agent.link import PooldLink
 from agent.memory import LocalDevice
-from agent.server import Peer
+from agent.peer import Peer
 from agent.service import AgentService
 from poold.api.client import PooldClient
 from poold.ledger.db import Ledger

@@ -1,0 +1,133 @@
+"""What is one accepted agent connection, and how is one request on it answered?
+
+:class:`Connection` is the socket, its peer and the state the server and its threads
+share about it (busy, shed, last active, its session's outbox and writer);
+:func:`dispatch` turns one request frame into its reply (and fd) and never raises;
+:func:`send_reply` sends a frame with the fd riding on its first byte (SCM_RIGHTS).
+The loop that reads frames, and the limits around it, are :mod:`agent.server`'s.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from agent.peer import Peer
+from agent.protocol import HelloArgs, Model, encode_error, encode_result, parse_request
+from poold.errors import PoolError
+
+if TYPE_CHECKING:
+    from agent.event_writer import Outbox
+
+log = logging.getLogger("agent.server")  # it logs as the server it was split from
+
+
+class Connection:
+    """One accepted socket; ``close`` and ``interrupt`` may race from two threads.
+
+    ``busy`` (a frame begun, or its request running) and ``shed`` are the server's,
+    under the server's lock: only a connection that is not busy is ever shed.
+    """
+
+    def __init__(self, sock: socket.socket, peer: Peer) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.connection_id = peer.connection_id
+        self.thread: threading.Thread | None = None
+        self.busy = False
+        self.shed = False
+        self.last_active = time.monotonic()
+        self._lock = threading.Lock()
+        self._closed = False
+        # Replies (the connection's thread) and events (its writer) send whole frames.
+        self.send_lock = threading.Lock()
+        self.wants_events = False  # its hello asked; the session starts once answered
+        self.outbox: Outbox | None = None
+        self.writer: threading.Thread | None = None
+
+    def interrupt(self) -> None:
+        """Wake the connection's thread out of a blocking recv (it sees EOF)."""
+        with self._lock:
+            if not self._closed:
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.sock.close()
+
+
+def dispatch(
+    methods: dict[str, Callable[[Peer, Model], Any]],
+    connection: Connection,
+    frame: dict[str, Any],
+) -> tuple[bytes, int | None]:
+    """The reply frame (and fd) for one request; never raises."""
+    peer = connection.peer
+    op = "?"
+    try:
+        spec, args = parse_request(frame)
+        op = spec.name
+        outcome = methods[op](peer, args)
+        if isinstance(args, HelloArgs) and args.events:
+            connection.wants_events = True
+        fd: int | None = None
+        if spec.carries_fd:
+            result, fd = outcome
+            if not isinstance(fd, int) or fd < 0:
+                raise TypeError(f"handler.{op} returned {fd!r} instead of an fd")
+        else:
+            result = outcome
+        if not isinstance(result, spec.result_model):
+            raise TypeError(
+                f"handler.{op} returned {type(result).__name__}, not {spec.result_model.__name__}"
+            )
+        return encode_result(result), fd
+    except PoolError as err:
+        log.info(
+            "connection %d (pid %d uid %d) %s: %s %s",
+            peer.connection_id,
+            peer.pid,
+            peer.uid,
+            op,
+            err.code,
+            err.message,
+        )
+        return encode_error(err), None
+    except Exception:
+        log.exception(
+            "connection %d (pid %d uid %d) %s: internal error",
+            peer.connection_id,
+            peer.pid,
+            peer.uid,
+            op,
+        )
+        internal = PoolError(
+            f"internal error in the agent during {op!r}; see the agent's log",
+            connection_id=peer.connection_id,
+        )
+        return encode_error(internal), None
+
+
+def send_reply(sock: socket.socket, frame: bytes, fd: int | None) -> bool:
+    """Send one frame, with ``fd`` riding on its first byte; False when the peer is gone."""
+    try:
+        if fd is None:
+            sock.sendall(frame, socket.MSG_NOSIGNAL)
+        else:
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+            sent = sock.sendmsg([frame], rights, socket.MSG_NOSIGNAL)
+            if sent < len(frame):
+                sock.sendall(frame[sent:], socket.MSG_NOSIGNAL)
+    except OSError as err:
+        log.debug("reply not delivered: %s", err)
+        return False
+    return True
