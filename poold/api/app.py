@@ -50,6 +50,8 @@ from poold.ledger import (
     delegation,
     device_hosts,
     devices,
+    draining,
+    host_deletion,
     hosts,
     lease_views,
     leases,
@@ -259,7 +261,7 @@ def create_app(
 
     @bind
     def delete_host(name: str, q: Annotated[HostDeleteQuery, Query()], p: Caller) -> HostDeleted:
-        out = admin_ops.delete_host(ledger, name, p.actor, force=q.force)
+        out = host_deletion.delete_host(ledger, name, p.actor, force=q.force)
         # Its credential stops working at once in this process: drop the cached name
         # (other poold processes' caches forget it within AUTH_CACHE_TTL_S).
         cache: dict[str, tuple[str, float]] = app.state.auth_cache
@@ -364,10 +366,10 @@ def create_app(
         devices.annotate_device(ledger, uid, change, p.actor)
         return capacity.device_status(ledger, uid)
 
-    # --- drain (poold/ledger/admin_ops.py) ----------------------------------
+    # --- drain (poold/ledger/draining.py) -----------------------------------
     @bind
     def drain_device(uid: str, body: DeviceDrainRequest, p: Caller) -> DrainResult:
-        return admin_ops.drain_device(
+        return draining.drain_device(
             ledger,
             uid,
             p.actor,
@@ -378,7 +380,7 @@ def create_app(
 
     @bind
     def undrain_device(uid: str, p: Caller) -> DrainResult:
-        return admin_ops.undrain_device(ledger, uid, p.actor)
+        return draining.undrain_device(ledger, uid, p.actor)
 
     # --- which hosts may report a device (poold/ledger/device_hosts.py) -------
     @bind
@@ -392,7 +394,7 @@ def create_app(
     @bind
     def drain_host(name: str, p: Caller, body: HostDrainRequest | None = None) -> DrainResult:
         body = body or HostDrainRequest()  # older clients send no body: no deadline
-        return admin_ops.drain_host(
+        return draining.drain_host(
             ledger,
             name,
             p.actor,
@@ -404,7 +406,7 @@ def create_app(
 
     @bind
     def undrain_host(name: str, p: Caller) -> DrainResult:
-        return admin_ops.drain_host(ledger, name, p.actor, draining=False)
+        return draining.drain_host(ledger, name, p.actor, draining=False)
 
     # --- audit and accounting --------------------------------------------
     @bind

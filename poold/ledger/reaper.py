@@ -643,7 +643,7 @@ def _latest_deadlines(
     s: Session, kind: str, target: Any, targets: Sequence[Any]
 ) -> list[tuple[int, str, datetime | None]]:
     """(id, name, deadline_at of the latest `kind` event of that id) for each target; the
-    drain events are the journal of a drain (admin_ops._drain)."""
+    drain events are the journal of a drain (draining._drain)."""
     if not targets:
         return []
     latest = (

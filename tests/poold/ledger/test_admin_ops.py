@@ -20,7 +20,16 @@ from poold.errors import (
     UnknownHost,
     UnknownLease,
 )
-from poold.ledger import admin_ops, capacity, heartbeat, hosts, lease_views, leases
+from poold.ledger import (
+    admin_ops,
+    capacity,
+    draining,
+    heartbeat,
+    host_deletion,
+    hosts,
+    lease_views,
+    leases,
+)
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, DevicePath, Event, Host, Quarantine
 from poold.ledger.types import utcnow
@@ -149,24 +158,24 @@ def test_a_scrubbing_lease_is_refused(ledger: Ledger) -> None:
 
 def test_undrain_twice_and_drain_twice_say_whether_anything_changed(ledger: Ledger) -> None:
     seed(ledger)
-    first = admin_ops.drain_host(ledger, "h1", "admin")
-    second = admin_ops.drain_host(ledger, "h1", "admin")
+    first = draining.drain_host(ledger, "h1", "admin")
+    second = draining.drain_host(ledger, "h1", "admin")
     assert (first.changed, second.changed) == (True, False)
     assert second.state == "draining"
-    back = admin_ops.drain_host(ledger, "h1", "admin", draining=False)
-    again = admin_ops.drain_host(ledger, "h1", "admin", draining=False)
+    back = draining.drain_host(ledger, "h1", "admin", draining=False)
+    again = draining.drain_host(ledger, "h1", "admin", draining=False)
     assert (back.changed, again.changed, again.state) == (True, False, "up")
     assert [e.kind for e in events(ledger) if e.kind.startswith("host.")] == [
         "host.add",
         "host.drain",
         "host.undrain",
     ]
-    dev = admin_ops.drain_device(
+    dev = draining.drain_device(
         ledger, "dev-0", "admin", deadline_s=60, now_=False, revoke_deadline_s=30
     )
     assert dev.changed
-    assert admin_ops.undrain_device(ledger, "dev-0", "admin").changed
-    out = admin_ops.undrain_device(ledger, "dev-0", "admin")
+    assert draining.undrain_device(ledger, "dev-0", "admin").changed
+    out = draining.undrain_device(ledger, "dev-0", "admin")
     assert (out.changed, out.state) == (False, "online")
 
 
@@ -180,11 +189,11 @@ def test_a_host_with_live_leases_is_refused_unless_forced(ledger: Ledger) -> Non
     op(ledger, orphan.id, "orphan")
     pending = grant(ledger, activate=False)
     with pytest.raises(HostBusy) as err:
-        admin_ops.delete_host(ledger, "h1", "admin")
+        host_deletion.delete_host(ledger, "h1", "admin")
     assert err.value.detail["live_leases"] == 3 and "3 live lease(s)" in err.value.message
     assert hosts.authenticate(ledger, hosts.hash_credential(credential)) == "h1"
 
-    out = admin_ops.delete_host(ledger, "h1", "admin", force=True)
+    out = host_deletion.delete_host(ledger, "h1", "admin", force=True)
     assert sorted(out.ended_leases) == sorted([kept.id, orphan.id, pending.id])
     assert out.history_kept and out.devices_missing == ["dev-0"] and out.devices_removed == []
     states = {x: lease_views.show(ledger, x).state for x in out.ended_leases}
@@ -197,7 +206,7 @@ def test_a_host_with_live_leases_is_refused_unless_forced(ledger: Ledger) -> Non
         hosts.authenticate(ledger, hosts.hash_credential(credential))
     assert hosts.list_hosts(ledger) == []
     with pytest.raises(UnknownHost):
-        admin_ops.delete_host(ledger, "h1", "admin")
+        host_deletion.delete_host(ledger, "h1", "admin")
     with ledger.read() as s:
         assert s.scalar(select(Device.state).where(Device.uid == "dev-0")) == "missing"
     assert [e.kind for e in events(ledger) if e.kind.startswith(("host.", "device."))][-2:] == [
@@ -214,7 +223,7 @@ def test_a_host_with_live_leases_is_refused_unless_forced(ledger: Ledger) -> Non
 def test_a_host_without_history_goes_whole_and_shared_devices_stay(ledger: Ledger) -> None:
     seed(ledger, devices=[device("dev-own"), device(SHARED, local_name="node3")])
     reach(ledger, "h2", SHARED)
-    out = admin_ops.delete_host(ledger, "h1", "admin")
+    out = host_deletion.delete_host(ledger, "h1", "admin")
     assert (out.history_kept, out.devices_removed, out.devices_missing) == (
         False,
         ["dev-own"],
@@ -234,7 +243,7 @@ def test_a_forced_delete_quarantines_devdax_ranges_nobody_zeroed(ledger: Ledger)
     held = grant(ledger, mib=8)
     scrubbing = grant(ledger, mib=4)
     op(ledger, scrubbing.id, "release_dirty")
-    out = admin_ops.delete_host(ledger, "h1", "admin", force=True)
+    out = host_deletion.delete_host(ledger, "h1", "admin", force=True)
     assert sorted(out.quarantined_leases) == sorted([held.id, scrubbing.id])
     assert {lease_views.show(ledger, x).state for x in out.ended_leases} == {"reclaimed"}
     with ledger.read() as s:
@@ -256,6 +265,6 @@ def test_a_still_mapped_lease_is_not_ended_but_goes_with_its_host(ledger: Ledger
     with pytest.raises(InvalidTransition) as err:
         admin_ops.end_lease(ledger, lease.id, "admin", "x")
     assert "still maps" in err.value.message
-    out = admin_ops.delete_host(ledger, "h1", "admin", force=True)
+    out = host_deletion.delete_host(ledger, "h1", "admin", force=True)
     assert out.ended_leases == [lease.id]
     assert lease_views.show(ledger, lease.id).state == "released"  # its pages left with the host

@@ -26,12 +26,12 @@ from poold.errors import (
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATE_VALUES
 from poold.ledger import (
-    admin_ops,
     audit,
     budget_sizing,
     delegation,
     delegation_renewal,
     device_hosts,
+    draining,
     granting,
     heartbeat,
     hosts,
@@ -147,7 +147,7 @@ def test_no_reservation_on_a_draining_device_and_drain_returns_unleased(
     d = _delegate(ledger, reserve=[ReserveWant(bytes=8 * MiB), ReserveWant(bytes=2 * MiB)])
     _delegate(ledger, budgets=[BudgetWant(tenant="t1", bytes=4 * MiB, leases=2)])
     assert _ops(ledger, local_grant_op(d, "L1")) == [("active", None)]
-    admin_ops.drain_device(
+    draining.drain_device(
         ledger, "dev-0", "admin", deadline_s=3600.0, now_=False, revoke_deadline_s=30.0
     )
     with ledger.read() as s:
@@ -327,7 +327,7 @@ def test_heartbeats_renew_the_delegation_and_expiry_returns_it(ledger: Ledger) -
 def test_a_draining_host_returns_its_unleased_reservations(ledger: Ledger) -> None:
     seed(ledger)
     _delegate(ledger, reserve=[ReserveWant(bytes=4 * MiB)])
-    admin_ops.drain_host(ledger, "h1", "admin")
+    draining.drain_host(ledger, "h1", "admin")
     with ledger.read() as s:  # returning until the agent gives them back (or the TTL)
         assert set(s.execute(select(Reservation.state)).scalars()) == {delegation.RETURNING}
     assert heartbeat.receive_heartbeat(ledger, "h1", Heartbeat(), "agent:h1").delegation

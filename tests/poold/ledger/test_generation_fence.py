@@ -33,7 +33,7 @@ import pytest
 from sqlalchemy import select
 
 from poold.errors import PoolError
-from poold.ledger import admin_ops, leases, tenants
+from poold.ledger import draining, leases, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Host, Lease, Tenant
 from poold.wire.admin import TenantUpdate
@@ -139,7 +139,7 @@ def race(ledger: Ledger, change: Callable[[], T]) -> tuple[T, list[LeaseOut], se
 
 
 def drain(ledger: Ledger) -> None:
-    admin_ops.drain_device(
+    draining.drain_device(
         ledger, "dev-0", "admin", deadline_s=3600, now_=False, revoke_deadline_s=30
     )
 
@@ -160,7 +160,7 @@ def test_a_drain_fences_out_racing_grants(ledger: Ledger) -> None:
     seeded(ledger)
     for iteration in range(ITERATIONS):
         if iteration:
-            admin_ops.undrain_device(ledger, "dev-0", "admin")
+            draining.undrain_device(ledger, "dev-0", "admin")
         gen_before = generation(ledger, Device)
         _, granted, late = race(ledger, lambda: drain(ledger))
         gen_after = generation(ledger, Device)
@@ -198,9 +198,9 @@ def test_a_host_drain_fences_out_racing_grants(ledger: Ledger) -> None:
     seeded(ledger)
     for iteration in range(ITERATIONS):
         if iteration:
-            admin_ops.drain_host(ledger, "h1", "admin", draining=False)
+            draining.drain_host(ledger, "h1", "admin", draining=False)
         gen_before = generation(ledger, Host)
-        _, granted, late = race(ledger, lambda: admin_ops.drain_host(ledger, "h1", "admin"))
+        _, granted, late = race(ledger, lambda: draining.drain_host(ledger, "h1", "admin"))
         gen_after = generation(ledger, Host)
         where = f"iteration {iteration}: host generation {gen_before} -> {gen_after}"
         assert gen_after == gen_before + len(granted) + 1, f"a bump was lost; {where}"

@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import select
 
-from poold.ledger import admin_ops, heartbeat, hosts, lease_views, leases
+from poold.ledger import draining, heartbeat, hosts, lease_views, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Host
 from poold.ledger.reaper import ACTOR, Reaper, ReaperPolicy, host_drain_deadlines
@@ -50,7 +50,7 @@ def test_reaper_revokes_a_drained_hosts_leases_at_the_deadline(ledger: Ledger) -
     mine = [grant(ledger), grant(ledger)]
     other = grant(ledger, "h2")
     start = utcnow()
-    out = admin_ops.drain_host(
+    out = draining.drain_host(
         ledger, "h1", "admin", deadline_s=60, now_=False, revoke_deadline_s=20
     )
     assert out.state == "draining" and out.live_leases == 2 and out.revoked == []
@@ -81,7 +81,7 @@ def test_reaper_revokes_a_drained_hosts_leases_at_the_deadline(ledger: Ledger) -
 def test_drain_now_revokes_at_once(ledger: Ledger) -> None:
     seed(ledger)
     lease = grant(ledger)
-    out = admin_ops.drain_host(ledger, "h1", "admin", now_=True, revoke_deadline_s=20)
+    out = draining.drain_host(ledger, "h1", "admin", now_=True, revoke_deadline_s=20)
     assert out.revoked == [lease.id] and out.state == "draining"
     event = last_event(ledger, lease.id)
     assert (event.kind, event.actor, event.reason) == ("lease.revoke", "admin", "host h1 drained")
@@ -91,15 +91,15 @@ def test_drain_now_revokes_at_once(ledger: Ledger) -> None:
 def test_undrain_cancels_the_deadline_and_a_plain_drain_has_none(ledger: Ledger) -> None:
     seed(ledger)
     lease = grant(ledger)
-    out = admin_ops.drain_host(ledger, "h1", "admin", deadline_s=60)
+    out = draining.drain_host(ledger, "h1", "admin", deadline_s=60)
     assert out.deadline_at is not None
     after: datetime = out.deadline_at + timedelta(seconds=5)
-    admin_ops.drain_host(ledger, "h1", "admin", draining=False)
+    draining.drain_host(ledger, "h1", "admin", draining=False)
     assert host_drain_deadlines(ledger) == []
     r = reaper(ledger)
     assert r.run_once(now=after).revoked == []
     # Drained again without a deadline: the latest `host.drain` wins, leases run on.
-    plain = admin_ops.drain_host(ledger, "h1", "admin")
+    plain = draining.drain_host(ledger, "h1", "admin")
     assert plain.deadline_at is None and plain.revoked == []
     [(_id, _name, deadline)] = host_drain_deadlines(ledger)
     assert deadline is None

@@ -16,7 +16,15 @@ from sqlalchemy import select, update
 
 from poold.errors import InvalidTransition, NoCapacity
 from poold.lease_states import LeaseEvent, LeaseState
-from poold.ledger import admin_ops, heartbeat, hosts, lease_views, leases, transitions
+from poold.ledger import (
+    admin_ops,
+    draining,
+    heartbeat,
+    hosts,
+    lease_views,
+    leases,
+    transitions,
+)
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Event, Host, Lease
 from poold.ledger.reaper import (
@@ -320,7 +328,7 @@ def test_drained_device_gets_no_new_leases_and_revokes_at_deadline(ledger: Ledge
     drained = granted[0].device_uid
     other = "d1" if drained == "d0" else "d0"
     on_drained = [x for x in granted if x.device_uid == drained]
-    out = admin_ops.drain_device(
+    out = draining.drain_device(
         ledger, drained, "admin", deadline_s=60, now_=False, revoke_deadline_s=20
     )
     assert out.state == "draining" and out.live_leases == len(on_drained) and out.revoked == []
@@ -338,21 +346,21 @@ def test_drained_device_gets_no_new_leases_and_revokes_at_deadline(ledger: Ledge
 def test_drain_now_revokes_at_once_and_last_device_refuses(ledger: Ledger) -> None:
     seed(ledger)
     lease = grant(ledger)
-    out = admin_ops.drain_device(
+    out = draining.drain_device(
         ledger, "dev-0", "admin", deadline_s=0, now_=True, revoke_deadline_s=20
     )
     assert out.revoked == [lease.id]
     assert state(ledger, lease.id) == "revoking"
     with pytest.raises(NoCapacity):
         grant(ledger)
-    admin_ops.undrain_device(ledger, "dev-0", "admin")
+    draining.undrain_device(ledger, "dev-0", "admin")
     assert grant(ledger).state == "active"
 
 
 def test_drained_host_refuses_grants_keeps_leases(ledger: Ledger) -> None:
     seed(ledger)
     lease = grant(ledger)
-    out = admin_ops.drain_host(ledger, "h1", "admin")
+    out = draining.drain_host(ledger, "h1", "admin")
     assert out.state == "draining" and out.live_leases == 1
     with pytest.raises(NoCapacity) as info:
         grant(ledger)
@@ -366,7 +374,7 @@ def test_drained_host_refuses_grants_keeps_leases(ledger: Ledger) -> None:
         )
         assert s.scalar(select(Host.status)) == "draining"
     assert reply.renewed[0].code is None
-    admin_ops.drain_host(ledger, "h1", "admin", draining=False)
+    draining.drain_host(ledger, "h1", "admin", draining=False)
     assert grant(ledger).state == "active"
 
 
