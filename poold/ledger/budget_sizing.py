@@ -3,6 +3,13 @@
 tenant want some), the share a host holding more is told of (`shares`), and a quota cut
 taking budgets back (`claw_back`).
 
+A tenant's quota use is its central leases plus, per host, the larger of its budget and
+its local leases there (`granting.quota_use`); a budget is set under the tenant's
+generation swap, so it and a racing central grant cannot both pass. A budget is lowered
+only by its agent, a quota cut (`claw_back`), or a central grant of the same host, which
+spends it (poold/ledger/budgets.py `spend_for_central`); raised by a local grant
+committed past it while the quota has room (`budgets.fit_local_grant`).
+
 Its own module because sizing a budget is a question of quota arithmetic, apart from
 placing reservations (poold/ledger/delegation.py, which calls `set_budget` and `shares`)
 and from the grants' budget moves (poold/ledger/budgets.py). It imports neither

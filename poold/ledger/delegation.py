@@ -19,8 +19,8 @@ Reservation states: "held" (renewed, takes local grants), "returning" (its TTL p
 its device or host drains, or `audit --reclaim` found its host down: it takes no new
 lease and goes when its agent gives it back, or once its TTL has passed with no live
 lease in it; a local grant its agent made before it heard is still committed into it)
-and "recalled" (asked back under pressure, `recall`: goes when its agent gives it back,
-or at its TTL).
+and "recalled" (asked back under pressure, `delegation_renewal.recall`: goes when its
+agent gives it back, or at its TTL).
 """
 
 from __future__ import annotations
@@ -174,7 +174,8 @@ def host_delegation(conn: Connection, host_id: int, now: datetime) -> Delegation
             share_leases=shares[b.id][1] if b.id in shares else None,
         )
         for b in rows
-        # A zero budget only says that this host wants some (`fair_share`): nothing to spend.
+        # A zero budget only says that this host wants some (`budget_sizing.fair_share`):
+        # nothing to spend.
         if b.bytes or b.leases
     ]
     return Delegation(server_time=now, reservations=reservations, budgets=budgets)
