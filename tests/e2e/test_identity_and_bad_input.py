@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import struct
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +74,12 @@ def test_nobody_leases_for_its_own_tenant_only(cluster: Cluster) -> None:
     assert "ok" in out, out
     assert out["ok"]["uid"] == NOBODY.pw_uid
     assert cluster.admin.show_lease(out["ok"]["lease"]).tenant == "nobodies"
+    # Its release reaches poold through the agent's outbox: settled before the snapshot
+    # (it bumps the device's generation in the ledger).
+    deadline = time.monotonic() + 10
+    while cluster.admin.show_lease(out["ok"]["lease"]).state != "released":
+        assert time.monotonic() < deadline, cluster.admin.show_lease(out["ok"]["lease"])
+        time.sleep(0.05)
 
     before = cluster.ledger_rows(*LEDGER_TABLES)
 
