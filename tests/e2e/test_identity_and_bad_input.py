@@ -144,8 +144,6 @@ def test_bad_input_gets_codes_and_changes_nothing(cluster: Cluster) -> None:
         # Something to be foreign about, released before the snapshot.
         gone = client.lease(2 << 20, renew=False)
         gone.release()
-        import time
-
         deadline = time.monotonic() + 10
         while c.admin.show_lease(gone.lease_id).state != "released":
             assert time.monotonic() < deadline
