@@ -7,6 +7,7 @@ reservations' TTL it refuses with `delegation_expired`.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import shutil
@@ -168,7 +169,11 @@ def _wait_committed(pool: Pool, ids: set[str], timeout_s: float) -> float:
         if ids <= done:
             return time.monotonic() - t0
         time.sleep(0.05)
-    raise AssertionError(f"{len(ids - done)} of {len(ids)} local leases not committed")
+    states = dict(rows)
+    missing = collections.Counter(states.get(i, "not in the ledger") for i in ids - done)
+    raise AssertionError(
+        f"{len(ids - done)} of {len(ids)} local leases not committed released: {dict(missing)}"
+    )
 
 
 def _events_of(pool: Pool, ids: set[str]) -> dict[str, list[str]]:
@@ -418,8 +423,10 @@ def test_a_budget_holding_the_whole_quota_leaves_its_host_central_grants(
     assert len(central) == 1 and len(local) == 20
     [(spent,)] = pool.query("SELECT count(*) FROM events WHERE kind = 'budget.spend'")
     assert spent >= 1
-    # poold has every lease the agent granted alone: none was refused on arrival.
-    _wait_committed(pool, local, timeout_s=10.0)
+    # poold has every lease the agent granted alone: none was refused on arrival. (Not a
+    # latency check: under load the ops of leases granted while a central grant is on
+    # its way wait for it; bench/lease_latency.py measures how far behind commits are.)
+    _wait_committed(pool, local, timeout_s=30.0)
     audit = _poolctl(pool, "audit")
     assert audit.returncode == 0, audit.stdout + audit.stderr
 
