@@ -15,13 +15,15 @@ not read them through the journal.
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import logging
 import os
 import signal
 import sys
+import threading
+import traceback
 from datetime import UTC, datetime
+from types import FrameType
 from typing import Annotated, Any, Final, Literal, TextIO
 
 from pydantic import BeforeValidator
@@ -134,7 +136,22 @@ def setup_logging(
 
 
 def dump_stacks_on_sigusr1() -> None:
-    """``kill -USR1 <pid>`` writes every thread's stack to stderr (the journal): what a
-    stalled daemon is doing, asked without stopping it (faulthandler, async-signal safe,
-    so it answers even when every Python thread is stuck)."""
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+    """``kill -USR1 <pid>`` logs every thread's stack, by thread name, in one record:
+    what a stalled daemon waits on, asked without stopping it. (Call from the main
+    thread.)
+
+    A Python-level handler, run by the main thread between bytecodes, reading
+    `sys._current_frames()` under the GIL. Not faulthandler's C-level dump: that walks
+    other threads' frames while they run, and killed a busy daemon mid-dump here."""
+
+    def dump(_signum: int, _frame: FrameType | None) -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        lines: list[str] = []
+        for ident, frame in sys._current_frames().items():
+            lines.append(f"thread {names.get(ident, '?')} ({ident}), most recent call last:")
+            lines.extend(line.rstrip("\n") for line in traceback.format_stack(frame))
+        logging.getLogger("poold.stacks").warning(
+            "thread stacks on SIGUSR1 (%d threads):\n%s", len(names), "\n".join(lines)
+        )
+
+    signal.signal(signal.SIGUSR1, dump)

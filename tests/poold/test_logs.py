@@ -136,7 +136,7 @@ def test_real_daemons_at_info_log_no_library_noise(tmp_path: Path) -> None:
 
 
 def test_sigusr1_dumps_every_thread_and_the_daemons_go_on(tmp_path: Path) -> None:
-    """`kill -USR1` on poold or an agent writes each thread's stack to its log; both go on."""
+    """`kill -USR1` on poold or an agent logs each thread's stack; both go on, busy or not."""
     port = procs.free_port()
     state = tmp_path / "poold"
     poold = procs.start_poold(state, port)
@@ -157,9 +157,8 @@ def test_sigusr1_dumps_every_thread_and_the_daemons_go_on(tmp_path: Path) -> Non
             frames = ((poold, "poold/server.py"), (agent, "agent/run.py"))  # main threads'
 
             def dumped(child: procs.Child, frame: str) -> bool:
-                # Every thread's stack says this ("Current thread" only if one holds the GIL).
                 text = child.log_path.read_text(errors="replace")
-                return "(most recent call first)" in text and frame in text
+                return "thread stacks on SIGUSR1" in text and frame in text
 
             for child, _ in frames:
                 child.proc.send_signal(signal.SIGUSR1)
