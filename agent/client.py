@@ -375,6 +375,9 @@ class PoolClient:
     ) -> None:
         self.close()
 
+    def _stop_renewing(self, lease_id: str) -> None:
+        self._renewer.forget(lease_id)
+
     def _forget(self, lease: Lease) -> None:
         self._renewer.forget(lease.lease_id)
         with self._leases_lock:

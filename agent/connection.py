@@ -16,14 +16,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from agent.event_writer import Outbox, send_within
 from agent.peer import Peer
 from agent.protocol import HelloArgs, Model, encode_error, encode_result, parse_request
 from poold.errors import PoolError
-
-if TYPE_CHECKING:
-    from agent.event_writer import Outbox
 
 log = logging.getLogger("agent.server")  # it logs as the server it was split from
 
@@ -131,3 +129,21 @@ def send_reply(sock: socket.socket, frame: bytes, fd: int | None) -> bool:
         log.debug("reply not delivered: %s", err)
         return False
     return True
+
+
+def write_events(connection: Connection, outbox: Outbox, reply_timeout_s: float) -> None:
+    """A session's writer: its events, each whole, each within ``reply_timeout_s``."""
+    while (frame := outbox.take()) is not None:
+        with connection.send_lock:
+            delivered = send_within(connection.sock, frame, reply_timeout_s)
+        if not delivered:
+            log.info(
+                "connection %d (pid %d uid %d): an event was not delivered (hung up, or "
+                "not read within %.0f s); closing",
+                connection.connection_id,
+                connection.peer.pid,
+                connection.peer.uid,
+                reply_timeout_s,
+            )
+            connection.interrupt()
+            return

@@ -18,7 +18,6 @@ import threading
 import time
 from typing import Final
 
-from agent.connection import Connection
 from agent.protocol import CRITICAL_EVENTS
 
 log = logging.getLogger("agent.server")  # it logs as the server it was split from
@@ -83,24 +82,6 @@ class Outbox:
     def __len__(self) -> int:
         with self._cond:
             return len(self._queue)
-
-
-def write_events(connection: Connection, outbox: Outbox, reply_timeout_s: float) -> None:
-    """A session's writer: its events, each whole, each within ``reply_timeout_s``."""
-    while (frame := outbox.take()) is not None:
-        with connection.send_lock:
-            delivered = send_within(connection.sock, frame, reply_timeout_s)
-        if not delivered:
-            log.info(
-                "connection %d (pid %d uid %d): an event was not delivered (hung up, or "
-                "not read within %.0f s); closing",
-                connection.connection_id,
-                connection.peer.pid,
-                connection.peer.uid,
-                reply_timeout_s,
-            )
-            connection.interrupt()
-            return
 
 
 def send_within(sock: socket.socket, frame: bytes, timeout_s: float) -> bool:

@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, suppress
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from agent.kv_index import BlockIndex, Key
 from agent.kv_layout import MAGIC, Geometry, round_up
@@ -59,7 +59,7 @@ from agent.kv_report import Reporter
 from poold.errors import PoolError
 
 if TYPE_CHECKING:
-    from agent.client import Lease
+    from agent.client import Lease, PoolClient
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class KVStore(BlockIndex):
                 self._evict(self._victim(cls))
         kept = sorted(self._index.values(), key=lambda b: b.tick)
         saved = [(b.key, b.where, bytes(self._view[b.offset : b.offset + b.length])) for b in kept]
-        client = lease._client
+        client = cast("PoolClient", lease._client)  # the client that granted it
         reporter, self.reporter = self.reporter, None
         if reporter is not None:
             reporter.stop(flush=False)

@@ -17,13 +17,17 @@ import threading
 from collections.abc import Callable
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from agent.protocol import LOST_ENDED, LOST_REVOKED, LeaseResult
+from agent.protocol import (
+    LOST_ENDED,
+    LOST_REVOKED,
+    LeaseResult,
+    ReleaseResult,
+    RenewResult,
+    ShrinkResult,
+)
 from poold.errors import LeaseNotActive, PoolError, UnknownLease
-
-if TYPE_CHECKING:
-    from agent.client import PoolClient
 
 log = logging.getLogger("agent.client")  # it logs as the client it was split from
 
@@ -33,6 +37,32 @@ log = logging.getLogger("agent.client")  # it logs as the client it was split fr
 LostCallback = Callable[["Lease"], None]
 RevokeCallback = Callable[["Lease", datetime], None]
 ShrinkCallback = Callable[["Lease", int, datetime], None]
+
+
+class LeaseOwner(Protocol):
+    """What a lease asks of the client that granted it (agent/client.py `PoolClient`),
+    named here so that this module does not import the client that imports it."""
+
+    def renew(self, lease_id: str, ttl_s: int | None = None) -> RenewResult: ...
+
+    def shrink(self, lease_id: str, size_bytes: int | str) -> ShrinkResult: ...
+
+    def report(
+        self,
+        lease_id: str,
+        *,
+        used_bytes: int,
+        exclusive_bytes: int,
+        replica_bytes: int,
+        exclusive_blocks: int = 0,
+        replica_blocks: int = 0,
+    ) -> bool: ...
+
+    def _release(self, lease_id: str) -> ReleaseResult: ...
+
+    def _forget(self, lease: Lease) -> None: ...
+
+    def _stop_renewing(self, lease_id: str) -> None: ...
 
 
 class Lease:
@@ -57,7 +87,7 @@ class Lease:
 
     def __init__(
         self,
-        client: PoolClient,
+        client: LeaseOwner,
         granted: LeaseResult,
         fd: int,
         on_lost: LostCallback | None = None,
@@ -231,7 +261,7 @@ class Lease:
                 return
             self.lost = True
             self.lost_reason = reason
-        self._client._renewer.forget(self.lease_id)
+        self._client._stop_renewing(self.lease_id)
         log.warning("lease %s lost (%s): %s", self.lease_id, reason, message)
         if self.on_lost is not None:
             try:

@@ -59,8 +59,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Final
 
-from agent.connection import Connection, dispatch, send_reply
-from agent.event_writer import Outbox, write_events
+from agent.connection import Connection, dispatch, send_reply, write_events
+from agent.event_writer import Outbox
 from agent.handler import AgentHandler as AgentHandler
 from agent.handler import bind_handler as bind_handler
 from agent.peer import Peer as Peer
