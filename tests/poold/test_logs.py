@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -94,29 +95,37 @@ def test_bad_level_or_format_is_refused() -> None:
         setup_logging("info", "xml")
 
 
-def test_real_daemons_at_info_log_no_library_noise(tmp_path: Path) -> None:
-    """poold's start has no alembic lines; an agent's heartbeats add no line at all."""
+@contextlib.contextmanager
+def daemons(
+    tmp_path: Path,
+    host: str,
+    *,
+    poold_extra: list[str] | None = None,
+    agent_extra: list[str] | None = None,
+    heartbeat_interval_s: float = 1.0,
+) -> Iterator[tuple[procs.Child, procs.Child, int]]:
+    """Real `poold serve` and `pool-agent serve` for ``host`` (emulated memory); yields
+    (poold, agent, poold's port) and stops both, leaving their logs."""
     port = procs.free_port()
     state = tmp_path / "poold"
-    poold = procs.start_poold(state, port, extra=["--log-level", "info", "--log-format", "json"])
+    poold = procs.start_poold(state, port, extra=poold_extra)
     sock_dir = Path(f"/tmp/pl-{os.getpid()}")
     agent: procs.Child | None = None
     try:
         with procs.admin_client(state, port) as admin:
             credential = tmp_path / "credential"
-            credential.write_text(admin.add_host("log-host").credential)
+            credential.write_text(admin.add_host(host).credential)
         agent = procs.start_agent(
             tmp_path,
-            host="log-host",
+            host=host,
             poold_url=f"http://127.0.0.1:{port}",
             credential_file=credential,
             socket_path=sock_dir / "agent.sock",
             emulated_capacity_bytes=64 << 20,
-            heartbeat_interval_s=0.2,
-            extra=["--log-level", "info"],
+            heartbeat_interval_s=heartbeat_interval_s,
+            extra=agent_extra,
         )
-        time.sleep(2.5)  # a dozen heartbeats
-        assert agent.alive() and poold.alive()
+        yield poold, agent, port
     finally:
         if agent is not None:
             agent.stop()
@@ -125,6 +134,19 @@ def test_real_daemons_at_info_log_no_library_noise(tmp_path: Path) -> None:
             leftover.unlink()
         if sock_dir.exists():
             sock_dir.rmdir()
+
+
+def test_real_daemons_at_info_log_no_library_noise(tmp_path: Path) -> None:
+    """poold's start has no alembic lines; an agent's heartbeats add no line at all."""
+    with daemons(
+        tmp_path,
+        "log-host",
+        poold_extra=["--log-level", "info", "--log-format", "json"],
+        agent_extra=["--log-level", "info"],
+        heartbeat_interval_s=0.2,
+    ) as (poold, agent, _port):
+        time.sleep(2.5)  # a dozen heartbeats
+        assert agent.alive() and poold.alive()
     poold_lines = poold.log_path.read_text().splitlines()
     records = [json.loads(line) for line in poold_lines]
     assert not [r for r in records if r["logger"].startswith(("alembic", "uvicorn", "httpx"))]
@@ -137,43 +159,20 @@ def test_real_daemons_at_info_log_no_library_noise(tmp_path: Path) -> None:
 
 def test_sigusr1_dumps_every_thread_and_the_daemons_go_on(tmp_path: Path) -> None:
     """`kill -USR1` on poold or an agent logs each thread's stack; both go on, busy or not."""
-    port = procs.free_port()
-    state = tmp_path / "poold"
-    poold = procs.start_poold(state, port)
-    sock_dir = Path(f"/tmp/pu-{os.getpid()}")
-    agent: procs.Child | None = None
-    try:
-        with procs.admin_client(state, port) as admin:
-            credential = tmp_path / "credential"
-            credential.write_text(admin.add_host("usr1-host").credential)
-            agent = procs.start_agent(
-                tmp_path,
-                host="usr1-host",
-                poold_url=f"http://127.0.0.1:{port}",
-                credential_file=credential,
-                socket_path=sock_dir / "agent.sock",
-                emulated_capacity_bytes=64 << 20,
-            )
-            frames = ((poold, "poold/server.py"), (agent, "agent/run.py"))  # main threads'
+    with daemons(tmp_path, "usr1-host") as (poold, agent, port):
+        frames = ((poold, "poold/server.py"), (agent, "agent/run.py"))  # main threads'
 
-            def dumped(child: procs.Child, frame: str) -> bool:
-                text = child.log_path.read_text(errors="replace")
-                return "thread stacks on SIGUSR1" in text and frame in text
+        def dumped(child: procs.Child, frame: str) -> bool:
+            text = child.log_path.read_text(errors="replace")
+            return "thread stacks on SIGUSR1" in text and frame in text
 
-            for child, _ in frames:
-                child.proc.send_signal(signal.SIGUSR1)
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and not all(dumped(*f) for f in frames):
-                time.sleep(0.1)
-            assert poold.alive() and agent.alive()
+        for child, _ in frames:
+            child.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(dumped(*f) for f in frames):
+            time.sleep(0.1)
+        assert poold.alive() and agent.alive()
+        with procs.admin_client(tmp_path / "poold", port) as admin:
             assert admin.health() is not None  # still answering
-        for child, frame in frames:
-            assert dumped(child, frame), child.log_tail(60)
-    finally:
-        if agent is not None:
-            agent.stop()
-        poold.stop()
-        for leftover in sock_dir.glob("*"):
-            leftover.unlink()
-        if sock_dir.exists():
-            sock_dir.rmdir()
+    for child, frame in frames:
+        assert dumped(child, frame), child.log_tail(60)
