@@ -103,17 +103,11 @@ class Stack:
     dax_region: int
     claimed_device: str  # dax0.0: holds bytes of the region, not the agent's
 
-    def logs(self) -> str:
+    def logs(self, agent_lines: int = 40) -> str:
+        """The logs' tails (``agent_lines``: room for a SIGUSR1 thread dump)."""
         return (
             f"--- poold log ---\n{self.poold.log_tail(40)}\n"
-            f"--- agent log ---\n{self.agent.log_tail(40)}"
-        )
-
-    def stalled_logs(self) -> str:
-        """The logs, with enough of the agent's for the thread dump SIGUSR1 wrote there."""
-        return (
-            f"--- poold log ---\n{self.poold.log_tail(60)}\n"
-            f"--- agent log ---\n{self.agent.log_tail(400)}"
+            f"--- agent log ---\n{self.agent.log_tail(agent_lines)}"
         )
 
     def poolctl(self, *args: str) -> subprocess.CompletedProcess[str]:
@@ -283,8 +277,8 @@ def pool(stack: Stack, machine: GuestMachine, poold_process: PooldProcess) -> It
     if left or stack.sub_devices():
         stack.agent.proc.send_signal(signal.SIGUSR1)  # what each agent thread waits on
         time.sleep(1)
-    assert left == [], f"{lease_histories(poold_process, left)}\n{stack.stalled_logs()}"
-    assert stack.sub_devices() == {}, stack.stalled_logs()
+    assert left == [], f"{lease_histories(poold_process, left)}\n{stack.logs(agent_lines=400)}"
+    assert stack.sub_devices() == {}, stack.logs(agent_lines=400)
     assert dax_device_state(machine.claimed_device) == claimed
 
 
