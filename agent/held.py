@@ -225,11 +225,23 @@ class HeldLeases:
             probe=probe,
         )
         with self.lock:
+            old = self._mapped.get(watched.lease_id)
+            if old is not None:
+                # Ended twice (a revocation's teardown and the tenant's release each took
+                # it before the other let go): still one watch with one probe. A second
+                # probe left open is itself a file of the memfd, and the agent's own fds
+                # count in the rescan, so the lease would never look free again.
+                watched.why, watched.since = old.why, old.since
+                watched.pids |= old.pids
+                if watched.probe is None:
+                    watched.probe, old.probe = old.probe, None
             self._mapped[watched.lease_id] = watched
             self._held.pop(watched.lease_id, None)  # a release forgot it already
-            self._ended[watched.lease_id] = (f"{why}_mapped", held.holder_uid)
+            self._ended[watched.lease_id] = (f"{watched.why}_mapped", held.holder_uid)
             while len(self._ended) > ENDED_MEMORY:
                 self._ended.popitem(last=False)
+        if old is not None and old.probe is not None and old.probe is not watched.probe:
+            old.probe.close()
         if self.journal is not None:
             self.journal.watch(
                 Watched(
@@ -238,7 +250,7 @@ class HeldLeases:
                     st_ino=watched.inode.ino,
                     length_bytes=watched.length_bytes,
                     holder_uid=watched.holder_uid,
-                    why=why,
+                    why=watched.why,
                     since=watched.since.timestamp(),
                 )
             )

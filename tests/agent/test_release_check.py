@@ -471,3 +471,37 @@ def test_an_fd_left_in_a_socket_queue_keeps_the_bytes_counted(
     finally:
         near.close()
         far.close()
+
+
+@needs_check
+def test_a_lease_ended_twice_while_mapped_is_freed_once_the_mapping_goes(
+    agent: tuple[PoolClient, AgentService],
+) -> None:
+    """A revocation's teardown and the tenant's release can both end one lease (each took
+    it before the other let go). Watched twice, it must still be one watch with one probe:
+    a probe left open is a file of the memfd in the agent's own fd table, so the lease
+    would stay ``revoked_mapped`` for ever (seen in the 4-agent delegation run)."""
+    client, service = agent
+    lease = client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False)
+    kept = lease.mmap()
+    held = service.held.get(lease.lease_id)
+    assert held is not None and held.inode is not None
+    inode = held.inode
+    assert service.revocations.ended_mapped(held, "released")
+    assert service.revocations.ended_mapped(held, "released")  # the other path, after
+    [watched] = service.held.mapped()
+    assert (watched.lease_id, watched.why) == (lease.lease_id, "released")
+    lease.release()  # the client's own fd goes; the agent already ended the lease
+    assert service.revocations.check_mapped() == 0  # the mapping is still there
+    kept.close()
+    assert service.revocations.check_mapped() == 1
+    assert service.held.mapped() == []
+    ours = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (inode.dev, inode.ino):
+            ours.append(name)
+    assert ours == [], "the agent still has a file of the ended lease's memfd"
