@@ -14,8 +14,10 @@ releases the lease when CMD exits, exiting with CMD's status::
     POOLD_LEASE_ID, POOLD_LEASE_MEDIA, POOLD_LEASE_BACKEND, POOLD_LEASE_PAGE_BYTES
 
 Exit status: CMD's; 128 + N when CMD died of signal N (as a shell reports it); 125 when
-poolrun itself failed (no lease: the error's code is printed), 126/127 when CMD could not be
-run. If poolrun is killed outright, CMD gets SIGTERM (PR_SET_PDEATHSIG): the lease's holder
+poolrun itself failed, a refused command line included (as env(1) and timeout(1) do, so no
+status of poolrun's own is mistaken for CMD's), with one line ``poolrun: error[CODE]:
+message`` (``usage`` for the command line, else the agent's code); 126/127 when CMD could
+not be run. If poolrun is killed outright, CMD gets SIGTERM (PR_SET_PDEATHSIG): the lease's holder
 is gone, and the agent orphans it.
 """
 
@@ -32,21 +34,25 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import FrameType
-from typing import Final
+from typing import Any, Final
 
 import click
+from pydantic import TypeAdapter, ValidationError
 
 from agent.client import Lease, PoolClient
 from poold import __version__
-from poold.errors import PoolError
+from poold.errors import CommandLineError, Interrupted, PoolError
 from poold.logs import setup_logging
 from poold.sizes import parse_size
+from poold.wire.common import MAX_LEASE_BYTES, MediaClass, TenantName
 
 log = logging.getLogger("poolrun")
 
 EXIT_POOLRUN_FAILED: Final = 125  # as env(1), timeout(1) and container runners use it
 EXIT_NOT_EXECUTABLE: Final = 126
 EXIT_NOT_FOUND: Final = 127
+EXIT_INTERRUPTED: Final = 130  # 128 + SIGINT: Ctrl-C before CMD started
+LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 # Forwarded to CMD as they arrive; anything else keeps its default action on poolrun.
 FORWARDED_SIGNALS: Final = (
     signal.SIGHUP,
@@ -102,6 +108,13 @@ def lease_environment(lease: Lease) -> dict[str, str]:
         env["POOLD_LEASE_NODE"] = str(lease.numa_node)
     env["POOLD_LEASE_POPULATED"] = "1" if lease.populated else "0"
     return env
+
+
+def fail(err: PoolError, exit_code: int = EXIT_POOLRUN_FAILED, *, doing: str = "") -> int:
+    """Say why poolrun itself failed, on one line with the error's code; its exit status."""
+    message = doing + " ".join(err.message.split())
+    click.echo(f"poolrun: error[{err.code}]: {message}", err=True)
+    return exit_code
 
 
 def exit_status(returncode: int) -> int:
@@ -239,8 +252,7 @@ def run(
                 numa_node=request.numa_node,
             )
         except PoolError as err:
-            click.echo(f"poolrun: cannot lease: {err.code}: {err.message}", err=True)
-            return EXIT_POOLRUN_FAILED
+            return fail(err, doing="cannot lease: ")
         with lease:
             env = {**os.environ, **lease_environment(lease)}
             log.info(
@@ -257,9 +269,28 @@ def run(
 
 def _size(_ctx: click.Context, _param: click.Parameter, value: str) -> int:
     try:
-        return parse_size(value)
+        size = parse_size(value)
     except ValueError as err:
         raise click.BadParameter(str(err)) from None
+    # The wire's bounds, said here rather than as the agent's pydantic refusal.
+    if not 0 < size <= MAX_LEASE_BYTES:
+        raise click.BadParameter(f"{value!r} is {size} bytes: a lease is 1 byte to 1 PiB")
+    return size
+
+
+def _wire_name(annotated: Any, what: str, rule: str) -> Callable[..., str | None]:
+    """A callback checking an option by the wire's own type, refused as usage in one line."""
+    adapter: TypeAdapter[str] = TypeAdapter(annotated)
+
+    def check(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return adapter.validate_python(value)
+        except ValidationError:
+            raise click.BadParameter(f"{value!r} is not a valid {what}: {rule}") from None
+
+    return check
 
 
 def _signal_option(
@@ -283,11 +314,44 @@ def _labels(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]
     return labels
 
 
+class _PoolrunCommand(click.Command):
+    """poolrun's command line: a refused one is one line, `error[usage]`, exit 125."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:  # BadParameter, MissingParameter, NoSuchOption...
+            hint = " (see 'poolrun --help')"
+            sys.exit(fail(CommandLineError(exc.format_message() + hint)))
+        except click.ClickException as exc:
+            sys.exit(fail(PoolError(exc.format_message())))
+        except click.Abort:  # Ctrl-C before CMD ran
+            sys.exit(fail(Interrupted("interrupted"), EXIT_INTERRUPTED))
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 @click.command(
-    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
+    cls=_PoolrunCommand,
+    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
 )
 @click.option("--size", required=True, callback=_size, help="lease size: 64GiB, 512M, bytes")
-@click.option("--media", default=None, help="media class (ddr5, ddr4, emulated...)")
+@click.option(
+    "--media",
+    default=None,
+    callback=_wire_name(
+        MediaClass, "media class", "1 to 32 lower-case letters, digits, '_' or '-'"
+    ),
+    help="media class (ddr5, ddr4, emulated...)",
+)
 @click.option("--node", "numa_node", type=click.IntRange(min=0), default=None, help="NUMA node")
 @click.option(
     "--hugepages",
@@ -296,7 +360,16 @@ def _labels(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]
     help="2 MiB pages (prefer falls back to base pages) [default: the agent's]",
 )
 @click.option("--populate", is_flag=True, help="every page faulted in before CMD starts")
-@click.option("--tenant", default=None, help="tenant to lease for (default: the one uid's)")
+@click.option(
+    "--tenant",
+    default=None,
+    callback=_wire_name(
+        TenantName,
+        "tenant name",
+        "1 to 128 letters, digits, '_', '.' or '-', starting with a letter or digit",
+    ),
+    help="tenant to lease for (default: the one uid's)",
+)
 @click.option("--ttl", "ttl_s", type=click.IntRange(min=1), default=60, show_default=True)
 @click.option("--label", "labels", multiple=True, callback=_labels, metavar="KEY=VALUE")
 @click.option(
@@ -316,8 +389,13 @@ def _labels(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]
     default=None,
     help="agent socket [env POOLD_AGENT_SOCKET]",
 )
-@click.option("--log-level", default="warning", show_default=True)
-@click.version_option(__version__, prog_name="poolrun")
+@click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    default="warning",
+    show_default=True,
+)
+@click.version_option(__version__, prog_name="poolrun", message="%(prog)s %(version)s")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def main(
     size: int,
@@ -335,7 +413,7 @@ def main(
     command: tuple[str, ...],
 ) -> None:
     """Run COMMAND with a lease of pool memory it finds at $POOLD_LEASE_PATH."""
-    setup_logging(log_level)
+    setup_logging(log_level.lower())
     request = LeaseRequest(
         size_bytes=size,
         ttl_s=ttl_s,
