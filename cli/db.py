@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from cli.common import emit_json, fail, json_option, wants_json
-from poold.errors import LedgerUnavailable, NotFound
+from poold.errors import BadRequest, LedgerUnavailable, NotFound
 from poold.settings import PooldSettings, default_state_dir
 
 # The ledger (SQLAlchemy, alembic) is imported inside the commands that use it: every
@@ -45,10 +45,37 @@ state_dir_option = click.option(
 
 def _url(database_url: str | None, state_dir: Path, *, create: bool) -> str:
     """The ledger URL exactly as `poold serve` resolves it (SQLite in the state dir by
-    default); the state dir is made only when `create`."""
+    default), refused (`bad_request`) when SQLAlchemy cannot parse it or has no driver
+    for it; the state dir is made only when `create`."""
     if not database_url and create:
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return PooldSettings(state_dir=state_dir, database_url=database_url).resolved_database_url()
+    url = PooldSettings(state_dir=state_dir, database_url=database_url).resolved_database_url()
+    _check_usable(url)
+    return url
+
+
+def _check_usable(url: str) -> None:
+    """Parse the URL and load its dialect and driver now: failing later, inside engine or
+    alembic setup, these surfaced as tracebacks (an unknown dialect, a driver not installed,
+    a string that is no URL)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        # Not echoed: a string that is no URL may still hold a password.
+        fail(
+            BadRequest(
+                "the database URL (--database-url or POOLD_DATABASE_URL) is not a SQLAlchemy "
+                "URL: write dialect+driver://user:password@host/db, e.g. "
+                "postgresql+psycopg://poold@db/poold or sqlite:////var/lib/poold/ledger.db"
+            )
+        )
+    try:
+        parsed.get_dialect().import_dbapi()
+    except (NoSuchModuleError, ImportError) as exc:
+        fail(BadRequest(f"cannot use the ledger at {_redact(url)}: {exc}"))
 
 
 def sqlite_file(url: str) -> Path | None:
@@ -86,19 +113,30 @@ def _redact(url: str) -> str:
 @json_option
 def db_upgrade(revision: str, database_url: str | None, state_dir: Path, as_json: bool) -> None:
     """Apply alembic migrations up to REVISION (creating the SQLite ledger if need be)."""
+    from alembic.util import CommandError
     from sqlalchemy.exc import SQLAlchemyError
 
     from poold.ledger import migrate
+    from poold.ledger.db import make_engine
 
     url = _url(database_url, state_dir, create=True)
     try:
         migrate.upgrade(url, revision)
+        # What the ledger is at now, not what was asked: upgrading to a revision it is
+        # already past changes nothing.
+        engine = make_engine(url)
+        try:
+            current = migrate.current_revision(engine)
+        finally:
+            engine.dispose()
+    except CommandError as exc:  # alembic's: no such revision, or not an upgrade
+        fail(BadRequest(f"--revision {revision!r}: {exc}", revision=revision))
     except SQLAlchemyError as exc:
         fail(LedgerUnavailable(f"cannot upgrade the ledger at {_redact(url)}: {_why(exc)}"))
     if wants_json(as_json):
-        emit_json({"revision": revision, "url": _redact(url)})
+        emit_json({"revision": revision, "current": current, "url": _redact(url)})
     else:
-        click.echo(f"ledger at revision {revision} ({_redact(url)})")
+        click.echo(f"ledger at revision {current} ({_redact(url)})")
 
 
 @db.command("current")

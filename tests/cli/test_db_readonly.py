@@ -68,3 +68,34 @@ def test_an_unreachable_database_is_one_line() -> None:
     url = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/poold"
     line = refused(poolctl("db", "current", "--database-url", url), "ledger_unavailable")
     assert "cannot read the ledger at" in line
+
+
+@pytest.mark.parametrize("command", ["current", "upgrade"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "not a url",
+        "bogus://x",
+        "postgresql+nodriver://poold:secret@127.0.0.1/poold",
+        "mysql://poold:secret@127.0.0.1/poold",  # a dialect whose driver is not installed
+    ],
+)
+def test_an_unusable_database_url_is_one_line(command: str, url: str, tmp_path: Path) -> None:
+    r = poolctl("db", command, "--database-url", url, "--state-dir", str(tmp_path / "s"))
+    line = refused(r, "bad_request")
+    assert "secret" not in line
+    assert not (tmp_path / "s").exists()
+
+
+def test_upgrade_to_an_unknown_revision_is_one_line_and_says_where_it_is(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    assert poolctl("db", "upgrade", "--state-dir", str(state)).exit_code == 0
+    url = f"sqlite:///{state / 'ledger.db'}"
+    head = migrate.head_revision(url)
+    assert "nosuch" in refused(
+        poolctl("db", "upgrade", "--revision", "nosuch", "--state-dir", str(state)), "bad_request"
+    )
+    # Asking for a revision the ledger is already past changes nothing, and says so.
+    r = poolctl("db", "upgrade", "--revision", "0001", "--state-dir", str(state), "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["current"] == head
