@@ -156,24 +156,28 @@ def _renew_budget(conn: Connection, tenant_id: int, host_id: int, expires_at: da
 
 
 def claw_back(conn: Connection, tenant_id: int) -> None:
-    """Reduce the tenant's budgets until its quota use fits its quota again (a quota was
-    lowered); agents learn it from their next reply.
+    """Reduce the tenant's budgets until they and its central leases fit its quota again
+    (a quota was lowered); agents learn it from their next reply.
 
-    First down to the fair share of the new quota (`fair_share`), the hosts holding the
-    most above it first, then, if still over, down to what each host granted as poold
-    knows it. A budget never goes below its host's committed local use; and a host that
-    had granted no more than its fair share keeps room for it, though poold may not have
-    heard of those grants yet (their commit is then within its budget, or, past it, within
-    the quota: local_commit.py `commit`)."""
+    First the unused part above the fair share of the new quota (`fair_share`), the
+    hosts holding the most above it first; then the unused part; then, if the budgets
+    still do not fit, below what a host's agent has granted, down to the fair share and
+    at last to nothing. A budget below its host's committed local use is sound (quota use
+    counts the larger of the two, `budgets.QuotaUse`) and is what stops the agent
+    granting into it again as those leases end: the tenant's holdings come down to the
+    new quota instead of staying over it. A host that had granted no more than its fair
+    share keeps room for it, though poold may not have heard of those grants yet (their
+    commit is then within its budget, or, past it, within the quota: local_commit.py
+    `commit`)."""
     tenant = conn.execute(
         select(Tenant.quota_bytes, Tenant.quota_leases).where(Tenant.id == tenant_id)
     ).one()
     use = granting.quota_use(conn, tenant_id)
-    over_bytes = use.bytes() - tenant.quota_bytes
-    over_leases = use.leases() - tenant.quota_leases
+    budgets = dict(use.budgets)
+    over_bytes = use.central_bytes + sum(b[0] for b in budgets.values()) - tenant.quota_bytes
+    over_leases = use.central_leases + sum(b[1] for b in budgets.values()) - tenant.quota_leases
     if over_bytes <= 0 and over_leases <= 0:
         return
-    budgets = dict(use.budgets)
     n = max(1, len(budgets))
     fair = (
         fair_share(tenant.quota_bytes, use.central_bytes, n),
@@ -181,7 +185,13 @@ def claw_back(conn: Connection, tenant_id: int) -> None:
     )
     for i, over in ((0, over_bytes), (1, over_leases)):
         committed = {h: use.local.get(h, (0, 0))[i] for h in budgets}
-        for floors in ({h: max(fair[i], c) for h, c in committed.items()}, committed):
+        passes = (
+            {h: max(fair[i], c) for h, c in committed.items()},
+            committed,
+            dict.fromkeys(budgets, fair[i]),
+            dict.fromkeys(budgets, 0),
+        )
+        for floors in passes:
             for host in sorted(budgets, key=lambda h: floors[h] - budgets[h][i]):
                 if over <= 0:
                     break

@@ -228,7 +228,11 @@ def test_budgets_stay_within_the_quota_and_count_against_it(ledger: Ledger) -> N
     leases.grant(ledger, "h2", _grant(4 * MiB), "agent:h2")
 
 
-def test_a_quota_cut_claws_budgets_back_but_not_below_what_is_granted(ledger: Ledger) -> None:
+def test_a_quota_cut_claws_budgets_back_to_the_quota_even_below_what_is_granted(
+    ledger: Ledger,
+) -> None:
+    """The lease granted stays (quota use counts it); the budget below it stops the agent
+    granting into it again once it ends (tests/poold/ledger/test_local_commit.py)."""
     seed(ledger, quota_bytes=32 * MiB)
     d = _delegate(
         ledger,
@@ -240,11 +244,12 @@ def test_a_quota_cut_claws_budgets_back_but_not_below_what_is_granted(ledger: Le
         ledger, "t1", TenantUpdate(quota_bytes=2 * MiB), "admin", budget_sizing.claw_back
     )
     with ledger.read() as s:
-        assert list(s.execute(select(Budget.bytes))) == [(4 * MiB,)]
+        assert list(s.execute(select(Budget.bytes))) == [(2 * MiB,)]
+        assert s.scalar(select(Lease.state).where(Lease.id == "L1")) == "active"
     # The agent learns it from its next heartbeat reply.
     reply = heartbeat.receive_heartbeat(ledger, "h1", Heartbeat(), "agent:h1")
     assert reply.delegation is not None
-    assert [b.bytes for b in reply.delegation.budgets] == [4 * MiB]
+    assert [b.bytes for b in reply.delegation.budgets] == [2 * MiB]
 
 
 # --- local grants --------------------------------------------------------------------------

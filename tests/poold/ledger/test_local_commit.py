@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from sqlalchemy import func, select
 
-from poold.ledger import delegation, leases
+from poold.ledger import budget_sizing, delegation, leases, tenants
 from poold.ledger.db import Ledger
-from poold.ledger.models import Event, Lease, Tenant
+from poold.ledger.models import Budget, Event, Lease, Tenant
+from poold.wire.admin import TenantUpdate
 from poold.wire.agent import LeaseOp
 from poold.wire.delegation import BudgetWant, DelegationRequest, ReserveWant
 from tests.poold.conftest import MiB, local_grant_op, seed
@@ -58,3 +59,44 @@ def test_a_batch_spends_the_budget_grant_by_grant_and_frees_before_it_grants(
     with ledger.read() as s:
         live = s.scalars(select(Lease.id).where(Lease.state == "active").order_by(Lease.id))
         assert list(live) == ["L1", "L2", "L5"]
+
+
+def test_budget_a_quota_cut_could_not_claw_back_is_not_spent_again_once_freed(
+    ledger: Ledger,
+) -> None:
+    """A cut below what the tenant already holds takes its budget below that local use
+    (poold/ledger/budget_sizing.py `claw_back`), so that once those leases end the freed
+    budget is not granted into again: that would take the tenant's real holdings back
+    over its new quota (seen in the 4-agent delegation run)."""
+    seed(ledger, quota_bytes=64 * MiB, quota_leases=32)
+    d = delegation.delegate(
+        ledger,
+        "h1",
+        DelegationRequest(
+            reserve=[ReserveWant(bytes=32 * MiB)],
+            budgets=[BudgetWant(tenant="t1", bytes=16 * MiB, leases=8)],
+        ),
+        "agent:h1",
+    )
+    held = [local_grant_op(d, f"L{i}", i * 2 * MiB, epoch=i) for i in range(8)]
+    assert _ops(ledger, held) == [("active", None)] * 8
+    tenants.update_tenant(
+        ledger,
+        "t1",
+        TenantUpdate(quota_bytes=8 * MiB, quota_leases=4),
+        "admin",
+        budget_sizing.claw_back,
+    )
+    with ledger.read() as s:  # below what is held: the agent may not grant into it
+        assert list(s.execute(select(Budget.bytes, Budget.leases))) == [(8 * MiB, 4)]
+    freed = [LeaseOp(lease_id=f"L{i}", op="release", reason="released") for i in range(6)]
+    assert _ops(ledger, freed) == [("released", None)] * 6
+    # 2 leases (4 MiB) held against a quota of 4 leases (8 MiB): two more fit, not six.
+    again = [local_grant_op(d, f"M{i}", i * 2 * MiB, epoch=8 + i) for i in range(6)]
+    assert _ops(ledger, again) == [("active", None)] * 2 + [(None, "budget_exceeded")] * 4
+    with ledger.read() as s:
+        live = s.execute(
+            select(func.count(), func.sum(Lease.length_bytes)).where(Lease.state == "active")
+        ).one()
+        assert tuple(live) == (4, 8 * MiB)
+        assert list(s.execute(select(Budget.bytes, Budget.leases))) == [(8 * MiB, 4)]
