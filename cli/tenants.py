@@ -32,7 +32,28 @@ from poold.errors import BadRequest
 from poold.wire.admin import TenantSpec, TenantUpdate
 
 UNIX_ID = click.IntRange(min=0, max=(1 << 32) - 1)
-LEASE_COUNT = click.IntRange(min=0, max=1 << 31)
+
+
+class LeaseCount(click.IntRange):
+    """A tenant's most live leases: 1 or more. Like a 0-byte quota (cli.common.QUOTA), a
+    limit of 0 leases lets the tenant lease nothing, never what creating or resizing one
+    means."""
+
+    def __init__(self) -> None:
+        super().__init__(min=1, max=1 << 31)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if str(value).strip() == "0":  # said why, before IntRange's "not in the range"
+            self.fail(
+                "0 leases: a tenant that may hold no lease can lease nothing: give 1 or more, "
+                "or delete the tenant (`poolctl tenants delete`)",
+                param,
+                ctx,
+            )
+        return super().convert(value, param, ctx)
+
+
+LEASE_COUNT = LeaseCount()
 
 
 @click.group("tenants")
