@@ -21,6 +21,7 @@ from cli.common import (
     Ctx,
     current_ctx,
     emit_json,
+    fail,
     json_option,
     key_values,
     output_format,
@@ -31,7 +32,7 @@ from cli.common import (
     wants_json,
 )
 from cli.units import format_size
-from poold.errors import PoolError
+from poold.errors import PoolError, UnknownHost
 from poold.lease_states import LIVE_STATES, LeaseState
 from poold.wire.admin import LeaseEnded
 
@@ -123,10 +124,22 @@ def leases_list(
             tenant=tenant, host=host, states=list(states), live=live, limit=limit
         )
     )
+    if not items:
+        _check_filters_name_something(c, tenant, host)
     if wants_json(as_json):
         emit_json(items)
     else:
         table("leases", LEASE_COLUMNS, _lease_rows(items), right={"offset", "length", "epoch"})
+
+
+def _check_filters_name_something(c: Ctx, tenant: str | None, host: str | None) -> None:
+    """No lease matched: say so when a filter names no tenant or host at all (a typo),
+    rather than print an empty list. Asked only then, so a tenant or host since deleted
+    still lists the leases it had."""
+    if tenant is not None:
+        run(lambda: c.client.get_tenant(tenant))  # unknown_tenant
+    if host is not None and host not in {h.name for h in run(c.client.list_hosts)}:
+        fail(UnknownHost(f"no host named {host!r}", host=host))
 
 
 @leases.command("show")
