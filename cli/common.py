@@ -125,6 +125,35 @@ QUOTA = Size(
 )
 
 
+class PooldURL(click.ParamType):  # type: ignore[type-arg]
+    """poold's address: an http(s) URL with a host (and a port that can exist).
+
+    Refused as usage before any request: an unparseable one was a traceback from httpx,
+    and `notaurl` or `ftp://...` read as "poold unreachable".
+    """
+
+    name = "url"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        import httpx  # as PooldClient does; not at import, to keep `poolctl --help` quick
+
+        text = str(value)
+        try:
+            url = httpx.URL(text)
+        except httpx.InvalidURL as exc:
+            self.fail(f"{text!r} is not a URL ({exc}); e.g. http://127.0.0.1:7340", param, ctx)
+        if url.scheme not in ("http", "https") or not url.host:
+            self.fail(
+                f"{text!r} is not an http(s) URL with a host, e.g. http://poold-a:7340", param, ctx
+            )
+        if url.port is not None and not 0 < url.port < 65536:
+            self.fail(f"{text!r}: port {url.port} is not 1 to 65535", param, ctx)
+        return text
+
+
+POOLD_URL = PooldURL()
+
+
 class WireValue(click.ParamType):  # type: ignore[type-arg]
     """A value checked by the wire's own pydantic type (TenantName, HostName, MediaClass).
 
@@ -237,8 +266,9 @@ class Ctx:
 
     def token(self) -> str:
         if self._token:
-            self.token_from = self._token_source
-            return self._token
+            token = self._checked(self._token, self._token_source)
+            self.token_from = self._token_source  # set once checked: see explain()
+            return token
         path = self._token_file or default_state_dir() / "admin.token"
         try:
             token = path.read_text().strip()
@@ -248,7 +278,27 @@ class Ctx:
                 f"({exc.strerror or exc})",
                 path=str(path),
             ) from exc
+        token = self._checked(token, str(path))
         self.token_from = str(path)
+        return token
+
+    @staticmethod
+    def _checked(token: str, source: str) -> str:
+        """Refuse what no token is, before it reaches an HTTP header: an empty one (httpx
+        refused `Bearer ` and said "poold unreachable") or one with spaces, control or
+        non-ASCII characters (a wrong file, or a token pasted with its line break)."""
+        if not token:
+            raise Unauthorized(
+                f"the admin token from {source} is empty: it is poold's admin.token "
+                "(in poold's state dir)",
+                source=source,
+            )
+        if not all("!" <= ch <= "~" for ch in token):
+            raise Unauthorized(
+                f"the admin token from {source} holds spaces, control or non-ASCII "
+                "characters, which no token has: is it the right one?",
+                source=source,
+            )
         return token
 
     def close(self) -> None:

@@ -30,12 +30,14 @@ def db() -> None:
 db_url_option = click.option(
     "--database-url",
     envvar="POOLD_DATABASE_URL",
+    show_envvar=True,
     default=None,
     help="SQLAlchemy URL (default: SQLite in poold's state dir)",
 )
 state_dir_option = click.option(
     "--state-dir",
     envvar="POOLD_STATE_DIR",
+    show_envvar=True,
     type=click.Path(path_type=Path),
     # Looked up when the command runs (not bound at import), so tests can point it away.
     default=lambda: default_state_dir(),

@@ -15,7 +15,14 @@ import click
 
 from cli.accounting import accounting
 from cli.audit import audit
-from cli.common import OUTPUT_FORMATS, Ctx, OutputFormat, PoolctlGroup, token_source
+from cli.common import (
+    OUTPUT_FORMATS,
+    POOLD_URL,
+    Ctx,
+    OutputFormat,
+    PoolctlGroup,
+    token_source,
+)
 from cli.db import db
 from cli.devices import devices
 from cli.hosts import hosts
@@ -32,14 +39,17 @@ from poold.settings import DEFAULT_PORT
 @click.option(
     "--url",
     envvar="POOLD_URL",
+    show_envvar=True,
+    type=POOLD_URL,
     default=f"http://127.0.0.1:{DEFAULT_PORT}",
     show_default=True,
     help="poold's API",
 )
-@click.option("--token", envvar="POOLD_TOKEN", default=None, help="admin token")
+@click.option("--token", envvar="POOLD_TOKEN", show_envvar=True, default=None, help="admin token")
 @click.option(
     "--token-file",
     envvar="POOLD_TOKEN_FILE",
+    show_envvar=True,
     type=click.Path(path_type=Path),
     default=None,
     help="file holding the admin token (default: poold's state dir)",

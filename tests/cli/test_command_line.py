@@ -126,6 +126,15 @@ REFUSED = [
     pytest.param(["frobnicate"], "usage", "No such command", id="command"),
     pytest.param(["leases", "list", "--jsno"], "usage", "--json", id="option"),
     pytest.param(["--format", "yaml", "status"], "usage", "'yaml' is not one of", id="format"),
+    pytest.param(
+        ["tenants", "add", "t1", "--quota", "1GiB", "--max-leases", "0"],
+        "usage",
+        "delete the tenant",
+        id="max-leases-0",
+    ),
+    pytest.param(
+        ["tenants", "set-quota", "t1", "--leases", "0"], "usage", "0 leases", id="set-leases-0"
+    ),
 ]
 
 
@@ -210,3 +219,61 @@ def test_help_still_exits_0() -> None:
 def test_server_errors_keep_their_code(api: ThreadedServer) -> None:
     r = CliRunner().invoke(main, ["--url", api.url, "--token", ADMIN_TOKEN, "tenants", "show", "t"])
     assert one_error_line(r, "unknown_tenant", 1) == "no tenant named 't'"
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("http://[::1", "is not a URL"),  # httpx's InvalidURL: a traceback before
+        ("http://poold:abc", "is not a URL"),
+        ("notaurl", "not an http(s) URL"),  # read as "poold unreachable" before
+        ("ftp://poold:7340", "not an http(s) URL"),
+        ("http://", "not an http(s) URL"),
+        ("http://127.0.0.1:99999", "port 99999"),
+    ],
+)
+def test_a_bad_url_is_refused_as_usage(url: str, said: str) -> None:
+    r = CliRunner().invoke(main, ["--url", url, "--token", "t", "status"])
+    assert said in one_error_line(r, "usage", 2)
+    r = CliRunner().invoke(main, ["--token", "t", "status"], env={"POOLD_URL": url})
+    assert said in one_error_line(r, "usage", 2)
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [("", "is empty"), ("\n", "is empty"), ("tok en", "spaces"), ("tok\x01en", "control")],
+)
+def test_a_token_no_token_could_be_is_unauthorized_before_any_request(
+    tmp_path: Path, content: str, said: str
+) -> None:
+    # An empty file sent `Bearer ` and httpx refused it: "poold_unreachable" before.
+    path = tmp_path / "admin.token"
+    path.write_text(content)
+    r = CliRunner().invoke(
+        main, ["--url", NOWHERE, "--token-file", str(path), "status"], env={"POOLD_TOKEN": None}
+    )
+    message = one_error_line(r, "unauthorized", 1)
+    assert said in message and str(path) in message and "refused" not in message
+    r = CliRunner().invoke(main, ["--url", NOWHERE, "status"], env={"POOLD_TOKEN": "tök"})
+    assert "from POOLD_TOKEN" in one_error_line(r, "unauthorized", 1)
+
+
+def test_help_names_the_environment_variables() -> None:
+    out = CliRunner().invoke(main, ["--help"], terminal_width=200).output
+    for var in ("POOLD_URL", "POOLD_TOKEN", "POOLD_TOKEN_FILE"):
+        assert f"env var: {var}" in out
+    out = CliRunner().invoke(main, ["db", "current", "--help"], terminal_width=200).output
+    assert "POOLD_DATABASE_URL" in out and "POOLD_STATE_DIR" in out
+
+
+def test_a_lease_filter_naming_nothing_is_unknown(
+    api: ThreadedServer, agent: PooldClient, admin: PooldClient
+) -> None:
+    # An empty list for a typo'd tenant or host read as "it has no leases".
+    r = poolctl(api, "leases", "list", "--tenant", "nosuch")
+    assert "nosuch" in one_error_line(r, "unknown_tenant", 1)
+    r = poolctl(api, "leases", "list", "--host", "nohost", "--json")
+    assert "nohost" in one_error_line(r, "unknown_host", 1)
+    admin.add_host("h2")
+    r = poolctl(api, "leases", "list", "--host", "h2", "--json")  # a host with no lease
+    assert r.exit_code == 0 and r.stdout.strip() == "[]", r.output
