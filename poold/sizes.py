@@ -64,6 +64,10 @@ def as_bytes(value: Any) -> Any:
     """A size as given (int, or a string by the rule above) -> int; anything else as is."""
     if isinstance(value, str):
         return parse_size(value)
+    if isinstance(value, bool):
+        # pydantic's lax int takes True as 1: `max_body_bytes = true` in a TOML file
+        # would be a 1-byte limit rather than the mistake it is.
+        raise ValueError(f"not a size: {value!r} ({_HINT})")
     return value
 
 

@@ -58,6 +58,9 @@ def test_byte_count_fields_take_ints_and_strings() -> None:
     assert M.model_validate({"n": "64MiB"}).n == 64 << 20
     with pytest.raises(ValidationError, match="ambiguous"):
         M.model_validate({"n": "64mb"})
+    for flag in (True, False):  # `= true` in a TOML file is no size (lax int: 1)
+        with pytest.raises(ValidationError, match="not a size"):
+            M.model_validate({"n": flag})
 
 
 def test_format_size() -> None:
