@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, get_args
 
 import click
 from click.core import ParameterSource
-from pydantic import AliasChoices, ValidationError
+from pydantic import AliasChoices, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -71,6 +71,17 @@ class DaemonSettings(BaseSettings):
         if path is None:
             return (init_settings, env_settings)
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, path))
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """`listen_port = true` in a TOML file is a mistake, not port 1: pydantic's lax
+        int and float take booleans as 1 and 0, so refuse them unless the field is one."""
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            if annotation is not bool and bool not in get_args(annotation):
+                raise ValueError(f"{str(value).lower()} is not a value of this setting")
+        return value
 
     def shown_value(self, name: str, value: Any) -> Any:
         """What `config show` prints for a field: secrets redacted; subclasses add more."""
@@ -158,7 +169,9 @@ def load_settings(
             name = _field_for_key(cls).get(key.lower(), key)
             where = origin.get(name, "")
             label = f"{name} (from {where})" if where and where != "default" else name or "?"
-            problems.append(f"{label}: {problem['msg']}")
+            # A validator's ValueError reads "Value error, <its words>": keep its words.
+            message = str(problem["msg"]).removeprefix("Value error, ")
+            problems.append(f"{label}: {message}")
         raise ConfigInvalid("; ".join(problems)) from None
 
 

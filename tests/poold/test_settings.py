@@ -156,3 +156,18 @@ def test_help_names_each_options_environment_variable() -> None:
 def test_version() -> None:
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0 and result.output == f"poold {__version__}\n"
+
+
+@pytest.mark.parametrize(
+    "text", ["listen_port = true", "reap_interval_s = true", "max_body_bytes = false"]
+)
+def test_a_boolean_is_no_number(tmp_path: Path, text: str) -> None:
+    # pydantic's lax int and float read `true` as 1: port 1, a reap every second.
+    with pytest.raises(ConfigInvalid) as caught:
+        load_settings(PooldSettings, write(tmp_path / "p.toml", text))
+    name = text.split(" ")[0]
+    assert caught.value.message.startswith(f"{name} (from file ")
+    assert "is not a value of this setting" in caught.value.message
+    assert "Value error" not in caught.value.message  # pydantic's prefix, not ours
+    settings = load_settings(PooldSettings, write(tmp_path / "b.toml", "upgrade_db = false"))
+    assert settings.upgrade_db is False  # a boolean setting still takes one
