@@ -59,7 +59,7 @@ from poold.errors import (
 )
 from poold.settings import default_state_dir
 from poold.wire.admin import DrainResult
-from poold.wire.common import HostName, MediaClass, TenantName
+from poold.wire.common import MAX_LEASE_BYTES, HostName, MediaClass, TenantName
 
 OutputFormat = Literal["table", "plain", "json"]
 OUTPUT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
@@ -67,6 +67,7 @@ OUTPUT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
 USAGE_EXIT = 2  # click's own exit status for a refused command line
 MAX_LEASES_PER_CALL = 100_000  # the most `GET /v1/leases` returns (LeaseQuery.limit's bound)
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, as shells report it
+MAX_QUOTA_BYTES = MAX_LEASE_BYTES * 1024  # TenantSpec.quota_bytes's bound (1 EiB)
 
 
 def fail(err: PoolError, exit_code: int = 1) -> NoReturn:
@@ -98,9 +99,12 @@ class Size(click.ParamType):  # type: ignore[type-arg]
 
     name = "size"
 
-    def __init__(self, *, positive: bool = False, zero_hint: str = "") -> None:
+    def __init__(
+        self, *, positive: bool = False, zero_hint: str = "", max_bytes: int | None = None
+    ) -> None:
         self.positive = positive
         self.zero_hint = zero_hint
+        self.max_bytes = max_bytes
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
@@ -112,6 +116,11 @@ class Size(click.ParamType):  # type: ignore[type-arg]
                 self.fail(str(exc), param, ctx)
         if self.positive and size <= 0:
             self.fail(f"{value!r} is 0 bytes{self.zero_hint}", param, ctx)
+        if self.max_bytes is not None and size > self.max_bytes:
+            # The wire's bound, said as a size rather than as pydantic's "less than or equal".
+            self.fail(
+                f"{value!r} is more than the most poold takes, {self.max_bytes} bytes", param, ctx
+            )
         return size
 
 
@@ -120,6 +129,7 @@ SIZE = Size()
 # when creating or resizing one (to stop a tenant, delete it or drain its hosts).
 QUOTA = Size(
     positive=True,
+    max_bytes=MAX_QUOTA_BYTES,
     zero_hint="; a tenant with a 0-byte quota can lease nothing: give a positive size, "
     "or delete the tenant (`poolctl tenants delete`)",
 )

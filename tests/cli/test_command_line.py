@@ -135,6 +135,18 @@ REFUSED = [
     pytest.param(
         ["tenants", "set-quota", "t1", "--leases", "0"], "usage", "0 leases", id="set-leases-0"
     ),
+    pytest.param(
+        ["tenants", "add", "t1", "--quota", "99999999999999999999P"],
+        "usage",
+        "more than the most poold takes",  # was bad_request, pydantic's "less than or equal"
+        id="quota-huge",
+    ),
+    pytest.param(
+        ["tenants", "set-quota", "t1", "--bytes", "1025PiB"],
+        "usage",
+        "more than the most poold takes",
+        id="set-quota-huge",
+    ),
 ]
 
 
