@@ -38,11 +38,13 @@ from poold.errors import GenerationConflict, LedgerUnavailable, PooldUnreachable
 from poold.wire.agent import (
     AgentLease,
     AgentOps,
+    GrantReply,
     GrantRequest,
     Heartbeat,
     HeartbeatReply,
     InventoryDevice,
     LeaseOp,
+    LeaseOpResult,
     LeaseReport,
     LeftoverSubDevice,
     Renewal,
@@ -180,6 +182,20 @@ def _pending_applied(err: PoolError) -> bool:
     if _no_verdict(err) or isinstance(err, GenerationConflict):
         return False  # a conflict may be the pending ops' own batch losing its races
     return err.http_status not in (400, 401, 403, 413, 422) or err.code == "not_owner"
+
+
+def _log_refused(results: list[LeaseOpResult]) -> None:
+    """Ops poold refused one by one, in a batch's answer or a grant's (their ``pending``):
+    dropped, each with a warning (a refused local grant is then ended by the heartbeat's
+    holdings check, `heartbeat.held_but_ended`)."""
+    for result in results:
+        if result.code is not None:
+            log.warning(
+                "poold refused the queued op on lease %s (dropped): %s %s",
+                result.lease_id,
+                result.code,
+                result.message or "",
+            )
 
 
 class PooldLink:
@@ -322,7 +338,9 @@ class PooldLink:
                 with self._lock:
                     self._unsettled.add(lease.id)
                 self._tell_delivered(pending)
-                return lease
+                _log_refused(lease.pending)
+                # The lease alone from here on (journalled, listed, re-read as a LeaseOut).
+                return LeaseOut.model_construct(**{k: v for k, v in lease if k != "pending"})
         finally:
             with self._lock:
                 self._grants_in_flight.discard(token)
@@ -331,7 +349,7 @@ class PooldLink:
             if held_back:
                 self._wake.set()  # ops that waited for these go now
 
-    def _grant_retrying(self, req: GrantRequest) -> LeaseOut:
+    def _grant_retrying(self, req: GrantRequest) -> GrantReply:
         deadline = time.monotonic() + self.grant_patience_s
         for backoff in (*GRANT_BACKOFF_S, None):
             try:
@@ -530,14 +548,7 @@ class PooldLink:
                         self._delivered(batch.ops)
                 self._answered()
                 self._tell_delivered(batch.ops)
-                for result in results:
-                    if result.code is not None:
-                        log.warning(
-                            "poold refused the queued op on lease %s (dropped): %s %s",
-                            result.lease_id,
-                            result.code,
-                            result.message or "",
-                        )
+                _log_refused(results)
 
     def outbox_size(self) -> int:
         with self._lock:

@@ -85,6 +85,7 @@ from poold.wire.admin import (
 )
 from poold.wire.agent import (
     AgentOps,
+    GrantReply,
     GrantRequest,
     Heartbeat,
     HeartbeatReply,
@@ -304,7 +305,7 @@ def create_app(
 
     # --- leases ----------------------------------------------------------
     @bind
-    def grant(req: GrantRequest, p: Caller) -> LeaseOut:
+    def grant(req: GrantRequest, p: Caller) -> GrantReply:
         return leases.grant(ledger, _host_of(p), req, p.actor)
 
     @bind

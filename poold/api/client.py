@@ -55,6 +55,7 @@ from poold.wire.admin import (
 )
 from poold.wire.agent import (
     AgentOps,
+    GrantReply,
     GrantRequest,
     Heartbeat,
     HeartbeatReply,
@@ -282,7 +283,7 @@ class PooldClient:
         return self._send(routes.delegate, req)
 
     # leases
-    def grant(self, req: GrantRequest, *, deadline: float | None = None) -> LeaseOut:
+    def grant(self, req: GrantRequest, *, deadline: float | None = None) -> GrantReply:
         """A central grant; ``deadline`` (time.monotonic()) bounds it, failovers included."""
         return self._send(routes.grant, req, deadline=deadline)
 

@@ -69,7 +69,14 @@ from poold.ledger.mapped import still_mapped
 from poold.ledger.models import Device, Host, Lease, Quarantine, Tenant
 from poold.ledger.transitions import event_row
 from poold.ledger.types import check_ints_fit, utcnow
-from poold.wire.agent import GrantRequest, LeaseOp, LeaseOpResult, Renewal, RenewResult
+from poold.wire.agent import (
+    GrantReply,
+    GrantRequest,
+    LeaseOp,
+    LeaseOpResult,
+    Renewal,
+    RenewResult,
+)
 from poold.wire.common import LeaseOut
 
 # The hot path's statements, built once: constructing a Select costs tens of
@@ -118,8 +125,9 @@ def host_id_of(ledger: Ledger, host_name: str) -> int:
 # --- grant ----------------------------------------------------------------------------
 
 
-def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> LeaseOut:
-    """Place and record a new lease for the tenant the requesting process may act for."""
+def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> GrantReply:
+    """Place and record a new lease for the tenant the requesting process may act for;
+    the reply says what became of the ops that rode on the request."""
     check_ints_fit(
         Lease.__table__,
         {
@@ -128,9 +136,10 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Leas
             "holder_pid": req.pid,
         },
     )
+    pending: list[LeaseOpResult] = []
     if req.pending:
         # Not under the grant's request id: see the module docstring.
-        apply_ops(ledger, host_name, req.pending, actor)
+        pending = apply_ops(ledger, host_name, req.pending, actor)
     request_id = req.request_id
 
     def attempt() -> LeaseOut:
@@ -161,7 +170,8 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Leas
     # other lose the swap and redo the transaction. Other poold processes are
     # still fenced by the swap itself.
     with ledger.host_lock(host_name):
-        return transitions.retrying(attempt, what="allocation")
+        lease = transitions.retrying(attempt, what="allocation")
+    return GrantReply.model_construct(**dict(lease), pending=pending)
 
 
 def _grant_once(

@@ -14,6 +14,7 @@ from poold.wire.common import (
     MAX_TTL_S,
     DeviceKind,
     HealthState,
+    LeaseOut,
     MediaClass,
     Model,
     RequestId,
@@ -274,6 +275,15 @@ class LeaseOpResult(Model):
     state: str | None = None
     code: str | None = None
     message: str | None = None
+
+
+class GrantReply(LeaseOut):
+    """A central grant's answer: the lease, and what became of each op that rode on the
+    request (`GrantRequest.pending`), in their order, as an op batch answers. A refused
+    op is the agent's to hear of: a local grant refused there is a lease the tenant holds
+    and the ledger does not."""
+
+    pending: list[LeaseOpResult] = Field(default_factory=list)
 
 
 class AgentOps(Model):

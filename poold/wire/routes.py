@@ -41,6 +41,7 @@ from poold.wire.admin import (
 )
 from poold.wire.agent import (
     AgentOps,
+    GrantReply,
     GrantRequest,
     Heartbeat,
     HeartbeatReply,
@@ -185,8 +186,8 @@ delegate: Route[Delegation] = Route(
     "POST", "/v1/agent/delegation", Delegation, "agent", body=DelegationRequest
 )
 
-grant: Route[LeaseOut] = Route(
-    "POST", "/v1/leases", LeaseOut, "agent", body=GrantRequest, status_code=201
+grant: Route[GrantReply] = Route(
+    "POST", "/v1/leases", GrantReply, "agent", body=GrantRequest, status_code=201
 )
 activate: Route[LeaseOut] = Route("POST", "/v1/leases/{lease_id}/activate", LeaseOut, "agent")
 renew: Route[LeaseOut] = Route(

@@ -10,6 +10,7 @@ from poold.api.client import PooldClient
 from poold.errors import Unauthorized
 from poold.wire.admin import TenantSpec
 from poold.wire.agent import GrantRequest, LeaseOp, LeaseOpResult
+from poold.wire.common import LeaseOut
 from tests.conftest import ThreadedServer
 from tests.poold.conftest import UID, device
 
@@ -71,4 +72,31 @@ def test_a_flush_sends_what_was_queued_not_what_queues_while_it_sends(
     link.flush()
     assert sent == [[first.id], [later.id]] and link.outbox_size() == 0
     assert {admin.show_lease(x.id).state for x in (first, later)} == {"released"}
+    client.close()
+
+
+def test_an_op_refused_on_a_grants_way_is_heard_of_and_the_lease_kept_plain(
+    api: ThreadedServer, admin: PooldClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Queued ops ride on a central grant; poold's answer says what became of each. One
+    refused there used to vanish (a refused local grant: memory the ledger never counted,
+    found only when the heartbeat's holdings disagreed)."""
+    credential = admin.add_host("h1").credential
+    admin.create_tenant(TenantSpec(name="t1", quota_bytes=1 << 30, allowed_uids=[UID]))
+    client = PooldClient(api.url, credential)
+    link = PooldLink(client, "test")
+    link.register([device()])
+    req = GrantRequest(tenant="t1", size_bytes=2 * MIB, uid=UID, pid=1, activate=True)
+    first = link.grant(req)
+    link.enqueue(LeaseOp(lease_id=first.id, op="release", reason="done"))
+    link.enqueue(LeaseOp(lease_id="no-such-lease", op="release", reason="done"))
+    with caplog.at_level("WARNING", logger="pool_agent.link"):
+        second = link.grant(req)
+    assert link.outbox_size() == 0
+    assert admin.show_lease(first.id).state == "released"
+    refused = [r.getMessage() for r in caplog.records if "refused the queued op" in r.getMessage()]
+    assert len(refused) == 1 and "no-such-lease" in refused[0] and "unknown_lease" in refused[0]
+    # What the agent keeps (journals, lists, re-reads) is the lease alone.
+    assert type(second) is LeaseOut
+    assert LeaseOut.model_validate_json(second.model_dump_json()) == second
     client.close()

@@ -28,7 +28,7 @@ from poold.ledger import lease_views, leases, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Event, Lease, Tenant
 from poold.ledger.types import utcnow
-from poold.wire.agent import GrantRequest, LeaseOp
+from poold.wire.agent import GrantReply, GrantRequest, LeaseOp
 from poold.wire.common import LeaseOut
 from tests.poold.conftest import UID, GiB, MiB, device, seed, snapshot
 
@@ -41,7 +41,7 @@ def req(size: int, **kw: Any) -> GrantRequest:
     return GrantRequest(**fields)
 
 
-def grant(ledger: Ledger, size: int, host: str = "h1", **kw: Any) -> LeaseOut:
+def grant(ledger: Ledger, size: int, host: str = "h1", **kw: Any) -> GrantReply:
     return leases.grant(ledger, host, req(size, **kw), "agent:test")
 
 
@@ -393,6 +393,29 @@ def test_grant_applies_pending_release_first(ledger: Ledger) -> None:
     assert lease_views.show(ledger, old.id).state == "released"
     assert new.offset_bytes == old.offset_bytes
     assert new.epoch > old.epoch
+    assert [(r.lease_id, r.state, r.code) for r in new.pending] == [(old.id, "released", None)]
+
+
+def test_a_grant_answers_what_became_of_each_op_that_rode_on_it(ledger: Ledger) -> None:
+    """A refused op riding on a grant is in the grant's answer, as in an op batch's: the
+    agent must hear of it (a refused local grant is memory the ledger does not count)."""
+    seed(ledger)
+    a = grant(ledger, MiB, activate=True)
+    new = grant(
+        ledger,
+        MiB,
+        pending=[
+            LeaseOp(lease_id=a.id, op="release"),
+            LeaseOp(lease_id="nobody", op="release"),
+            LeaseOp(lease_id=a.id, op="release"),
+        ],
+    )
+    assert [(r.lease_id, r.state, r.code) for r in new.pending] == [
+        (a.id, "released", None),
+        ("nobody", None, "unknown_lease"),
+        (a.id, None, "lease_not_active"),
+    ]
+    assert lease_views.show(ledger, new.id).state == "granted"
 
 
 def test_list_leases_filters(ledger: Ledger) -> None:
