@@ -87,7 +87,9 @@ def describe_validation(exc: ValidationError) -> str:
     parts = []
     for item in exc.errors():
         where = ".".join(str(p) for p in item["loc"])
-        parts.append(f"{where}: {item['msg']}" if where else str(item["msg"]))
+        # A validator's ValueError reads "Value error, <its words>": keep its words.
+        msg = str(item["msg"]).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
     return "; ".join(parts)
 
 

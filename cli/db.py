@@ -47,37 +47,11 @@ state_dir_option = click.option(
 
 def _url(database_url: str | None, state_dir: Path, *, create: bool) -> str:
     """The ledger URL exactly as `poold serve` resolves it (SQLite in the state dir by
-    default), refused (`bad_request`) when SQLAlchemy cannot parse it or has no driver
-    for it; the state dir is made only when `create`."""
+    default), refused (`bad_request`, by PooldSettings) when SQLAlchemy cannot parse it or
+    has no driver for it; the state dir is made only when `create`."""
     if not database_url and create:
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    url = PooldSettings(state_dir=state_dir, database_url=database_url).resolved_database_url()
-    _check_usable(url)
-    return url
-
-
-def _check_usable(url: str) -> None:
-    """Parse the URL and load its dialect and driver now: failing later, inside engine or
-    alembic setup, these surfaced as tracebacks (an unknown dialect, a driver not installed,
-    a string that is no URL)."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
-
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        # Not echoed: a string that is no URL may still hold a password.
-        fail(
-            BadRequest(
-                "the database URL (--database-url or POOLD_DATABASE_URL) is not a SQLAlchemy "
-                "URL: write dialect+driver://user:password@host/db, e.g. "
-                "postgresql+psycopg://poold@db/poold or sqlite:////var/lib/poold/ledger.db"
-            )
-        )
-    try:
-        parsed.get_dialect().import_dbapi()
-    except (NoSuchModuleError, ImportError) as exc:
-        fail(BadRequest(f"cannot use the ledger at {_redact(url)}: {exc}"))
+    return PooldSettings(state_dir=state_dir, database_url=database_url).resolved_database_url()
 
 
 def sqlite_file(url: str) -> Path | None:

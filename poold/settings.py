@@ -13,10 +13,10 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from poold.daemon_config import DaemonSettings, secret
 from poold.logs import LogFormat, LogLevel
@@ -116,6 +116,27 @@ class PooldSettings(DaemonSettings):
     )
     log_level: LogLevel = Field(default="info", description="least level logged")
     log_format: LogFormat = Field(default="text", description="log lines as text or json")
+
+    @field_validator("database_url")
+    @classmethod
+    def _a_usable_url(cls, value: str | None) -> str | None:
+        """Parse the URL and load its driver now: failing inside engine or alembic setup,
+        a string that is no URL, an unknown dialect or a driver not installed were a
+        traceback at start. The URL is never repeated (it may hold a password)."""
+        if value is None:
+            return None
+        try:
+            parsed = make_url(value)
+        except ArgumentError:
+            raise ValueError(
+                "not a SQLAlchemy URL: write dialect+driver://user:password@host/db, e.g. "
+                "postgresql+psycopg://poold@db/poold or sqlite:////var/lib/poold/ledger.db"
+            ) from None
+        try:
+            parsed.get_dialect().import_dbapi()
+        except (NoSuchModuleError, ImportError) as exc:
+            raise ValueError(f"no usable driver for {parsed.drivername!r}: {exc}") from None
+        return value
 
     def shown_value(self, name: str, value: Any) -> Any:
         if name == "database_url" and isinstance(value, str):

@@ -171,3 +171,20 @@ def test_a_boolean_is_no_number(tmp_path: Path, text: str) -> None:
     assert "Value error" not in caught.value.message  # pydantic's prefix, not ours
     settings = load_settings(PooldSettings, write(tmp_path / "b.toml", "upgrade_db = false"))
     assert settings.upgrade_db is False  # a boolean setting still takes one
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("not a url", "not a SQLAlchemy URL"),
+        ("bogus://poold:s3cret@db/poold", "no usable driver for 'bogus'"),
+        ("mysql://poold:s3cret@db/poold", "no usable driver for 'mysql'"),  # not installed
+    ],
+)
+def test_an_unusable_database_url_is_refused_at_start(url: str, said: str) -> None:
+    # poold serve went as far as engine or alembic setup and died with a traceback.
+    result = CliRunner().invoke(main, ["config", "show", "--database-url", url])
+    assert result.exit_code == 2
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith("poold: error[config_invalid]: database_url (from flag): ")
+    assert said in line and "s3cret" not in line
