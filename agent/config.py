@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import httpx
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
@@ -48,6 +49,10 @@ def parse_poold_urls(values: str | Iterable[str]) -> list[str]:
                 continue
             if not re.match(r"^https?://[^/\s]+", url):
                 raise ValueError(f"not a poold URL (http://host:port): {url!r}")
+            try:  # what httpx cannot parse ('http://[::1') was a traceback at start
+                httpx.URL(url)
+            except httpx.InvalidURL as exc:
+                raise ValueError(f"not a poold URL (http://host:port): {url!r}: {exc}") from None
             if url not in urls:
                 urls.append(url)
     if not urls:
