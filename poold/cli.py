@@ -17,7 +17,7 @@ from poold.daemon_config import (
     refuse,
     setting_option,
 )
-from poold.errors import ConfigInvalid
+from poold.errors import ConfigInvalid, LedgerUnavailable
 from poold.settings import DEFAULT_CONFIG_FILE, PooldSettings
 from poold.units import DEFAULT_DEST
 
@@ -84,7 +84,11 @@ def serve(ctx: click.Context, /, config_path: Path | None, **_flags: object) -> 
 
     setup_logging(settings.log_level, settings.log_format)
     dump_stacks_on_sigusr1()
-    run(settings)
+    try:
+        run(settings)
+    except LedgerUnavailable as err:  # at start: nothing is served yet
+        click.echo(f"{PROG}: error[{err.code}]: {err.message}", err=True)
+        raise SystemExit(1) from None
 
 
 @main.group()

@@ -8,9 +8,12 @@ import time
 from collections.abc import Callable
 
 import uvicorn
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
 
 from poold import notify
 from poold.api.app import create_app
+from poold.errors import LedgerUnavailable
 from poold.ledger import migrate
 from poold.ledger.db import Ledger
 from poold.ledger.delegation import DelegationPolicy
@@ -54,7 +57,14 @@ def serve(settings: PooldSettings) -> None:
     settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     url = settings.resolved_database_url()
     if settings.upgrade_db:
-        migrate.upgrade(url)
+        try:
+            migrate.upgrade(url)
+        except SQLAlchemyError as exc:
+            # The ledger cannot be opened at all (PostgreSQL down, a SQLite file in a
+            # directory that does not exist): one coded line, not alembic's traceback.
+            why = " ".join(str(getattr(exc, "orig", None) or exc).split())
+            redacted = make_url(url).render_as_string(hide_password=True)
+            raise LedgerUnavailable(f"cannot open the ledger at {redacted}: {why}") from None
     ledger = Ledger(url)
     app = create_app(
         ledger, settings.resolved_admin_token(), max_body_bytes=settings.max_body_bytes
