@@ -222,7 +222,13 @@ class AgentConfig(DaemonSettings):
         if self.credential:
             return self.credential
         if self.credential_file is not None:
-            return self.credential_file.read_text().strip()
+            credential = self.credential_file.read_text().strip()
+            if not credential:  # sent as `Bearer `, refused by httpx on every request
+                raise ValueError(
+                    f"the credential file {self.credential_file} is empty: it holds what "
+                    "`poolctl hosts add HOST --credential-file` wrote"
+                )
+            return credential
         raise ValueError(
             "no agent credential: run `poolctl hosts add HOST` and pass --credential-file"
         )

@@ -161,3 +161,13 @@ def test_socket_and_in_flight_limits_default_to_what_their_modules_say() -> None
         assert getattr(config, f"socket_{name}") == getattr(SocketLimits(), name), name
     for name in InFlightLimits.__dataclass_fields__:
         assert getattr(config, f"in_flight_{name}") == getattr(InFlightLimits(), name), name
+
+
+def test_an_empty_credential_file_is_refused(tmp_path: Path) -> None:
+    # It went out as `Bearer `: httpx refused each request, logged as "poold unreachable".
+    path = tmp_path / "credential"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        AgentConfig(credential_file=path).resolved_credential()
+    path.write_text("pt1.h1.x\n")
+    assert AgentConfig(credential_file=path).resolved_credential() == "pt1.h1.x"
