@@ -135,6 +135,10 @@ class LocalOps(Protocol):
         """A local lease whose memory was never made: freed, nothing to tell poold."""
         ...
 
+    def refused(self, lease_id: str, code: str, message: str) -> None:
+        """poold refused a local lease's grant at commit: it ends now."""
+        ...
+
     def step(self) -> None:
         """Refill or give back (the delegation thread calls it)."""
         ...
@@ -182,20 +186,6 @@ def _pending_applied(err: PoolError) -> bool:
     if _no_verdict(err) or isinstance(err, GenerationConflict):
         return False  # a conflict may be the pending ops' own batch losing its races
     return err.http_status not in (400, 401, 403, 413, 422) or err.code == "not_owner"
-
-
-def _log_refused(results: list[LeaseOpResult]) -> None:
-    """Ops poold refused one by one, in a batch's answer or a grant's (their ``pending``):
-    dropped, each with a warning (a refused local grant is then ended by the heartbeat's
-    holdings check, `heartbeat.held_but_ended`)."""
-    for result in results:
-        if result.code is not None:
-            log.warning(
-                "poold refused the queued op on lease %s (dropped): %s %s",
-                result.lease_id,
-                result.code,
-                result.message or "",
-            )
 
 
 class PooldLink:
@@ -338,7 +328,7 @@ class PooldLink:
                 with self._lock:
                     self._unsettled.add(lease.id)
                 self._tell_delivered(pending)
-                _log_refused(lease.pending)
+                self._refused(pending, lease.pending)
                 # The lease alone from here on (journalled, listed, re-read as a LeaseOut).
                 return LeaseOut.model_construct(**{k: v for k, v in lease if k != "pending"})
         finally:
@@ -548,7 +538,30 @@ class PooldLink:
                         self._delivered(batch.ops)
                 self._answered()
                 self._tell_delivered(batch.ops)
-                _log_refused(results)
+                self._refused(batch.ops, results)
+
+    def _refused(self, ops: list[LeaseOp], results: list[LeaseOpResult]) -> None:
+        """Ops poold refused one by one, in a batch's answer or a grant's (``pending``):
+        dropped, each with a warning, and a refused local grant ended at once (the
+        ledger has no row of it, so no heartbeat would ever end it). Results come in the
+        ops' order (`leases.apply_ops`)."""
+        paired = zip(ops, results, strict=False) if len(ops) == len(results) else ()
+        grants = {r.lease_id for op, r in paired if op.op == "local_grant" and r.code}
+        for result in results:
+            if result.code is None:
+                continue
+            log.warning(
+                "poold refused the queued op on lease %s (dropped): %s %s",
+                result.lease_id,
+                result.code,
+                result.message or "",
+            )
+            if result.lease_id in grants and self.local is not None:
+                grants.discard(result.lease_id)
+                try:
+                    self.local.refused(result.lease_id, result.code, result.message or "")
+                except Exception:
+                    log.exception("ending the refused local lease %s failed", result.lease_id)
 
     def outbox_size(self) -> int:
         with self._lock:

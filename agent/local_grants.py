@@ -51,6 +51,8 @@ class LocalGrants:
         self._asked = False
         self._no_route_until = 0.0
         self.enabled = True
+        # Ends a local lease poold refused at commit (set by the service: a revocation).
+        self.on_refused: Callable[[str, str], None] | None = None
         link.local = self
         link.on_delegation = self.replace
 
@@ -113,6 +115,22 @@ class LocalGrants:
         with self._changed:
             self._changed.notify_all()
         return True
+
+    def refused(self, lease_id: str, code: str, message: str) -> None:
+        """poold refused this local lease's grant at commit (its budget no longer covers
+        it and the quota has no room, its reservation is gone...): the tenant holds
+        memory the ledger does not count. It ends now, as a revocation without notice
+        (`on_refused`: the service's; the tenant hears `lost`), and its extent is free."""
+        with self._lock:
+            self._uncommitted.discard(lease_id)
+        log.warning(
+            "local lease %s refused by poold at commit (%s): ending it: %s", lease_id, code, message
+        )
+        if self.on_refused is not None:
+            self.on_refused(lease_id, f"poold refused the local grant: {code}: {message}")
+        self.capacity.abandon(lease_id)
+        with self._changed:
+            self._changed.notify_all()
 
     # --- what the link tells ------------------------------------------------------
     def is_local(self, lease_id: str) -> bool:

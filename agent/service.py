@@ -85,6 +85,7 @@ class AgentService:
         self.memory = LeaseMemory(link, backends, self.held, warm)
         self.leftovers = self.memory.leftovers
         self.revocations = Revocations(link, self.held, self.memory, self.admission)
+        self.delegation.on_refused = self._local_refused
         link.heartbeat_state = self.revocations  # what each heartbeat reports
         self.resync = Resync(host, link, self.held, self.memory)
         self._holders: dict[int, Holder] = {}  # by connection id (see _holder)
@@ -248,6 +249,16 @@ class AgentService:
             self.link.settled(lease.id)
             raise
         return lease, memory
+
+    def _local_refused(self, lease_id: str, why: str) -> None:
+        """A local lease poold refused at commit: taken back as a revocation past its
+        deadline (devdax: the sub-device goes; a memfd: the agent's copy goes, and its
+        pages stay with a holder that still maps it); the tenant hears it is lost."""
+        held = self.held.get(lease_id)
+        if held is None:
+            return
+        held.extra["lost_reason"] = (p.LOST_ENDED, why)
+        self.revocations.revoke([lease_id])
 
     def _host_has_real(self) -> bool:
         """This host reaches real far memory (placement keeps emulated memory out then)."""

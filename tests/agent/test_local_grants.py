@@ -21,8 +21,10 @@ from agent.link import PooldLink
 from agent.peer import Peer
 from agent.service import AgentService
 from poold.api.client import PooldClient
-from poold.errors import DelegationExpired
+from poold.errors import DelegationExpired, PoolError
 from poold.wire.delegation import Budget, Delegation, Reservation
+from tests.agent.conftest import emulated_device, linked_agent
+from tests.conftest import ThreadedServer
 
 MiB = 1 << 20
 
@@ -144,3 +146,37 @@ def test_past_the_ttl_local_grants_stop_with_delegation_expired(make_service) ->
     # (the failed central attempt carried it, and put it back in line)
     assert service.link.outbox_size() == 1
     assert service.link.queued_lease_ids() == {result.lease_id}
+
+
+def test_a_local_grant_poold_refuses_at_commit_is_taken_back_and_the_tenant_told(
+    api: ThreadedServer, admin: PooldClient
+) -> None:
+    """A delegation poold does not know (its reservation gone: a restored ledger, a
+    reaped host): every local grant in it is refused at commit. The ledger has no row of
+    such a lease, so no heartbeat would ever end it; the agent ends it at once, whether
+    the refusal comes in a batch's answer or riding on a central grant."""
+    with linked_agent(api.url, admin, emulated_device(256 * MiB), ["t"]) as linked:
+        service, link = linked.service, linked.link
+        service.delegation.replace(delegation())
+        first, _ = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+        second, _ = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+        assert {op.op for op in link._outbox} == {"local_grant"}
+        told: list[tuple[str, str]] = []
+        service.revocations.tell = lambda held, event: told.append(  # type: ignore[method-assign]
+            (event.lease_id, getattr(event, "reason", ""))
+        )
+        link.flush()  # both refused in the batch's answer
+        assert link.outbox_size() == 0
+        for lease in (first, second):
+            assert service.held.get(lease.lease_id) is None
+            with pytest.raises(PoolError):
+                service.renew(PEER, p.RenewArgs(lease_id=lease.lease_id))
+        assert sorted(told) == sorted((x.lease_id, p.LOST_ENDED) for x in (first, second))
+        assert service.delegation.capacity.budget_used("t") == (0, 0)
+        # Riding on a central grant (a lease the delegation cannot hold) instead.
+        third, _ = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+        central, _ = service.lease(PEER, p.LeaseArgs(size_bytes=96 * MiB, tenant="t"))
+        assert service.held.get(third.lease_id) is None
+        assert service.held.get(central.lease_id) is not None
+        assert admin.show_lease(central.lease_id).state == "active"
+        assert (third.lease_id, p.LOST_ENDED) in told
