@@ -62,8 +62,6 @@ class _Kind:
     set_state: Callable[[Connection, _Found, str, datetime], bool]
     event_target: str  # the events column naming the target
     lease_target: InstrumentedAttribute[int]  # the leases column naming it
-    # poolctl shows "N live lease(s)" after an undrain of a host, never of a device.
-    undrain_counts_leases: bool
 
 
 def _find_device(session: Session, uid: str) -> _Found:
@@ -99,7 +97,6 @@ _DEVICE = _Kind(
     set_state=_set_device_state,
     event_target="device_id",
     lease_target=Lease.device_id,
-    undrain_counts_leases=False,
 )
 _HOST = _Kind(
     noun="host",
@@ -110,7 +107,6 @@ _HOST = _Kind(
     set_state=_set_host_status,
     event_target="host_id",
     lease_target=Lease.host_id,
-    undrain_counts_leases=True,
 )
 
 
@@ -284,7 +280,7 @@ def _undrain(ledger: Ledger, kind: _Kind, name: str, actor: str) -> DrainResult:
     return DrainResult(
         target=name,
         state=done.state,
-        live_leases=done.live if kind.undrain_counts_leases else 0,
+        live_leases=done.live,
         changed=done.changed,
     )
 
