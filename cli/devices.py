@@ -274,7 +274,11 @@ def devices_annotate(
 def devices_drain(
     ctx: click.Context, device: str, deadline_s: float, now_: bool, as_json: bool
 ) -> None:
-    """Stop placing leases on a device; revoke its leases at the deadline (or --now)."""
+    """Stop placing leases on a device; revoke its leases at the deadline (or --now).
+
+    Draining again never postpones: the earliest deadline set stands (a shorter one
+    brings it forward) and a repeat that changes nothing says so (`changed: false`).
+    """
     exclusive(ctx, "deadline_s", "now_")
     c = ctx.find_object(Ctx)
     assert c is not None  # poolctl's main group always sets it

@@ -134,8 +134,9 @@ def hosts_drain(
 ) -> None:
     """Place no new leases on a host; revoke its leases at the deadline (or --now).
 
-    Without --deadline-s or --now its leases run to their end. `hosts undrain`
-    cancels a deadline not yet reached.
+    Without --deadline-s or --now its leases run to their end. Draining again never
+    postpones: the earliest deadline set stands (a shorter one brings it forward).
+    `hosts undrain` cancels a deadline not yet reached.
     """
     exclusive(ctx, "deadline_s", "now_")
     c = ctx.find_object(Ctx)

@@ -11,8 +11,10 @@ and undraining.
 * A drain and an undrain bump the target's generation (a device's or a host's)
   with a compare-and-swap, as a grant does: a grant that read the target before
   the drain committed then fails its own swap and reads `draining` (STYLE.md
-  pattern 1). A repeated drain without a deadline, and an undrain of a target not
-  draining, write nothing and say so (`changed` False).
+  pattern 1). A repeated drain never postpones: the earliest deadline already set
+  stands (a shorter one brings it forward), so a repeat with no deadline or a later
+  one, like an undrain of a target not draining, writes nothing and says so
+  (`changed` False, `deadline_at` the one that stands).
 
 Its own module (it was part of admin_ops.py): a drain changes a target's state and
 leaves its leases to the reaper's deadline, where revoking or ending a lease
@@ -215,14 +217,24 @@ def _drain(
     else:
         reason = "drain now" if now_ else f"drain within {deadline_s:g}s"
 
+    kept: list[datetime] = []  # the deadline already set, when it stands
+
     def unchanged(session: Session, found: _Found) -> bool:
-        # Draining already, without a deadline, asked again without one: nothing to do.
-        # A drain with a deadline always writes: it sets (or moves) the deadline.
-        return (
-            deadline is None
-            and found.state == "draining"
-            and _latest_drain_deadline(session, kind, found.id) is None
-        )
+        # A repeated drain never postpones: the earliest deadline stands. Draining
+        # already, a drain asking for no deadline or a later one writes nothing (a cron
+        # re-running `drain --deadline-s N` would otherwise move it on every run and never
+        # revoke); an earlier one brings it forward, and no deadline yet gets one.
+        kept.clear()
+        if found.state != "draining":
+            return False
+        raw = _latest_drain_deadline(session, kind, found.id)
+        if raw is None:
+            return deadline is None
+        current = datetime.fromisoformat(raw)
+        if deadline is None or current <= deadline:
+            kept.append(current)
+            return True
+        return False
 
     done = _change(
         ledger,
@@ -240,6 +252,8 @@ def _drain(
         },
         unchanged=unchanged,
     )
+    if not done.changed and kept:
+        deadline = kept[0]
     revoked: list[str] = []
     if deadline is not None and deadline <= now:
         revoked = revoke_matching(

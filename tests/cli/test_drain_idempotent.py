@@ -46,6 +46,33 @@ def test_hosts_drain_and_undrain_twice(api: ThreadedServer, agent: PooldClient) 
     assert out.returncode == 0 and out.stdout == "h1: up; nothing changed (it already was)\n"
 
 
+def test_a_repeated_drain_keeps_the_deadline_it_set(
+    api: ThreadedServer, agent: PooldClient
+) -> None:
+    """A cron re-running `devices drain --deadline-s N` must not move the deadline on."""
+    lease(agent)
+    first = json.loads(
+        poolctl(api, "devices", "drain", "node3", "--deadline-s", "60", "--json").stdout
+    )
+    for deadline_s in ("60", "3600"):
+        r = poolctl(api, "devices", "drain", "node3", "--deadline-s", deadline_s, "--json")
+        assert r.exit_code == 0, r.output
+        again = json.loads(r.stdout)
+        assert (again["changed"], again["deadline_at"]) == (False, first["deadline_at"])
+    out = piped(api, "devices", "drain", "node3", "--deadline-s", "60")
+    assert out.returncode == 0 and out.stdout.endswith("nothing changed (it already was)\n")
+    r = poolctl(api, "devices", "drain", "node3", "--deadline-s", "10", "--json")
+    sooner = json.loads(r.stdout)
+    assert sooner["changed"] is True and sooner["deadline_at"] < first["deadline_at"]
+    host = json.loads(poolctl(api, "hosts", "drain", "h1", "--deadline-s", "60", "--json").stdout)
+    r = poolctl(api, "hosts", "drain", "h1", "--deadline-s", "120", "--json")
+    assert r.exit_code == 0, r.output
+    assert (json.loads(r.stdout)["changed"], json.loads(r.stdout)["deadline_at"]) == (
+        False,
+        host["deadline_at"],
+    )
+
+
 def test_devices_undrain_counts_the_live_leases(api: ThreadedServer, agent: PooldClient) -> None:
     lease(agent)
     lease(agent)

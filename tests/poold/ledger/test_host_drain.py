@@ -1,7 +1,8 @@
 """Draining a host with a deadline, on SQLite and PostgreSQL: the reaper revokes at it.
 
 The deadline lives in the `host.drain` event, as a device's lives in `device.drain`;
-`now_` revokes at once; undraining (or draining again without one) cancels it.
+`now_` revokes at once; undraining cancels it (draining again never postpones it:
+tests/poold/ledger/test_draining.py).
 """
 
 from __future__ import annotations
