@@ -75,8 +75,9 @@ TENANTS: dict[str, tuple[int, int]] = {
     "big": (1024 * MiB, 64),  # 96-160 MiB leases: central, mostly
     "press": (1024 * MiB, 8),  # the pressure lease
 }
-# Two processes of "cut" hold at most 8 leases of 2 MiB: the cut stays above that, so a
-# quota use over the new quota could only be a clawback or a commit going wrong.
+# Two processes of "cut" hold at most 8 leases of 2 MiB: the cut stays above that. The
+# ledger may still count more (releases queued in the agents' outboxes): an excess the
+# cut found is checked by `violations` as such (budgets clawed back, nothing granted since).
 CUT_TO = (24 * MiB, 12)
 
 
@@ -146,6 +147,20 @@ _LIVE_USE = text(
     """
 )
 _BUDGETS = text("SELECT tenant_id, host_id, bytes, leases FROM budgets")
+# Per tenant: was its quota changed, and is any of its live leases granted after the
+# last change? (A cut below what the ledger counts as held, releases still queued in
+# the agents' outboxes, is what the cut found, not a grant past the quota.)
+_CUT_AT = text(
+    "SELECT tenant_id, max(at) FROM events WHERE kind = 'tenant.update' GROUP BY tenant_id"
+)
+_GRANTED_SINCE = text(
+    f"""
+    SELECT l.tenant_id, l.id, l.granted_at, l.reservation_id IS NULL FROM leases l
+    JOIN (SELECT tenant_id, max(at) AS at FROM events WHERE kind = 'tenant.update'
+          GROUP BY tenant_id) c ON c.tenant_id = l.tenant_id
+    WHERE l.{_LIVE} AND l.granted_at > c.at
+    """
+)
 _QUOTAS = text("SELECT id, name, quota_bytes, quota_leases FROM tenants")
 
 
@@ -173,18 +188,35 @@ def violations(conn: Connection) -> list[str]:
         else:
             local[(tenant_id, host_id)] = (int(nbytes), int(count))
     budgets = {(t, h): (int(b), int(n)) for t, h, b, n in conn.execute(_BUDGETS)}
+    cut_at = dict(tuple(r) for r in conn.execute(_CUT_AT))
+    granted_since: dict[int, list[str]] = defaultdict(list)
+    for tenant_id, lease_id, at, is_central in conn.execute(_GRANTED_SINCE):
+        where = "central" if is_central else "local"
+        granted_since[tenant_id].append(f"{lease_id} ({where}, {at.isoformat()})")
     for tenant_id, name, quota_bytes, quota_leases in conn.execute(_QUOTAS):
         pairs = {k for k in (*local, *budgets) if k[0] == tenant_id}
         use = [central[tenant_id][i] for i in (0, 1)]
         for key in pairs:
             for i in (0, 1):
                 use[i] += max(local.get(key, (0, 0))[i], budgets.get(key, (0, 0))[i])
-        if use[0] > quota_bytes or use[1] > quota_leases:
+        delegated = [sum(v[i] for k, v in budgets.items() if k[0] == tenant_id) for i in (0, 1)]
+        # Over a quota cut below what it held, a tenant is within the rules while no
+        # lease of it was granted since and its budgets were clawed back to fit (they and
+        # its central leases within the new quota): its holdings can only come down.
+        found_by_cut = (
+            tenant_id in cut_at
+            and not granted_since[tenant_id]
+            and delegated[0] <= max(0, quota_bytes - central[tenant_id][0])
+            and delegated[1] <= max(0, quota_leases - central[tenant_id][1])
+        )
+        if (use[0] > quota_bytes or use[1] > quota_leases) and not found_by_cut:
             found.append(
                 f"tenant {name}: quota use {use[0]} bytes / {use[1]} leases over its quota "
                 f"{quota_bytes} / {quota_leases} (central {central[tenant_id]}, local "
                 f"{ {k[1]: v for k, v in local.items() if k[0] == tenant_id} }, budgets "
-                f"{ {k[1]: v for k, v in budgets.items() if k[0] == tenant_id} })"
+                f"{ {k[1]: v for k, v in budgets.items() if k[0] == tenant_id} }; quota "
+                f"changed at {cut_at.get(tenant_id)}, live leases granted since "
+                f"{granted_since[tenant_id][:5]})"
             )
     return found
 
@@ -384,11 +416,10 @@ def _query(engine: Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
 @pytest.mark.xfail(
     strict=False,
     reason=(
-        "issue 12, open (delegation is off by default): on a loaded 2-core machine the run "
-        "still fails intermittently (3 of 8 after the race fixes): a quota-cut tenant's local "
-        "grant made before the cut is refused at commit on poold's lagging view (tolerated "
-        "below by its signature and counted), central calls time out behind slow poold, and "
-        "one unexplained quota excess was sampled once; see docs/design-changes.md"
+        "issue 12, open (delegation is off by default): 5 of 6 runs passed on this loaded "
+        "2-core machine after the clawback, refused-commit and double-watch fixes (the sixth "
+        "failed on a check since corrected); one earlier run left a central lease `granted` "
+        "past the 20 s wait (logs lost, not reproduced since); see docs/design-changes.md"
     ),
 )
 def test_four_agents_two_poold_drain_cut_pressure_no_overlap_no_quota_excess(
@@ -540,8 +571,9 @@ def test_four_agents_two_poold_drain_cut_pressure_no_overlap_no_quota_excess(
     assert sampler.samples >= RUN_S / SAMPLE_EVERY_S / 4, sampler.samples
     # Nothing but the drain (and pressure not given back in time) takes a lease away.
     unexplained = lost - revoked - lost_to_cut
-    # Nor does an agent tear down a lease poold never revoked (a heartbeat before its commit).
-    torn_down = (pool.revoked_by_agents() & set(grants)) - revoked
+    # Nor does an agent tear down a lease poold never revoked (a heartbeat before its
+    # commit), but for the cut's race: a local grant refused at commit is taken back.
+    torn_down = (pool.revoked_by_agents() & set(grants)) - revoked - lost_to_cut
     assert not torn_down, [(i, rows.get(i), history.get(i)) for i in sorted(torn_down)[:10]]
     assert not unexplained, [(i, rows.get(i), history.get(i)) for i in sorted(unexplained)]
     not_released = {i for i in released - revoked - lost_to_cut if rows[i][0] != "released"}
