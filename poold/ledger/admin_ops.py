@@ -25,6 +25,7 @@ from poold.errors import (
     DeadlineTooShort,
     GenerationConflict,
     InvalidTransition,
+    LeaseNotActive,
     NotOwner,
     PoolError,
     UnknownLease,
@@ -69,7 +70,7 @@ def revoke_lease(
         if state is None:
             raise UnknownLease(f"no lease {lease_id!r}", lease_id=lease_id)
         before = LeaseState(state)
-        next_state(before, LeaseEvent.REVOKE)  # invalid_transition for any other state
+        _check_revocable(lease_id, before)
         if revoke_in(
             ledger,
             lease_id,
@@ -82,6 +83,36 @@ def revoke_lease(
             return lease_views.show(ledger, lease_id)
         # Lost a race (the holder released, the reaper expired it): look again.
     raise GenerationConflict(f"lease {lease_id} kept changing state; retry", lease_id=lease_id)
+
+
+# Live states a revocation does not apply to, and what to do instead (an administrator
+# reads this, not the state machine's "no transition from X on revoke"); the states
+# `end_lease` refuses are refused here for the same reasons (`_NOT_ENDED_NOW`).
+_NOT_REVOKED: dict[LeaseState, str] = {
+    LeaseState.GRANTED: "it was never handed to a holder; `poolctl leases end` aborts it",
+    LeaseState.REVOKING: "it is being revoked already; `poolctl leases end` brings its "
+    "deadline in to now",
+}
+
+
+def _check_revocable(lease_id: str, state: LeaseState) -> None:
+    """Refuse, in an administrator's words, a revocation of a lease in `state`.
+
+    An ended lease is `lease_not_active`, as a release of one is; a live lease a
+    revocation does not apply to is `invalid_transition`, saying what does.
+    """
+    if state in TERMINAL_STATES:
+        raise LeaseNotActive(
+            f"lease {lease_id} has ended ({state.value}); there is nothing to revoke",
+            state=state.value,
+            lease_id=lease_id,
+        )
+    why = _NOT_REVOKED.get(state) or _NOT_ENDED_NOW.get(state)
+    if why is not None:
+        raise InvalidTransition(
+            f"lease {lease_id} is {state.value}: {why}", state=state.value, lease_id=lease_id
+        )
+    next_state(state, LeaseEvent.REVOKE)  # every other live state may be revoked
 
 
 def confirm_revoked(

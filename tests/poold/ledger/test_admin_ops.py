@@ -15,6 +15,7 @@ from sqlalchemy import select
 from poold.errors import (
     HostBusy,
     InvalidTransition,
+    LeaseNotActive,
     QuotaExceeded,
     Unauthorized,
     UnknownHost,
@@ -151,6 +152,33 @@ def test_a_scrubbing_lease_is_refused(ledger: Ledger) -> None:
         admin_ops.end_lease(ledger, lease.id, "admin", "x")
     assert "zeroed" in err.value.message
     assert lease_views.show(ledger, lease.id).state == "scrubbing"
+
+
+def test_revoke_of_an_ended_lease_is_lease_not_active_in_plain_words(ledger: Ledger) -> None:
+    """As a release of one is; a live lease revoke does not apply to says what does."""
+    seed(ledger, devices=[device("dax-0", kind="devdax", local_name="dax0")])
+    released = grant(ledger)
+    op(ledger, released.id, "release")
+    granted = grant(ledger, activate=False)
+    aborted = grant(ledger, activate=False)
+    admin_ops.end_lease(ledger, aborted.id, "admin", "stale")
+    scrubbing = grant(ledger)
+    op(ledger, scrubbing.id, "release_dirty")
+    revoking = grant(ledger)
+    admin_ops.revoke_lease(ledger, revoking.id, "x", "admin", deadline_s=60)
+    for lease_id in (released.id, aborted.id):
+        with pytest.raises(LeaseNotActive) as ended:
+            admin_ops.revoke_lease(ledger, lease_id, "x", "admin", deadline_s=60)
+        assert "has ended" in ended.value.message and "transition" not in ended.value.message
+        assert ended.value.detail["lease_id"] == lease_id
+    for lease_id, words in (
+        (granted.id, "leases end` aborts it"),
+        (revoking.id, "revoked already"),
+        (scrubbing.id, "zeroed"),
+    ):
+        with pytest.raises(InvalidTransition) as live:
+            admin_ops.revoke_lease(ledger, lease_id, "x", "admin", deadline_s=60)
+        assert words in live.value.message and "no transition" not in live.value.message
 
 
 # --- idempotent drain and undrain ----------------------------------------------------------
