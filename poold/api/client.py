@@ -3,7 +3,8 @@
 Each method is one route of the table, under the route's name; paths, methods,
 bodies and response types come from the table, never from here. Errors come back
 as the `PoolError` subclass the server raised (matched by code); a poold that
-cannot be reached is `poold_unreachable`.
+cannot be reached is `poold_unreachable`, and so is a URL where something else
+answers (a reply that is not poold's, whatever the route: `not_poold`).
 
 Several poold URLs (DESIGN.md "Scale": processes sharing one database) make one
 client. A call goes to the URL that answered last (sticky); a transport error
@@ -27,7 +28,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from poold.errors import LedgerUnavailable, PooldUnreachable, PoolError, from_wire
 from poold.wire import routes
@@ -93,6 +94,26 @@ def _replayable(route: Route[Any], body: BaseModel | None) -> bool:
         return True
     # A repeated request id gets the first answer (poold remembers recent ids per host).
     return body is not None and getattr(body, "request_id", None) is not None
+
+
+def not_poold(
+    base_url: str, resp: httpx.Response, request: str, invalid: ValidationError | None = None
+) -> PooldUnreachable:
+    """A reply that is not poold's: whoever answers at `base_url` is not poold (for us).
+
+    `poold_unreachable`, since poold is not reached there: a wrong --url or POOLD_URL
+    (an agent's metrics port, another web server) is the usual cause.
+    """
+    ctype = resp.headers.get("content-type", "").split(";")[0].strip() or "no content type"
+    what = f"HTTP {resp.status_code} {ctype}"
+    if invalid is not None and ctype == "application/json":
+        what += " of another shape (another version of poold?)"
+    return PooldUnreachable(
+        f"{base_url} does not answer as poold: {what} to {request}",
+        url=base_url,
+        status=resp.status_code,
+        content_type=ctype,
+    )
 
 
 def failover_order(count: int, current: int) -> list[int]:
@@ -186,7 +207,7 @@ class PooldClient:
                     # It may have been applied there: repeating it elsewhere could do it twice.
                     break
                 continue
-            error = self._error(resp)
+            error = self._error(resp, self.urls[index])
             if isinstance(error, LedgerUnavailable) and busy_ledger is None and index != order[-1]:
                 busy_ledger = error  # one other poold, once: they share the database
                 continue
@@ -195,7 +216,12 @@ class PooldClient:
                 raise error
             if route.response is str:
                 return resp.text  # type: ignore[return-value]  # R is str for a text route
-            return route.parse_json(resp.content)
+            try:
+                return route.parse_json(resp.content)
+            except ValidationError as exc:
+                # Not poold's reply (another program at that URL, or another version of
+                # poold): said as such, never as pydantic's text under bad_request.
+                raise not_poold(self.urls[index], resp, f"{route.method} {url}", exc) from None
         if busy_ledger is not None:
             raise busy_ledger
         if len(self.urls) > 1 and unreachable:
@@ -207,17 +233,26 @@ class PooldClient:
         raise PooldUnreachable(f"cannot reach poold at {where}")
 
     @staticmethod
-    def _error(resp: httpx.Response) -> PoolError | None:
-        """The PoolError an HTTP answer carries (None for a success)."""
+    def _error(resp: httpx.Response, base_url: str) -> PoolError | None:
+        """The PoolError an HTTP answer carries (None for a success).
+
+        poold refuses with a JSON ``{"code", "message"}`` body; any other error answer
+        comes from something else at that URL (a proxy, another program): `not_poold`.
+        """
         if resp.status_code < 400:
             return None
         try:
             data = resp.json()
         except ValueError:
             data = None
-        if isinstance(data, dict) and "code" in data:
-            return from_wire(str(data["code"]), str(data.get("message", "")), data.get("detail"))
-        return PoolError(f"poold answered HTTP {resp.status_code}: {resp.text[:200]}")
+        if isinstance(data, dict) and isinstance(data.get("code"), str):
+            detail = data.get("detail")
+            return from_wire(
+                data["code"],
+                str(data.get("message", "")),
+                detail if isinstance(detail, dict) else None,
+            )
+        return not_poold(base_url, resp, f"{resp.request.method} {resp.request.url.path}")
 
     # health and metrics
     def health(self) -> dict[str, str]:
