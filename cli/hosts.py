@@ -12,7 +12,9 @@ import os
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
+from cli import host_removal
 from cli.common import (
     HOST_NAME,
     Ctx,
@@ -23,8 +25,10 @@ from cli.common import (
     pass_ctx,
     run,
     table,
+    usage_error,
     wants_json,
 )
+from poold.wire.admin import HostDeleted
 
 
 @click.group("hosts")
@@ -88,24 +92,85 @@ def hosts_list(c: Ctx, as_json: bool) -> None:
 @click.option(
     "--force",
     is_flag=True,
-    help="end the host's live leases at once first (no agent will confirm: the host is going away)",
+    help="revoke the host's live leases first, wait for its agent to tear them down, then delete",
+)
+@click.option(
+    "--wait-s",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="with --force: how long to wait for the agent to tear the leases down",
+)
+@click.option(
+    "--silent-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="with --force: an agent with no heartbeat for this long is taken as gone",
 )
 @json_option
-@pass_ctx
-def hosts_delete(c: Ctx, name: str, force: bool, as_json: bool) -> None:
+@click.pass_context
+def hosts_delete(
+    ctx: click.Context, name: str, force: bool, wait_s: float, silent_s: float, as_json: bool
+) -> None:
     """Delete a host: its agent credential stops working at once.
 
-    Refused (host_busy) while the host holds live leases, unless --force: then each is
-    ended now, one event per move (granted: aborted; active, expired: revoked and
-    reclaimed; orphaned, revoking: reclaimed), and a devdax range no agent zeroed is
-    quarantined. Devices no other host reaches leave placement: removed if no lease ever
-    used them, else kept as `missing` for their history (online again if an agent
-    reports them). The host's name is free for `hosts add` again.
+    Refused (host_busy) while the host holds live leases, unless --force: then the host
+    is drained and each live lease revoked due now (reason "host deleted"; orphaned:
+    reclaimed; granted: aborted), so its agent hears it, tears the memory down and tells
+    its tenants; poolctl waits (at most --wait-s, progress on stderr) until no lease is
+    live or the agent stops answering (down, or silent for --silent-s), and only then
+    deletes the host, ending what its absent agent left (a devdax range nobody zeroed is
+    quarantined). A host whose agent still answers but still holds leases when the wait
+    ends is not deleted (host_busy). Each lease's outcome is shown (--json: `leases`).
+    Devices no other host reaches leave placement: removed if no lease ever used them,
+    else kept as `missing` for their history (online again if an agent reports them).
+    The host's name is free for `hosts add` again.
     """
-    out = run(lambda: c.client.delete_host(name, force=force))
-    if wants_json(as_json):
-        emit_json(out)
+    for option in ("wait_s", "silent_s"):
+        if not force and ctx.get_parameter_source(option) is ParameterSource.COMMANDLINE:
+            usage_error(f"--{option.replace('_', '-')} goes with --force")
+    c = ctx.find_object(Ctx)
+    assert c is not None  # poolctl's main group always sets it
+    if not force:
+        _emit_deleted(name, run(lambda: c.client.delete_host(name)), [], as_json)
         return
+
+    def say(line: str) -> None:
+        click.echo(f"poolctl: {line}", err=True)
+
+    forced = run(
+        lambda: host_removal.delete_forced(
+            c.client, name, wait_s=wait_s, silent_s=silent_s, progress=say
+        )
+    )
+    _emit_deleted(name, forced.deleted, forced.leases, as_json, waited_s=forced.waited_s)
+
+
+def _emit_deleted(
+    name: str,
+    out: HostDeleted,
+    leases: list[host_removal.LeaseOutcome],
+    as_json: bool,
+    *,
+    waited_s: float = 0.0,
+) -> None:
+    if wants_json(as_json):
+        emit_json(
+            {
+                **out.model_dump(mode="json"),
+                "leases": [x.as_dict() for x in leases],
+                "waited_s": waited_s,
+            }
+        )
+        return
+    for x in leases:
+        how = (
+            "ended by the deletion (its agent was gone)"
+            if x.outcome == "ended_with_host"
+            else "ended before the host went"
+        )
+        click.echo(f"lease {x.lease_id}: {x.was} -> {x.state}, {how}")
     line = f"host {name} deleted"
     if out.ended_leases:
         line += f"; {len(out.ended_leases)} live lease(s) ended"

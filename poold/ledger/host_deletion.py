@@ -2,6 +2,11 @@
 (or, with `force`, once they are ended) goes, with its credential, its paths and the
 devices only it reached.
 
+`poolctl hosts delete --force` does not come here first: it drains the host, revokes
+its leases due now so the agent tears them down and tells their tenants, and waits for
+that or for the agent to go (cli/host_removal.py); `force` here then ends only what no
+agent is left to confirm.
+
 Its own module (it was part of admin_ops.py): deleting ends leases no agent will
 confirm, quarantines ranges nobody zeroed and removes devices, all in one transaction,
 which none of the lease or drain operations (poold/ledger/admin_ops.py, draining.py) do.

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -47,11 +48,22 @@ def test_refused_while_leases_live_then_forced(
     assert r.stderr.startswith("poolctl: error[host_busy]: ") and "2 live lease(s)" in r.stderr
     agent.heartbeat(Heartbeat())  # the credential still works: nothing changed
 
-    r = poolctl(api, "hosts", "delete", "h1", "--force", "--json")
+    # This agent never heartbeats again: after --silent-s it is taken as gone, and the
+    # revoked lease it never confirmed is ended by the deletion.
+    r = poolctl(api, "hosts", "delete", "h1", "--force", "--silent-s", "0.5", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert sorted(out["ended_leases"]) == sorted([held, pending])
+    assert out["ended_leases"] == [held]
     assert out["devices_missing"] == ["h1/numa:node3"] and out["history_kept"] is True
+    assert sorted((x["lease_id"], x["was"], x["asked"], x["outcome"]) for x in out["leases"]) == (
+        sorted(
+            [
+                (held, "active", "revoked", "ended_with_host"),
+                (pending, "granted", "aborted", "ended_before_deletion"),
+            ]
+        )
+    )
+    assert "its agent does not answer" in r.stderr
     assert admin.show_lease(held).state == "reclaimed"
     assert admin.show_lease(pending).state == "aborted"
     # The agent's next heartbeat gets what an unknown credential gets, at once.
@@ -97,3 +109,39 @@ def test_a_host_without_leases_goes_and_says_so_through_a_pipe(
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.startswith("poolctl: error[unknown_host]: ")
     assert len(out.stderr.splitlines()) == 1
+
+
+def test_force_waits_for_an_answering_agent_and_never_deletes_under_it(
+    api: ThreadedServer, agent: PooldClient, admin: PooldClient
+) -> None:
+    """An agent that heartbeats but keeps its lease: the host is not deleted under it."""
+    held = lease(agent)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.1):
+            agent.heartbeat(Heartbeat(held=[held]))
+
+    beater = threading.Thread(target=beat)
+    beater.start()
+    try:
+        out = piped(api, "hosts", "delete", "h1", "--force", "--wait-s", "1.5")
+    finally:
+        stop.set()
+        beater.join()
+    assert out.returncode == 1 and out.stdout == "", out
+    [*progress, error] = out.stderr.splitlines()
+    assert error.startswith("poolctl: error[host_busy]: host 'h1' still holds 1 live lease(s)")
+    assert all(x.startswith("poolctl: host h1: waiting for its agent") for x in progress)
+    # The host stays, draining, its lease revoked: the agent was told and still answers.
+    [host] = admin.list_hosts()
+    assert host.status == "draining"
+    assert admin.show_lease(held).state == "revoking"
+    assert [x.lease_id for x in agent.heartbeat(Heartbeat()).revocations] == [held]
+
+
+def test_wait_options_go_with_force(api: ThreadedServer, admin: PooldClient) -> None:
+    admin.add_host("idle")
+    r = poolctl(api, "hosts", "delete", "idle", "--wait-s", "5")
+    assert r.exit_code == 2 and "error[usage]: --wait-s goes with --force" in r.stderr
+    assert [h.name for h in admin.list_hosts()] == ["idle"]
