@@ -167,8 +167,8 @@ def create_app(
     )
 
     @app.exception_handler(PoolError)
-    async def _pool_error(_req: Request, err: PoolError) -> JSONResponse:
-        return refusals.response(err)
+    async def _pool_error(req: Request, err: PoolError) -> JSONResponse:
+        return refusals.response(err, req.scope)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(_req: Request, err: RequestValidationError) -> JSONResponse:
