@@ -27,16 +27,21 @@ wording). Every failure is one line on stderr, `poolctl: error[CODE]: message`, 
 
 A missing admin token is `unauthorized` (exit 1); so is a token poold refused, said
 as such. Ctrl-C is `interrupted`, exit 130 (`poolctl top` alone exits 0 on it).
+A reader that stopped reading (`poolctl leases list | head -1`) ends poolctl quietly
+with exit 0: the reader chose to stop, nothing failed, and a `set -o pipefail` script
+taking the first line must not abort on it (ripgrep does the same; 141, a death by
+SIGPIPE as coreutils', would fail that script for no fault of poolctl's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import sys
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn, get_args
 
@@ -516,6 +521,7 @@ class PoolctlGroup(click.Group):
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            sys.stdout.flush()  # a reader gone shows here, not in the interpreter's exit
         except click.UsageError as exc:  # BadParameter, MissingParameter, NoSuchOption...
             hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
             usage_error(exc.format_message() + hint)
@@ -531,8 +537,36 @@ class PoolctlGroup(click.Group):
             if exc.errno != errno.EPIPE:
                 raise
             _quiet_stdout()  # the reader went away (`| head`): say nothing more
-            raise SystemExit(1) from None
+            raise SystemExit(0) from None  # not a failure (module docstring)
         raise SystemExit(rv if isinstance(rv, int) else 0)
+
+    # click catches EPIPE itself, even outside standalone mode, and exits 1: it is
+    # turned into a plain exit 0 first, where click parses (--version, --help) and runs.
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        with _reader_gone():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _reader_gone():
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _reader_gone() -> Iterator[None]:
+    """EPIPE on stdout (the reader stopped: `| head`) ends poolctl quietly, exit 0."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.EPIPE:
+            raise
+        _quiet_stdout()
+        raise click.exceptions.Exit(0) from None
 
 
 def _quiet_stdout() -> None:

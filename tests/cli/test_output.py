@@ -179,3 +179,35 @@ def test_a_real_pipe_gets_whole_lease_ids_and_uids(api: ThreadedServer, pool: li
     out = _subprocess(api, "devices")
     assert out.returncode == 0 and CXL in out.stdout and "…" not in out.stdout
     assert "capacity" in out.stdout and "device" in out.stdout
+
+
+def test_a_reader_that_stops_reading_ends_poolctl_quietly_with_0(
+    api: ThreadedServer, pool: list[str]
+) -> None:
+    """`poolctl leases list | head -1` under `set -o pipefail` must not fail the script."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "POOLD_TOKEN")}
+    base = [sys.executable, "-m", "cli", "--url", api.url, "--token", ADMIN_TOKEN]
+    for args in (["leases", "list"], ["status", "--json"], ["--version"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before poolctl writes a byte
+        try:
+            out = subprocess.run(
+                [*base, *args],
+                stdout=write_end,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=60,
+                cwd=ROOT,
+                env=env,
+                check=False,
+            )
+        finally:
+            os.close(write_end)
+        assert (out.returncode, out.stderr) == (0, ""), (args, out)
+    # Through a shell, as a cron or a script would run it.
+    script = f"set -o pipefail; {' '.join(base)} leases list | head -1"
+    out = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env
+    )
+    assert out.returncode == 0 and out.stderr == "", out
+    assert len(out.stdout.splitlines()) == 1
