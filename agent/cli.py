@@ -11,6 +11,7 @@ import click
 from agent.config import DEFAULT_CONFIG_FILE, AgentConfig
 from poold import __version__
 from poold.daemon_config import (
+    DaemonGroup,
     config_file,
     given_flags,
     load_settings,
@@ -69,7 +70,7 @@ def config_from(ctx: click.Context, config_path: Path | None) -> tuple[AgentConf
         refuse(PROG, err)
 
 
-@click.group()
+@click.group(cls=DaemonGroup, name=PROG)
 @click.version_option(__version__, "--version", prog_name=PROG, message="%(prog)s %(version)s")
 def main() -> None:
     """pool-agent: hands this host's far memory to tenants over a Unix socket."""

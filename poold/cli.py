@@ -10,6 +10,7 @@ import click
 
 from poold import __version__
 from poold.daemon_config import (
+    DaemonGroup,
     config_file,
     given_flags,
     load_settings,
@@ -64,7 +65,7 @@ def settings_from(
         refuse(PROG, err)
 
 
-@click.group(invoke_without_command=True)
+@click.group(cls=DaemonGroup, name=PROG, invoke_without_command=True)
 @click.version_option(__version__, "--version", prog_name=PROG, message="%(prog)s %(version)s")
 @click.pass_context
 def main(ctx: click.Context) -> None:
