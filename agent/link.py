@@ -757,5 +757,13 @@ class PooldLink:
             thread.join(timeout=5)
         try:
             self.flush()
+        except PoolError as err:
+            # Expected at shutdown (a revoked credential, poold down): its code, no traceback.
+            log.warning(
+                "final outbox flush failed: %s: %s (%d op(s) not delivered)",
+                err.code,
+                err.message,
+                self.outbox_size(),
+            )
         except Exception:
             log.exception("final outbox flush failed")

@@ -3,6 +3,8 @@ that a retry can fix (a credential not taken yet, poold failing mid-request)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from agent.link import PooldLink
@@ -100,3 +102,23 @@ def test_an_op_refused_on_a_grants_way_is_heard_of_and_the_lease_kept_plain(
     assert type(second) is LeaseOut
     assert LeaseOut.model_validate_json(second.model_dump_json()) == second
     client.close()
+
+
+def test_a_refused_final_flush_is_one_line_without_a_traceback(
+    api: ThreadedServer, admin: PooldClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    credential = admin.add_host("h1").credential
+    admin.create_tenant(TenantSpec(name="t1", quota_bytes=1 << 30, allowed_uids=[UID]))
+    with PooldClient(api.url, credential) as client:
+        link = PooldLink(client, "test")
+        link.register([device()])
+        lease = link.grant(
+            GrantRequest(tenant="t1", size_bytes=2 * MIB, uid=UID, pid=1, activate=True)
+        )
+        admin.delete_host("h1", force=True)  # the credential is dead from here
+        link.enqueue(LeaseOp(lease_id=lease.id, op="release", reason="done"))
+        with caplog.at_level(logging.INFO, logger="pool_agent"):
+            link.stop()
+    [line] = [r for r in caplog.records if "final outbox flush" in r.getMessage()]
+    assert line.levelno == logging.WARNING and line.exc_info is None
+    assert "unauthorized" in line.getMessage()
