@@ -423,9 +423,9 @@ def _query(engine: Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
     ),
 )
 def test_four_agents_two_poold_drain_cut_pressure_no_overlap_no_quota_excess(
-    pool: Pool,
+    pool: Pool, ledger_engine: Engine
 ) -> None:
-    engine = create_engine(pool.database_url)
+    engine = ledger_engine
     sampler = Sampler(engine)
     sampler.start()
     tenants: list[tuple[Role, subprocess.Popen[str]]] = []
@@ -609,7 +609,18 @@ def test_four_agents_two_poold_drain_cut_pressure_no_overlap_no_quota_excess(
 
     audit = pool.poolctl("audit")
     assert audit.returncode == 0, audit.stdout + audit.stderr
-    engine.dispose()
+
+
+@pytest.fixture
+def ledger_engine(pool: Pool) -> Iterator[Engine]:
+    """An engine on the run's ledger, disposed however the test ends: a failed run kept
+    its pooled connections alive in the traceback, and their collection later failed an
+    unrelated test with psycopg's ResourceWarning."""
+    engine = create_engine(pool.database_url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
 
 
 # --- minimal reproductions of what the run above found -----------------------------------
