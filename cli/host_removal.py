@@ -109,6 +109,11 @@ def delete_forced(
             if lease.id not in outcomes:  # new ones too: a grant that raced the drain
                 outcomes[lease.id] = LeaseOutcome(lease.id, lease.state.value, _end(client, lease))
         if not live or agent_gone:
+            if live and agent_gone:  # down before we began: no wait for it
+                progress(
+                    f"host {name}: its agent does not answer (the host is down); deleting "
+                    f"with {len(live)} live lease(s)"
+                )
             break
         now = clock()
         host = _host(client, name)
