@@ -34,13 +34,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import FrameType
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import click
 from pydantic import TypeAdapter, ValidationError
 
 from agent.client import Lease, PoolClient
 from poold import __version__
+from poold.click_main import OwnErrors
 from poold.errors import CommandLineError, Interrupted, PoolError
 from poold.logs import setup_logging
 from poold.sizes import parse_size
@@ -314,29 +315,18 @@ def _labels(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]
     return labels
 
 
-class _PoolrunCommand(click.Command):
+class _PoolrunCommand(OwnErrors):
     """poolrun's command line: a refused one is one line, `error[usage]`, exit 125."""
 
-    def main(
-        self,
-        args: Sequence[str] | None = None,
-        prog_name: str | None = None,
-        complete_var: str | None = None,
-        standalone_mode: bool = True,
-        **extra: Any,
-    ) -> Any:
-        if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.UsageError as exc:  # BadParameter, MissingParameter, NoSuchOption...
+    def failed(self, exc: BaseException, program: str) -> NoReturn:
+        if isinstance(exc, click.UsageError):  # BadParameter, MissingParameter...
             hint = " (see 'poolrun --help')"
             sys.exit(fail(CommandLineError(exc.format_message() + hint)))
-        except click.ClickException as exc:
+        if isinstance(exc, click.ClickException):
             sys.exit(fail(PoolError(exc.format_message())))
-        except click.Abort:  # Ctrl-C before CMD ran
+        if isinstance(exc, click.Abort):  # Ctrl-C before CMD ran
             sys.exit(fail(Interrupted("interrupted"), EXIT_INTERRUPTED))
-        sys.exit(rv if isinstance(rv, int) else 0)
+        raise exc
 
 
 @click.command(

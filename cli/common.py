@@ -54,6 +54,7 @@ from rich.text import Text
 
 from cli.units import parse_size
 from poold.api.client import PooldClient
+from poold.click_main import OwnErrors
 from poold.errors import (
     BadRequest,
     CommandLineError,
@@ -505,40 +506,29 @@ def emit_drained(out: DrainResult, as_json: bool) -> None:
 # --- the root group: every error in the one scheme ------------------------------------
 
 
-class PoolctlGroup(click.Group):
+class PoolctlGroup(OwnErrors, click.Group):
     """The root group: runs click without its own error printing, and prints every
     failure in the scheme of this module's docstring."""
 
-    def main(
-        self,
-        args: Sequence[str] | None = None,
-        prog_name: str | None = None,
-        complete_var: str | None = None,
-        standalone_mode: bool = True,
-        **extra: Any,
-    ) -> Any:
-        if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-            sys.stdout.flush()  # a reader gone shows here, not in the interpreter's exit
-        except click.UsageError as exc:  # BadParameter, MissingParameter, NoSuchOption...
+    def ran(self) -> None:
+        sys.stdout.flush()  # a reader gone shows here, not in the interpreter's exit
+
+    def failed(self, exc: BaseException, program: str) -> NoReturn:
+        if isinstance(exc, click.UsageError):  # BadParameter, MissingParameter...
             hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
             usage_error(exc.format_message() + hint)
-        except click.ClickException as exc:  # FileError and the like: not the command line
+        if isinstance(exc, click.ClickException):  # FileError and the like
             fail(PoolError(exc.format_message()), exc.exit_code)
-        except click.Abort:  # Ctrl-C (click turns KeyboardInterrupt into Abort)
+        if isinstance(exc, click.Abort):  # Ctrl-C (click turns KeyboardInterrupt into Abort)
             fail(Interrupted("interrupted"), INTERRUPTED_EXIT)
-        except PoolError as err:  # raised outside `run`: a WireValue, a missing token...
-            fail(err)
-        except ValidationError as exc:  # a model built from the command line
+        if isinstance(exc, PoolError):  # raised outside `run`: a WireValue, a missing token...
+            fail(exc)
+        if isinstance(exc, ValidationError):  # a model built from the command line
             fail(BadRequest(describe_validation(exc)))
-        except OSError as exc:
-            if exc.errno != errno.EPIPE:
-                raise
+        if isinstance(exc, OSError) and exc.errno == errno.EPIPE:
             _quiet_stdout()  # the reader went away (`| head`): say nothing more
             raise SystemExit(0) from None  # not a failure (module docstring)
-        raise SystemExit(rv if isinstance(rv, int) else 0)
+        raise exc
 
     # click catches EPIPE itself, even outside standalone mode, and exits 1: it is
     # turned into a plain exit 0 first, where click parses (--version, --help) and runs.

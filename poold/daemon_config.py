@@ -32,6 +32,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from poold.click_main import OwnErrors
 from poold.errors import ConfigInvalid
 
 S = TypeVar("S", bound="DaemonSettings")
@@ -227,33 +228,21 @@ def refuse(program: str, err: ConfigInvalid) -> NoReturn:
     raise SystemExit(2)
 
 
-class DaemonGroup(click.Group):
+class DaemonGroup(OwnErrors, click.Group):
     """A daemon's root group (`poold`, `pool-agent`): a refused command line is one line,
     `PROG: error[usage]: ... (see 'PROG serve --help')`, exit 2, as poolctl's is, never
     click's multi-line Usage:/Error: block (journald shows it line by line)."""
 
-    def main(
-        self,
-        args: Any = None,
-        prog_name: str | None = None,
-        complete_var: str | None = None,
-        standalone_mode: bool = True,
-        **extra: Any,
-    ) -> Any:
-        if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        program = prog_name or self.name or "?"
-        try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.ClickException as exc:  # BadParameter, NoSuchOption, FileError...
+    def failed(self, exc: BaseException, program: str) -> NoReturn:
+        if isinstance(exc, click.ClickException):  # BadParameter, NoSuchOption, FileError...
             ctx = getattr(exc, "ctx", None)
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
             message = " ".join((exc.format_message() + hint).split())
             click.echo(f"{program}: error[usage]: {message}", err=True)
             raise SystemExit(2) from None
-        except click.Abort:
+        if isinstance(exc, click.Abort):
             raise SystemExit(130) from None
-        raise SystemExit(rv if isinstance(rv, int) else 0)
+        raise exc
 
 
 def print_settings(
