@@ -7,6 +7,8 @@ import grp
 import os
 import pwd
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -98,6 +100,17 @@ class Cluster:
             "POOLD_TOKEN_FILE": str(self.state_dir / "admin.token"),
             "COLUMNS": "200",
         }
+
+    def poolctl(self, *argv: str, timeout_s: float = 90) -> subprocess.CompletedProcess[str]:
+        """poolctl as a process against this cluster, stdout a pipe; never raises on its status."""
+        return subprocess.run(
+            [sys.executable, "-m", "cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=self.poolctl_env(),
+            check=False,
+        )
 
 
 def _start(tmp_path: Path, database_url: str | None) -> Iterator[Cluster]:

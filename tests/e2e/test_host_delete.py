@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -49,14 +48,7 @@ def test_force_revokes_through_the_agent_then_deletes(cluster: Cluster, tmp_path
             )
             assert tenant.stats().leases_held == 2
             started = time.monotonic()
-            out = subprocess.run(
-                [sys.executable, "-m", "cli", "hosts", "delete", cluster.host, "--force", "--json"],
-                capture_output=True,
-                text=True,
-                timeout=90,
-                env=cluster.poolctl_env(),
-                check=False,
-            )
+            out = cluster.poolctl("hosts", "delete", cluster.host, "--force", "--json")
             assert out.returncode == 0, out.stderr
             assert time.monotonic() - started < 30
             # The tenant was told before the host went (lost: revoked due now, so the
@@ -92,15 +84,7 @@ def test_force_with_its_agent_down_ends_the_leases_with_the_host(cluster: Cluste
         held = tenant.lease(2 << 20, ttl_s=60, renew=False)
         # The agent dies holding it: nobody uses that memory through poold any more.
         cluster.agent.kill()
-    argv = ["hosts", "delete", cluster.host, "--force", "--silent-s", "1", "--json"]
-    out = subprocess.run(
-        [sys.executable, "-m", "cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env=cluster.poolctl_env(),
-        check=False,
-    )
+    out = cluster.poolctl("hosts", "delete", cluster.host, "--force", "--silent-s", "1", "--json")
     assert out.returncode == 0, out.stderr
     assert "its agent does not answer" in out.stderr
     [outcome] = json.loads(out.stdout)["leases"]
