@@ -30,7 +30,7 @@ from agent.held import HeldLease, HeldLeases
 from agent.journal import SubDevice
 from agent.leftovers import LeftoverSweep, Tied
 from agent.link import PooldLink
-from agent.release_check import ReleaseCheck, close_copies
+from agent.release_check import ReleaseCheck, Taker, close_copies
 from agent.warm import WarmPool
 from poold.errors import BackendFailed, PoolError
 from poold.wire.agent import InventoryDevice, LeaseOp, ScrubOrder
@@ -110,6 +110,8 @@ class LeaseMemory:
         for backend in backends.values():
             if isinstance(backend, EmulatedBackend) and self.release_check.usable:
                 backend.hand_out = self.release_check.prepare  # warm memfds come prepared
+        if warm is not None:
+            self.release_check.recycler = self._recycler
         # The tenant reopens not yet sent, by (connection id, fd): closed once sent.
         self._unsent: dict[tuple[int, int], OnceFd] = {}
 
@@ -217,6 +219,34 @@ class LeaseMemory:
         if pin is not None and pin != Pin():
             return None
         return self.warm.take(lease.length_bytes)
+
+    def _recycler(self, memory: MemfdMaterialised) -> Taker | None:
+        """For a released warm memfd no one else holds, while the warm pool wants its
+        length: the taker that gives it back to the pool once the punch thread zeroed
+        it, with a fresh tenant reopen and probe (the old ones are closed)."""
+        warm = self.warm
+        if warm is None or not memory.warm or not warm.wants(memory.length_bytes):
+            return None
+        check = self.release_check
+
+        def take(fd: int) -> bool:
+            fresh = check.prepare(
+                MemfdMaterialised(
+                    fd=fd,
+                    backend=memory.backend,
+                    length_bytes=memory.length_bytes,
+                    page_size_bytes=memory.page_size_bytes,
+                    warm=True,
+                )
+            )
+            if not isinstance(fresh, MemfdMaterialised) or fresh.tenant is None:
+                return False  # no copies could be made: punched and closed instead
+            if warm.recycle(fresh):
+                return True
+            close_copies(fresh, keep_fd=True)
+            return False
+
+        return take
 
     def materialise_placed(
         self, lease: LeaseOut, *, shrinkable: bool = False, pin: Pin | None = None

@@ -5,9 +5,12 @@ sealed memfds of the lengths tenants recently asked for, refilled in the
 background. Prefaulting a 2 MiB memfd costs about 0.5 ms here, a third of the
 lease latency budget; taking one from the pool costs microseconds.
 
-Nothing in the pool was ever handed to anyone: every fd is fresh memory,
-handed out once, then gone from the pool. Only small lengths are kept warm,
-and the pool's total is capped, so it never holds meaningful RAM.
+What is in the pool is fresh memory or a memfd a tenant released, that the
+kernel said no one else holds and the agent then zeroed (agent/release_check.py:
+zeroing 2 MiB in place costs a fifth of freeing its pages and allocating new
+ones). Each is handed out once, then gone from the pool until released again.
+Only small lengths are kept warm, and the pool's total is capped, so it never
+holds meaningful RAM.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ DEFAULT_MAX_TOTAL_BYTES = 64 << 20
 # tight lease+release loop missed 44 % of the time (each miss a fallocate on the request
 # path, ~0.85 ms for 2 MiB here), with 8 21 %; the byte cap above still bounds the pool.
 PER_LENGTH = 8
+# Fresh memfds are made only below this many per length: above it, released memfds
+# (zeroed, far cheaper than fresh ones) fill the pool, so a tenant leasing and releasing
+# back to back is served from its own released memory and nothing is allocated.
+REFILL_TO = PER_LENGTH // 2
 MAX_LENGTHS = 4
 
 
@@ -41,6 +48,7 @@ class WarmPool:
         self._thread: threading.Thread | None = None
         self.hits = 0
         self.misses = 0
+        self.recycled = 0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._refill_loop, name="agent-warm", daemon=True)
@@ -52,12 +60,13 @@ class WarmPool:
             return None
         with self._lock:
             queue = self._ready.get(length_bytes)
-            got = queue.popleft() if queue else None
+            got = queue.pop() if queue else None  # the last returned: its pages are warm
             if got is not None:
                 self.hits += 1
             else:
                 self.misses += 1
             self._want.add(length_bytes)
+            self._ready.setdefault(length_bytes, deque())  # a released one may come back now
         self._wake.set()
         return got
 
@@ -69,6 +78,33 @@ class WarmPool:
                 queue.append(memory)
                 return
         self.backend.release(memory)
+
+    def ready(self, length_bytes: int) -> int:
+        """How many memfds of this length are ready now."""
+        with self._lock:
+            return len(self._ready.get(length_bytes, ()))
+
+    def wants(self, length_bytes: int) -> bool:
+        """Whether a released memfd of this length would be kept (:meth:`recycle`): a
+        length tenants asked for recently, with room under both caps."""
+        with self._lock:
+            return self._room(length_bytes)
+
+    def recycle(self, memory: Materialised) -> bool:
+        """Keep a released memfd, zeroed and with fresh copies, to hand out again; False
+        when there is no room for it now (the caller frees it)."""
+        with self._lock:
+            if not self._room(memory.length_bytes):
+                return False
+            self._ready[memory.length_bytes].append(memory)
+            self.recycled += 1
+            return True
+
+    def _room(self, length_bytes: int) -> bool:
+        queue = self._ready.get(length_bytes)
+        if queue is None or len(queue) >= PER_LENGTH or self._stop.is_set():
+            return False
+        return self._total() + length_bytes <= self.max_total_bytes
 
     def _total(self) -> int:
         return sum(m.length_bytes for q in self._ready.values() for m in q)
@@ -95,7 +131,7 @@ class WarmPool:
                 while not self._stop.is_set():
                     with self._lock:
                         queue = self._ready.get(length)
-                        if queue is None or len(queue) >= PER_LENGTH:
+                        if queue is None or len(queue) >= REFILL_TO:
                             break
                         if self._total() + length > self.max_total_bytes:
                             break

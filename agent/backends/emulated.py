@@ -227,6 +227,10 @@ class MemfdMaterialised(Materialised):
 
     tenant: OnceFd | None = None
     probe: OnceFd | None = None
+    # Made by the warm pool (named poold-warm, base pages, unpopulated, unbound, sealed
+    # against shrinking): such a memfd, released and held by no one, may be zeroed and
+    # handed out again (agent/release_check.py); any other is punched and closed.
+    warm: bool = False
 
     @property
     def sent_fd(self) -> int:
@@ -243,8 +247,9 @@ class MemfdMaterialised(Materialised):
 
 class NoSubDevices:
     """What a memfd backend answers to the sub-device side of the Backend protocol: it
-    carves none, and its pages are never reused, so there is nothing to destroy by name
-    or to scrub (an order for either is a mistake, refused)."""
+    carves none, and a memfd is reused only once the agent zeroed it itself
+    (agent/release_check.py), so there is nothing to destroy by name or to scrub (an
+    order for either is a mistake, refused)."""
 
     @property
     def revoke_unmaps(self) -> bool:
@@ -263,7 +268,7 @@ class NoSubDevices:
         on_deleted: Callable[[str], None] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> bool:
-        raise BackendFailed("a memfd backend has no range to scrub: its pages are fresh")
+        raise BackendFailed("a memfd backend has no range to scrub: the agent zeroes its memfds")
 
     def sub_device_sizes(self, region_id: int) -> dict[str, int]:
         return {}
@@ -316,7 +321,7 @@ class EmulatedBackend(NoSubDevices):
     def materialise(
         self, length_bytes: int, name: str, *, shrinkable: bool = False
     ) -> Materialised:
-        memory = self._memfd(length_bytes, name, shrinkable, False, False)
+        memory = self._memfd(length_bytes, name, shrinkable, False, False, warm=not shrinkable)
         hand_out = self.hand_out
         if hand_out is None:
             return memory
@@ -328,7 +333,13 @@ class EmulatedBackend(NoSubDevices):
 
     @staticmethod
     def _memfd(
-        length_bytes: int, name: str, shrinkable: bool, populate_pages: bool, huge: bool
+        length_bytes: int,
+        name: str,
+        shrinkable: bool,
+        populate_pages: bool,
+        huge: bool,
+        *,
+        warm: bool = False,
     ) -> Materialised:
         fd, populated = make_memfd(
             length_bytes, name, shrinkable=shrinkable, populate_pages=populate_pages, huge=huge
@@ -340,6 +351,7 @@ class EmulatedBackend(NoSubDevices):
             page_size_bytes=HUGE_2M if huge else mmap.PAGESIZE,
             numa_node=None,
             populated=populated,
+            warm=warm,
         )
 
     def release(self, materialised: Materialised) -> None:

@@ -46,6 +46,7 @@ from agent.protocol import (
 )
 from agent.server import AgentServer
 from agent.service import AgentService
+from agent.warm import WarmPool
 from poold.api.client import PooldClient
 from poold.errors import LeaseNotActive, NotOwner, NotShrinkable, UnknownLease
 from poold.wire.admin import TenantSpec
@@ -232,16 +233,26 @@ class LinkedAgent:
 
 @contextmanager
 def linked_agent(
-    api_url: str, admin: PooldClient, device: InventoryDevice, tenants: Sequence[str]
+    api_url: str,
+    admin: PooldClient,
+    device: InventoryDevice,
+    tenants: Sequence[str],
+    *,
+    warm: bool = False,
 ) -> Iterator[LinkedAgent]:
-    """Host h1 registered with ``device``, ``tenants`` allowed for this uid, an agent service."""
+    """Host h1 registered with ``device``, ``tenants`` allowed for this uid, an agent service
+    (with a running warm pool, as the agent has, when ``warm``)."""
     credential = admin.add_host("h1").credential
     for name in tenants:
         admin.create_tenant(TenantSpec(name=name, quota_bytes=1 << 30, allowed_uids=[os.getuid()]))
     client = PooldClient(api_url, credential)
     link = PooldLink(client, "test")
     link.register([device])
-    service = AgentService("h1", link, {"emulated": EmulatedBackend()})
+    backend = EmulatedBackend()
+    pool = WarmPool(backend) if warm else None
+    if pool is not None:
+        pool.start()
+    service = AgentService("h1", link, {"emulated": backend}, pool)
     try:
         yield LinkedAgent(service, link, client)
     finally:

@@ -26,7 +26,7 @@ import pytest
 
 from agent.backends.emulated import EmulatedBackend, MemfdMaterialised
 from agent.client import PoolClient
-from agent.release_check import PUNCH, ReleaseCheck, self_test
+from agent.release_check import PUNCH, ReleaseCheck, recyclable, self_test, zero
 from agent.service import AgentService
 from agent.warm import WarmPool
 from poold.api.client import PooldClient
@@ -505,3 +505,174 @@ def test_a_lease_ended_twice_while_mapped_is_freed_once_the_mapping_goes(
         if (st.st_dev, st.st_ino) == (inode.dev, inode.ino):
             ours.append(name)
     assert ours == [], "the agent still has a file of the ended lease's memfd"
+
+
+# --- released memfds handed out again ---------------------------------------------------
+
+
+@pytest.fixture
+def warm_agent(
+    api: ThreadedServer, admin: PooldClient
+) -> Iterator[tuple[PoolClient, AgentService]]:
+    """The agent as it runs: with a warm pool, which released memfds may go back to."""
+    with (
+        linked_agent(api.url, admin, emulated_device(256 * MIB), ["t"], warm=True) as linked,
+        serving(linked.service) as path,
+        PoolClient(path) as client,
+    ):
+        yield client, linked.service
+
+
+def _inode(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _released_and_settled(service: AgentService, lease_id: str) -> None:
+    PUNCH.settle()
+    assert service.held.get(lease_id) is None
+
+
+def _warmed(client: PoolClient, service: AgentService) -> None:
+    """Until the warm pool has a 2 MiB memfd ready: the first lease of a length is made on
+    the request path (never recycled: it is no warm memfd), and asks for the refill."""
+    assert service.warm is not None
+    client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False).release()
+    deadline = time.monotonic() + 10
+    while not service.warm.ready(2 * MIB):
+        assert time.monotonic() < deadline, "the warm pool made nothing"
+        time.sleep(0.01)
+
+
+@needs_check
+def test_a_released_memfd_is_handed_out_again_zeroed(
+    warm_agent: tuple[PoolClient, AgentService],
+) -> None:
+    """Released and held by no one, a warm memfd is zeroed in place and is what the next
+    lease of its length gets: the same inode, every byte zero, the seals and size kept."""
+    client, service = warm_agent
+    _warmed(client, service)
+    first = client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False)
+    inode = _inode(first.fd)
+    with first.mmap() as mm:
+        mm[:] = b"\xa5" * (2 * MIB)
+    first.release()
+    _released_and_settled(service, first.lease_id)
+    assert service.warm is not None and service.warm.recycled == 1
+    second = client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False)
+    try:
+        assert _inode(second.fd) == inode
+        with second.mmap() as mm:
+            assert mm[:] == bytes(2 * MIB)
+        assert os.fstat(second.fd).st_size == 2 * MIB
+    finally:
+        second.release()
+    assert service.memory.release_check.fast == 3  # the warming lease's too
+
+
+@needs_check
+@pytest.mark.parametrize("how", ["map", "fd"])
+def test_a_memfd_held_at_release_is_never_handed_out_again(
+    warm_agent: tuple[PoolClient, AgentService], how: str
+) -> None:
+    """A memfd someone else still holds (a mapping of another uid, an fd) is not zeroed
+    under them nor given to anyone: the next leases get other memory."""
+    client, service = warm_agent
+    _warmed(client, service)
+    lease = client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False)
+    inode = _inode(lease.fd)
+    holder = hold(lease.fd, how, uid=NOBODY if os.geteuid() == 0 else None)
+    try:
+        lease.release()
+        _released_and_settled(service, lease.lease_id)
+        assert service.warm is not None and service.warm.recycled == 0
+        assert service.memory.release_check.scanned == 1
+        later = [client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False) for _ in range(10)]
+        try:
+            assert inode not in {_inode(x.fd) for x in later}
+        finally:
+            for x in later:
+                x.release()
+    finally:
+        holder.end()
+
+
+@needs_check
+@pytest.mark.skipif(os.geteuid() != 0, reason="the holder drops to another uid: root")
+def test_an_o_path_holder_cannot_reach_the_next_tenants_memory(
+    warm_agent: tuple[PoolClient, AgentService],
+) -> None:
+    """An O_PATH file is not counted, so its inode may be handed out again; its holder can
+    still not reopen it (mode 0) while another lease writes into it."""
+    client, service = warm_agent
+    _warmed(client, service)
+    first = client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False)
+    holder = hold(first.fd, "opath", uid=NOBODY)
+    try:
+        inode = _inode(first.fd)
+        first.release()
+        _released_and_settled(service, first.lease_id)
+        second = client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False)
+        try:
+            assert _inode(second.fd) == inode
+            with second.mmap() as mm:
+                mm[:6] = b"secret"
+            holder.tell()
+            said = holder.next()
+            assert said["reopened"] is False
+        finally:
+            second.release()
+    finally:
+        holder.end()
+
+
+def test_zero_overwrites_every_byte_of_any_length() -> None:
+    """Past one pwritev's 1024 buffers, and a tail shorter than the zero buffer."""
+    length = (1030 << 16) + 100
+    fd = os.memfd_create("test-zero", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, length)
+        with mmap.mmap(fd, length) as mm:
+            mm[:] = b"\xff" * length
+            assert zero(fd, length) is True
+            assert mm[:] == bytes(length)
+    finally:
+        os.close(fd)
+
+
+@needs_check
+def test_only_a_memfd_as_the_warm_pool_makes_them_is_recycled() -> None:
+    """Mode 0 (set by the release check), its length, the lease seals: anything else is
+    punched and closed, not handed out again."""
+    backend = EmulatedBackend()
+    sealed = backend.materialise(2 * MIB, "test-recycle")
+    shrinkable = backend.materialise(2 * MIB, "test-recycle", shrinkable=True)
+    try:
+        assert isinstance(sealed, MemfdMaterialised) and sealed.warm
+        assert isinstance(shrinkable, MemfdMaterialised) and not shrinkable.warm
+        assert recyclable(sealed.fd, 2 * MIB) is False  # mode still as made
+        os.fchmod(sealed.fd, 0)
+        os.fchmod(shrinkable.fd, 0)
+        assert recyclable(sealed.fd, 2 * MIB) is True
+        assert recyclable(sealed.fd, 4 * MIB) is False
+        assert recyclable(shrinkable.fd, 2 * MIB) is False
+    finally:
+        backend.release(sealed)
+        backend.release(shrinkable)
+
+
+def test_the_warm_pool_keeps_a_released_memfd_only_where_it_has_room() -> None:
+    backend = EmulatedBackend()
+    pool = WarmPool(backend, max_total_bytes=4 * MIB)
+    made = [backend.materialise(2 * MIB, "test-recycle") for _ in range(3)]
+    try:
+        assert pool.wants(2 * MIB) is False  # a length no one asked for
+        assert pool.take(2 * MIB) is None  # asked now (the refill thread is not running)
+        assert pool.wants(2 * MIB) is True
+        assert pool.recycle(made[0]) and pool.recycle(made[1])
+        assert pool.wants(2 * MIB) is False and pool.recycle(made[2]) is False  # the cap
+        assert pool.take(2 * MIB) is made[1]  # the last returned first
+    finally:
+        pool.stop()
+        backend.release(made[1])
+        backend.release(made[2])
