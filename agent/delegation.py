@@ -146,6 +146,11 @@ class DelegatedCapacity:
         self._reservations: dict[str, _Held] = {}
         self._budgets: dict[str, _Budget] = {}
         self._leases: dict[str, LocalLease] = {}
+        # The same leases by reservation, and each tenant's (bytes, leases) of them: a
+        # grant asks both, and a pass over every local lease (hundreds wait for poold's
+        # word at a few thousand a second) was a fifth of the request thread's time.
+        self._in_res: dict[str, dict[str, LocalLease]] = {}
+        self._use: dict[str, list[int]] = {}
         # Epochs granted before a restart (journal), by reservation: max epoch seen.
         self._epoch_seen: dict[str, int] = {}
         self._demand = Demand()
@@ -216,7 +221,7 @@ class DelegatedCapacity:
             for rid, old in previous.items():
                 if rid in held or rid in self._gone or rid in self._giving:
                     continue  # still held, or this agent gave it back
-                if any(x.reservation_id == rid for x in self._leases.values()):
+                if self._in_res.get(rid):
                     self._withdrawn_busy[rid] = old.reservation.media
                 else:
                     self._withdrawn.add(rid)
@@ -249,13 +254,16 @@ class DelegatedCapacity:
         epochs they took are not given out twice (call before serving)."""
         with self._lock:
             for grant in grants:
-                self._leases[grant.lease_id] = LocalLease(
-                    grant.lease_id,
-                    grant.reservation_id,
-                    grant.tenant,
-                    grant.offset_bytes,
-                    grant.length_bytes,
-                    grant.epoch,
+                self._pop(grant.lease_id)
+                self._add(
+                    LocalLease(
+                        grant.lease_id,
+                        grant.reservation_id,
+                        grant.tenant,
+                        grant.offset_bytes,
+                        grant.length_bytes,
+                        grant.epoch,
+                    )
                 )
                 seen = self._epoch_seen.get(grant.reservation_id, 0)
                 self._epoch_seen[grant.reservation_id] = max(seen, grant.epoch)
@@ -317,15 +325,42 @@ class DelegatedCapacity:
             return self._used_by(tenant)
 
     def _used_by(self, tenant: str) -> tuple[int, int]:
-        mine = [lease for lease in self._leases.values() if lease.tenant == tenant]
-        return sum(lease.length_bytes for lease in mine), len(mine)
+        use = self._use.get(tenant)
+        return (0, 0) if use is None else (use[0], use[1])
 
     def _occupied(self, res: Reservation) -> list[Extent]:
-        return [
-            Extent(lease.offset_bytes, lease.length_bytes)
-            for lease in self._leases.values()
-            if lease.reservation_id == res.id
-        ]
+        inside = self._in_res.get(res.id)
+        if not inside:
+            return []
+        return [Extent(lease.offset_bytes, lease.length_bytes) for lease in inside.values()]
+
+    def _add(self, lease: LocalLease) -> None:
+        self._leases[lease.lease_id] = lease
+        self._in_res.setdefault(lease.reservation_id, {})[lease.lease_id] = lease
+        use = self._use.setdefault(lease.tenant, [0, 0])
+        use[0] += lease.length_bytes
+        use[1] += 1
+
+    def _pop(self, lease_id: str) -> LocalLease | None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return None
+        inside = self._in_res.get(lease.reservation_id)
+        if inside is not None:
+            inside.pop(lease_id, None)
+            if not inside:
+                del self._in_res[lease.reservation_id]
+        use = self._use[lease.tenant]
+        use[0] -= lease.length_bytes
+        use[1] -= 1
+        if use[1] == 0:
+            del self._use[lease.tenant]
+        return lease
+
+    def _shrink(self, lease: LocalLease, length_bytes: int) -> None:
+        new = min(lease.length_bytes, length_bytes)
+        self._use[lease.tenant][0] -= lease.length_bytes - new
+        lease.length_bytes = new
 
     def _free_in(self, held: _Held) -> int:
         res = held.reservation
@@ -385,8 +420,8 @@ class DelegatedCapacity:
             epoch = res.epoch_base + held.epochs_used
             held.epochs_used += 1
             lease_id = str(uuid.uuid4())
-            self._leases[lease_id] = LocalLease(
-                lease_id, res.id, budget.tenant, extent.offset, extent.length, epoch
+            self._add(
+                LocalLease(lease_id, res.id, budget.tenant, extent.offset, extent.length, epoch)
             )
             self._note_demand(budget.tenant, res.media, extent.length)
         wall = datetime.now(UTC) if wall is None else wall
@@ -489,15 +524,13 @@ class DelegatedCapacity:
         """A local grant whose memory could not be made: its extent is free again (its
         epoch stays spent), and poold never hears of it."""
         with self._lock:
-            lease = self._leases.pop(lease_id, None)
+            lease = self._pop(lease_id)
             if lease is not None:
                 self._freed_in(lease.reservation_id)
 
     def _freed_in(self, reservation_id: str) -> None:
         """A local lease left a reservation poold no longer lists: give it back if empty."""
-        if reservation_id in self._withdrawn_busy and not any(
-            x.reservation_id == reservation_id for x in self._leases.values()
-        ):
+        if reservation_id in self._withdrawn_busy and not self._in_res.get(reservation_id):
             del self._withdrawn_busy[reservation_id]
             self._withdrawn.add(reservation_id)
 
@@ -596,10 +629,10 @@ class DelegatedCapacity:
             if lease is None:
                 return
             if op in FREEING_OPS:
-                del self._leases[lease_id]
+                self._pop(lease_id)
                 self._freed_in(lease.reservation_id)
             elif op == "shrink" and length_bytes is not None:
-                lease.length_bytes = min(lease.length_bytes, length_bytes)
+                self._shrink(lease, length_bytes)
 
     # --- refill and give-back ----------------------------------------------------------
     def note_demand(self, tenant: str, media: str, length_bytes: int) -> None:

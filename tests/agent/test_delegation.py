@@ -6,12 +6,14 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent.delegation import DelegatedCapacity
 from agent.refill import RefillPolicy
 from poold.errors import DelegationExpired
 from poold.wire.agent import GrantRequest
-from poold.wire.delegation import EPOCH_BLOCK, Budget, Delegation, Reservation
+from poold.wire.delegation import EPOCH_BLOCK, Budget, Delegation, LocalGrant, Reservation
 
 MiB = 1 << 20
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -274,3 +276,69 @@ def test_refill_follows_demand_and_gives_back_above_the_high_watermark(clock: Cl
     assert tenant == "kv" and 2 * MiB + 8 * MiB <= nbytes < 2 * MiB + 16 * MiB
     view = d.budget_view("kv")
     assert view is not None and view[0] == nbytes
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["grant", "release", "abandon", "shrink", "restart"]),
+            st.integers(0, 40),
+            st.sampled_from(["kv", "other"]),
+            st.integers(1, 6),
+        ),
+        max_size=60,
+    )
+)
+def test_the_indexes_always_agree_with_the_leases(
+    steps: list[tuple[str, int, str, int]],
+) -> None:
+    """Each tenant's (bytes, leases) and each reservation's occupied extents, kept as
+    leases come and go, equal what a pass over every local lease says."""
+    d = held(
+        Clock(),
+        [reservation("r1", length=32 * MiB), reservation("r2", offset=0, length=32 * MiB)],
+        [budget("kv", uids=[1000]), budget("other", uids=[1001])],
+    )
+    for op, pick, tenant, size in steps:
+        leases = d.local_leases()
+        if op == "grant":
+            d.grant_locally(ask(size * MiB, uid=1000 if tenant == "kv" else 1001))
+        elif op == "restart":
+            kept = d.local_leases()
+            d = held(Clock(), list(d.reservations()), list(d.budgets()))
+            d.restore(
+                LocalGrant(
+                    lease_id=x.lease_id,
+                    reservation_id=x.reservation_id,
+                    tenant=x.tenant,
+                    offset_bytes=x.offset_bytes,
+                    length_bytes=x.length_bytes,
+                    requested_bytes=x.length_bytes,
+                    epoch=x.epoch,
+                    ttl_s=60,
+                    granted_at=T0,
+                    uid=1000,
+                    pid=42,
+                )
+                for x in kept
+            )
+        elif leases:
+            lease = leases[pick % len(leases)]
+            if op == "release":
+                d.delivered(lease.lease_id, "release")
+            elif op == "abandon":
+                d.abandon(lease.lease_id)
+            else:
+                d.delivered(lease.lease_id, "shrink", 2 * MiB)
+        leases = d.local_leases()
+        for name in ("kv", "other"):
+            mine = [x for x in leases if x.tenant == name]
+            assert d.budget_used(name) == (sum(x.length_bytes for x in mine), len(mine))
+        for res in d.reservations():
+            inside = sorted(
+                (x.offset_bytes, x.length_bytes) for x in leases if x.reservation_id == res.id
+            )
+            with d._lock:
+                indexed = sorted((e.offset, e.length) for e in d._occupied(res))
+            assert indexed == inside
