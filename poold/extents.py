@@ -43,18 +43,27 @@ def normalise_used(capacity: int, used: Iterable[Extent]) -> list[Extent]:
     """Sort the used extents, merging overlaps and clipping to the device.
 
     Quarantined ranges may overlap leases, so overlap is legal here; the
-    allocator only needs the union of what is not free.
+    allocator only needs the union of what is not free. Plain ints in the loop:
+    it runs for every candidate of every grant, over every lease of a device.
     """
     merged: list[Extent] = []
-    for ext in sorted(e for e in used if e.length > 0):
-        start, end = max(ext.offset, 0), min(ext.end, capacity)
-        if start >= end:
+    start = end = -1
+    for offset, stop in sorted([(e.offset, e.offset + e.length) for e in used if e.length > 0]):
+        if offset < 0:
+            offset = 0
+        if stop > capacity:
+            stop = capacity
+        if offset >= stop:
             continue
-        if merged and start <= merged[-1].end:
-            last = merged[-1]
-            merged[-1] = Extent(last.offset, max(last.end, end) - last.offset)
-        else:
+        if offset <= end:
+            if stop > end:
+                end = stop
+            continue
+        if end >= 0:
             merged.append(Extent(start, end - start))
+        start, end = offset, stop
+    if end >= 0:
+        merged.append(Extent(start, end - start))
     return merged
 
 
@@ -62,10 +71,10 @@ def free_extents(capacity: int, used: Iterable[Extent]) -> list[Extent]:
     """The gaps between used extents, in offset order."""
     free: list[Extent] = []
     cursor = 0
-    for ext in normalise_used(capacity, used):
-        if ext.offset > cursor:
-            free.append(Extent(cursor, ext.offset - cursor))
-        cursor = max(cursor, ext.end)
+    for offset, length in normalise_used(capacity, used):
+        if offset > cursor:
+            free.append(Extent(cursor, offset - cursor))
+        cursor = offset + length
     if cursor < capacity:
         free.append(Extent(cursor, capacity - cursor))
     return free
@@ -80,20 +89,26 @@ def best_fit(capacity: int, alignment: int, used: Iterable[Extent], size: int) -
 
     Ties go to the lowest offset so that allocation is deterministic.
     """
+    fit = best_fit_in(free_extents(capacity, used), alignment, size)
+    return None if fit is None else fit[0]
+
+
+def best_fit_in(holes: Iterable[Extent], alignment: int, size: int) -> tuple[Extent, int] | None:
+    """:func:`best_fit` over holes already computed, with the length of the hole it
+    lies in (what placement ranks devices by), or None."""
     if size <= 0:
         raise ValueError(f"size must be positive, got {size}")
     length = align_up(size, alignment)
     best: tuple[int, int] | None = None  # (hole length, aligned offset)
-    for hole in free_extents(capacity, used):
-        start = align_up(hole.offset, alignment)
-        if start + length > hole.end:
+    for offset, hole_length in holes:
+        start = -(-offset // alignment) * alignment
+        if start + length > offset + hole_length:
             continue
-        candidate = (hole.length, start)
-        if best is None or candidate < best:
-            best = candidate
+        if best is None or (hole_length, start) < best:
+            best = (hole_length, start)
     if best is None:
         return None
-    return Extent(best[1], length)
+    return Extent(best[1], length), best[0]
 
 
 def largest_free(capacity: int, alignment: int, used: Iterable[Extent]) -> int:

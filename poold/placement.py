@@ -101,10 +101,10 @@ def place(req: Request, candidates: Sequence[Candidate]) -> Choice | Refusal:
     )
     best: tuple[tuple[bool, tuple[int, int], int, int], Choice] | None = None
     for c in ranked:
-        ext = _fit(c, req.size_bytes)
-        if ext is None:
+        fit = _fit(c, req.size_bytes)
+        if fit is None:
             continue
-        hole = _hole_size(c, ext)
+        ext, hole = fit
         key = (c.health not in ("ok", "unknown"), _latency_key(c), hole, c.device_id)
         if best is None or key < best[0]:
             best = (key, Choice(c, ext))
@@ -118,12 +118,13 @@ def place(req: Request, candidates: Sequence[Candidate]) -> Choice | Refusal:
     return Refusal(reason, max(free.values(), default=0), free)
 
 
-def _fit(c: Candidate, size_bytes: int) -> Extent | None:
+def _fit(c: Candidate, size_bytes: int) -> tuple[Extent, int] | None:
+    """The extent ``c`` would give, and the length of the hole it is cut from."""
     if c.whole_only:
-        return extents.whole_fit(
-            c.capacity_bytes, c.alignment_bytes, c.used, c.reserved, size_bytes
-        )
-    return extents.best_fit(c.capacity_bytes, c.alignment_bytes, c.used, size_bytes)
+        ext = extents.whole_fit(c.capacity_bytes, c.alignment_bytes, c.used, c.reserved, size_bytes)
+        return None if ext is None else (ext, _hole_size(c, ext))
+    holes = extents.free_extents(c.capacity_bytes, c.used)
+    return extents.best_fit_in(holes, c.alignment_bytes, size_bytes)
 
 
 def _largest(c: Candidate) -> int:

@@ -231,6 +231,23 @@ def test_free_extents_are_disjoint_sorted_and_conserve_bytes(
     assert not any(f.overlaps(m) for f in free for m in merged)
 
 
+@given(
+    st.integers(0, 64),
+    st.lists(st.tuples(st.integers(-8, 72), st.integers(-4, 24)), max_size=12),
+)
+def test_normalise_used_is_the_union_clipped_to_the_device(
+    capacity: int, spans: list[tuple[int, int]]
+) -> None:
+    """Byte by byte: the merged extents cover exactly the used bytes inside the device,
+    in runs as long as they can be (touching extents merge)."""
+    used = [Extent(offset, length) for offset, length in spans]
+    covered = {b for e in used if e.length > 0 for b in range(e.offset, e.end) if 0 <= b < capacity}
+    merged = extents.normalise_used(capacity, used)
+    assert {b for m in merged for b in range(m.offset, m.end)} == covered
+    assert all(m.length > 0 for m in merged)
+    assert all(a.end < b.offset for a, b in itertools.pairwise(merged))
+
+
 class Allocator(RuleBasedStateMachine):
     """A device through any sequence of best-fit allocations and frees."""
 
