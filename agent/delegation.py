@@ -150,6 +150,7 @@ class DelegatedCapacity:
         # grant asks both, and a pass over every local lease (hundreds wait for poold's
         # word at a few thousand a second) was a fifth of the request thread's time.
         self._in_res: dict[str, dict[str, LocalLease]] = {}
+        self._res_used: dict[str, int] = {}  # bytes of those leases, by reservation
         self._use: dict[str, list[int]] = {}
         # Epochs granted before a restart (journal), by reservation: max epoch seen.
         self._epoch_seen: dict[str, int] = {}
@@ -337,6 +338,8 @@ class DelegatedCapacity:
     def _add(self, lease: LocalLease) -> None:
         self._leases[lease.lease_id] = lease
         self._in_res.setdefault(lease.reservation_id, {})[lease.lease_id] = lease
+        rid = lease.reservation_id
+        self._res_used[rid] = self._res_used.get(rid, 0) + lease.length_bytes
         use = self._use.setdefault(lease.tenant, [0, 0])
         use[0] += lease.length_bytes
         use[1] += 1
@@ -345,11 +348,15 @@ class DelegatedCapacity:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return None
-        inside = self._in_res.get(lease.reservation_id)
+        rid = lease.reservation_id
+        inside = self._in_res.get(rid)
         if inside is not None:
             inside.pop(lease_id, None)
             if not inside:
-                del self._in_res[lease.reservation_id]
+                del self._in_res[rid]
+        self._res_used[rid] = self._res_used.get(rid, 0) - lease.length_bytes
+        if rid not in self._in_res:
+            self._res_used.pop(rid, None)
         use = self._use[lease.tenant]
         use[0] -= lease.length_bytes
         use[1] -= 1
@@ -360,11 +367,13 @@ class DelegatedCapacity:
     def _shrink(self, lease: LocalLease, length_bytes: int) -> None:
         new = min(lease.length_bytes, length_bytes)
         self._use[lease.tenant][0] -= lease.length_bytes - new
+        rid = lease.reservation_id
+        self._res_used[rid] = self._res_used.get(rid, 0) - (lease.length_bytes - new)
         lease.length_bytes = new
 
     def _free_in(self, held: _Held) -> int:
         res = held.reservation
-        return res.length_bytes - sum(e.length for e in self._occupied(res))
+        return res.length_bytes - self._res_used.get(res.id, 0)
 
     # --- granting -------------------------------------------------------------------
     def grant_locally(
