@@ -416,6 +416,9 @@ def _apply_batch(
     now = utcnow()
     freed: set[int] = set()
     reads = local_commit.BatchReads()
+    grants = [op.lease_id for op in ops if op.grant is not None]
+    if len(grants) > 1:
+        reads.prefetch_recorded(conn, grants)
     results: list[LeaseOpResult | None] = [None] * len(ops)
     for i in order:
         op = ops[i]
@@ -443,7 +446,7 @@ def _apply_op(
     """One op of a batch; a PoolError is that op's refusal (raised before it writes)."""
     if op.grant is not None:
         return local_commit.commit(conn, host_id, host_name, op.grant, now, actor, reads)
-    lease = held_lease.read(conn, op.lease_id)
+    lease = reads.inserted.get(op.lease_id) or held_lease.read(conn, op.lease_id)
     if lease is None:
         raise UnknownLease(f"no lease {op.lease_id!r}", lease_id=op.lease_id)
     held_lease.owned_by_host(lease, host_id, host_name)

@@ -10,9 +10,10 @@ grant arrives as a lease poold has never seen, made within a delegation
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, bindparam, func, select, text
 
@@ -30,6 +31,7 @@ from poold.lease_states import LIVE_STATES_SQL, LeaseState
 from poold.ledger import budgets, tenants, transitions
 from poold.ledger.db import Prepared
 from poold.ledger.granting import INSERT_LEASE, quota_use
+from poold.ledger.held_lease import Held
 from poold.ledger.models import Budget, Device, Lease, Reservation, Tenant
 from poold.ledger.transitions import event_row
 from poold.ledger.types import check_ints_fit
@@ -37,6 +39,20 @@ from poold.wire.agent import LeaseOpResult
 from poold.wire.delegation import EPOCH_BLOCK, LocalGrant
 
 _LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
+
+
+class _Recorded(NamedTuple):
+    """A local grant's row as `_LOCAL_GRANT_AS_RECORDED` reads it."""
+
+    host_id: int
+    reservation_id: str | None
+    tenant_id: int
+    offset_bytes: int
+    length_bytes: int
+    epoch: int
+    state: str
+
+
 _RESERVATION = Prepared(
     select(
         Reservation.id,
@@ -62,6 +78,17 @@ _LOCAL_GRANT_AS_RECORDED = Prepared(
         Lease.state,
     ).where(Lease.id == bindparam("lease_id"))
 )
+# The same, for every local grant of a batch at once (an expanding IN: plain Core).
+_LOCAL_GRANTS_AS_RECORDED = select(
+    Lease.id,
+    Lease.host_id,
+    Lease.reservation_id,
+    Lease.tenant_id,
+    Lease.offset_bytes,
+    Lease.length_bytes,
+    Lease.epoch,
+    Lease.state,
+).where(Lease.id.in_(bindparam("lease_ids", expanding=True)))
 _OVERLAPPING = Prepared(
     select(Lease.id)
     .where(
@@ -107,6 +134,23 @@ class BatchReads:
     budgets: dict[int, Any] = field(default_factory=dict)  # by tenant id; None: no row
     spent: dict[int, list[int]] = field(default_factory=dict)  # tenant id -> [bytes, leases]
     swapped: set[int] = field(default_factory=set)  # tenants whose generation it swapped
+    # Its local grants' rows as already recorded (a replay), read in one statement for
+    # the whole batch and kept in step with what the batch inserts; None: one by one.
+    recorded: dict[str, Any] | None = None
+    # The leases this batch inserted, as an op on them reads one (held_lease.read):
+    # a release that rides in the same batch as its grant needs no read of its own.
+    inserted: dict[str, Held] = field(default_factory=dict)
+
+    def prefetch_recorded(self, conn: Connection, lease_ids: Sequence[str]) -> None:
+        self.recorded = {}
+        for chunk in transitions.chunks(sorted(set(lease_ids))):
+            for row in conn.execute(_LOCAL_GRANTS_AS_RECORDED, {"lease_ids": list(chunk)}):
+                self.recorded[row.id] = row
+
+    def as_recorded(self, conn: Connection, lease_id: str) -> Any:
+        if self.recorded is None:
+            return _LOCAL_GRANT_AS_RECORDED.one_or_none(conn, {"lease_id": lease_id})
+        return self.recorded.get(lease_id)
 
     def tenant(self, conn: Connection, grant: LocalGrant, host_name: str) -> Any:
         key = (grant.tenant, grant.uid, tuple(grant.gids))
@@ -152,7 +196,7 @@ def commit(
     commits reads again (no quota excess between them).
     """
     batch = BatchReads() if batch is None else batch
-    recorded = _LOCAL_GRANT_AS_RECORDED.one_or_none(conn, {"lease_id": grant.lease_id})
+    recorded = batch.as_recorded(conn, grant.lease_id)
     tenant = batch.tenant(conn, grant, host_name)
     if recorded is not None:
         same = (
@@ -251,6 +295,7 @@ def commit(
         if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
             raise transitions.LostRace
         batch.swapped.add(tenant.id)
+    expires_at = grant.granted_at + timedelta(seconds=grant.ttl_s)
     INSERT_LEASE.write(
         conn,
         {
@@ -266,7 +311,7 @@ def commit(
             "epoch": grant.epoch,
             "granted_at": grant.granted_at,
             "activated_at": grant.granted_at,
-            "expires_at": grant.granted_at + timedelta(seconds=grant.ttl_s),
+            "expires_at": expires_at,
             "ended_at": None,
             "holder_uid": grant.uid,
             "holder_gid": grant.gids[0] if grant.gids else None,
@@ -277,6 +322,27 @@ def commit(
             "reported_at": None,
             "reservation_id": res.id,
         },
+    )
+    if batch.recorded is not None:
+        batch.recorded[grant.lease_id] = _Recorded(
+            host_id,
+            res.id,
+            tenant.id,
+            grant.offset_bytes,
+            grant.length_bytes,
+            grant.epoch,
+            LeaseState.ACTIVE.value,
+        )
+    batch.inserted[grant.lease_id] = Held(
+        id=grant.lease_id,
+        state=LeaseState.ACTIVE.value,
+        host_id=host_id,
+        tenant_id=tenant.id,
+        device_id=res.device_id,
+        expires_at=expires_at,
+        ttl_s=grant.ttl_s,
+        offset_bytes=grant.offset_bytes,
+        length_bytes=grant.length_bytes,
     )
     common: dict[str, Any] = {
         "at": now,

@@ -100,3 +100,46 @@ def test_budget_a_quota_cut_could_not_claw_back_is_not_spent_again_once_freed(
         ).one()
         assert tuple(live) == (4, 8 * MiB)
         assert list(s.execute(select(Budget.bytes, Budget.leases))) == [(8 * MiB, 4)]
+
+
+def test_a_lease_granted_and_released_in_one_batch_is_recorded_as_two_batches_would(
+    ledger: Ledger,
+) -> None:
+    """The batch reads its grants' rows once and an op on a lease it just inserted reads
+    no row: the result, the lease row and the events are those of two batches. A grant
+    sent twice in one batch is recorded once (the second is a replay), and one sent with
+    other fields is refused."""
+    seed(ledger, quota_bytes=64 * MiB, quota_leases=10)
+    d = delegation.delegate(
+        ledger,
+        "h1",
+        DelegationRequest(
+            reserve=[ReserveWant(bytes=16 * MiB)],
+            budgets=[BudgetWant(tenant="t1", bytes=16 * MiB, leases=8)],
+        ),
+        "agent:h1",
+    )
+    ops = [
+        local_grant_op(d, "A", 0, epoch=0),
+        LeaseOp(lease_id="A", op="release", reason="released"),
+        local_grant_op(d, "B", 2 * MiB, epoch=1),
+        local_grant_op(d, "B", 2 * MiB, epoch=1),
+        local_grant_op(d, "B", 4 * MiB, epoch=1),
+        local_grant_op(d, "C", 4 * MiB, epoch=2),
+    ]
+    got = _ops(ledger, ops)
+    assert got[:4] == [("active", None), ("released", None), ("active", None), ("active", None)]
+    assert got[4] == (None, "local_grant_mismatch")
+    assert got[5] == ("active", None)
+    with ledger.read() as s:
+        rows = {x.id: x for x in s.execute(select(Lease.id, Lease.state, Lease.ended_at))}
+        assert {k: v.state for k, v in rows.items()} == {
+            "A": "released",
+            "B": "active",
+            "C": "active",
+        }
+        assert rows["A"].ended_at is not None
+        kinds = s.scalars(select(Event.kind).where(Event.lease_id == "A").order_by(Event.id))
+        assert list(kinds) == ["lease.grant", "lease.activate", "lease.release"]
+        kinds = s.scalars(select(Event.kind).where(Event.lease_id == "B").order_by(Event.id))
+        assert list(kinds) == ["lease.grant", "lease.activate"]  # recorded once
