@@ -146,10 +146,10 @@ class DelegatedCapacity:
         self._reservations: dict[str, _Held] = {}
         self._budgets: dict[str, _Budget] = {}
         self._leases: dict[str, LocalLease] = {}
-        # The same leases by reservation, and each tenant's (bytes, leases) of them: a
+        # Their extents by reservation, and each tenant's (bytes, leases) of them: a
         # grant asks both, and a pass over every local lease (hundreds wait for poold's
         # word at a few thousand a second) was a fifth of the request thread's time.
-        self._in_res: dict[str, dict[str, LocalLease]] = {}
+        self._in_res: dict[str, dict[str, Extent]] = {}  # by reservation, then lease id
         self._res_used: dict[str, int] = {}  # bytes of those leases, by reservation
         self._use: dict[str, list[int]] = {}
         # Epochs granted before a restart (journal), by reservation: max epoch seen.
@@ -333,11 +333,12 @@ class DelegatedCapacity:
         inside = self._in_res.get(res.id)
         if not inside:
             return []
-        return [Extent(lease.offset_bytes, lease.length_bytes) for lease in inside.values()]
+        return list(inside.values())
 
     def _add(self, lease: LocalLease) -> None:
         self._leases[lease.lease_id] = lease
-        self._in_res.setdefault(lease.reservation_id, {})[lease.lease_id] = lease
+        extent = Extent(lease.offset_bytes, lease.length_bytes)
+        self._in_res.setdefault(lease.reservation_id, {})[lease.lease_id] = extent
         rid = lease.reservation_id
         self._res_used[rid] = self._res_used.get(rid, 0) + lease.length_bytes
         use = self._use.setdefault(lease.tenant, [0, 0])
@@ -370,6 +371,9 @@ class DelegatedCapacity:
         rid = lease.reservation_id
         self._res_used[rid] = self._res_used.get(rid, 0) - (lease.length_bytes - new)
         lease.length_bytes = new
+        inside = self._in_res.get(rid)
+        if inside is not None and lease.lease_id in inside:
+            inside[lease.lease_id] = Extent(lease.offset_bytes, new)
 
     def _free_in(self, held: _Held) -> int:
         res = held.reservation
