@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from agent.local_leases import LocalLease, LocalLeases
 from agent.refill import Demand, HeldReservation, RefillPolicy, budget_want, reservation_want
 from poold import placement
 from poold.errors import DelegationExpired
@@ -59,20 +60,6 @@ PERSISTENT_MEDIA = frozenset({"pmem", "nvdimm", "optane", "persistent"})
 
 # Ops after whose delivery poold counts a lease's range free again.
 FREEING_OPS = frozenset({"release", "abort", "unmapped", "scrubbed"})
-
-
-@dataclass
-class LocalLease:
-    """A lease this agent granted inside a reservation: the extent it occupies."""
-
-    lease_id: str
-    reservation_id: str
-    tenant: str
-    offset_bytes: int
-    length_bytes: int
-    epoch: int
-    # poold's last delegation does not list its reservation (flagged, reported).
-    stray: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,13 +132,7 @@ class DelegatedCapacity:
         self._lock = threading.Lock()
         self._reservations: dict[str, _Held] = {}
         self._budgets: dict[str, _Budget] = {}
-        self._leases: dict[str, LocalLease] = {}
-        # Their extents by reservation, and each tenant's (bytes, leases) of them: a
-        # grant asks both, and a pass over every local lease (hundreds wait for poold's
-        # word at a few thousand a second) was a fifth of the request thread's time.
-        self._in_res: dict[str, dict[str, Extent]] = {}  # by reservation, then lease id
-        self._res_used: dict[str, int] = {}  # bytes of those leases, by reservation
-        self._use: dict[str, list[int]] = {}
+        self._leases = LocalLeases()
         # Epochs granted before a restart (journal), by reservation: max epoch seen.
         self._epoch_seen: dict[str, int] = {}
         self._demand = Demand()
@@ -198,7 +179,7 @@ class DelegatedCapacity:
         with self._lock:
             if sent_at is not None:
                 if self._applied_sent_at is not None and sent_at < self._applied_sent_at:
-                    return sorted(x.lease_id for x in self._leases.values() if x.stray)
+                    return sorted(x.lease_id for x in self._leases if x.stray)
                 self._applied_sent_at = sent_at
                 self._limits = [
                     x for x in self._limits if x.settled_at is None or x.settled_at >= sent_at
@@ -222,7 +203,7 @@ class DelegatedCapacity:
             for rid, old in previous.items():
                 if rid in held or rid in self._gone or rid in self._giving:
                     continue  # still held, or this agent gave it back
-                if self._in_res.get(rid):
+                if self._leases.any_in(rid):
                     self._withdrawn_busy[rid] = old.reservation.media
                 else:
                     self._withdrawn.add(rid)
@@ -233,7 +214,7 @@ class DelegatedCapacity:
                 for b in delegation.budgets
             }
             stray: list[str] = []
-            for lease in self._leases.values():
+            for lease in self._leases:
                 was = lease.stray
                 lease.stray = lease.reservation_id not in held or not _inside(
                     held[lease.reservation_id].reservation, lease
@@ -255,8 +236,7 @@ class DelegatedCapacity:
         epochs they took are not given out twice (call before serving)."""
         with self._lock:
             for grant in grants:
-                self._pop(grant.lease_id)
-                self._add(
+                self._leases.add(
                     LocalLease(
                         grant.lease_id,
                         grant.reservation_id,
@@ -288,11 +268,11 @@ class DelegatedCapacity:
 
     def local_leases(self) -> list[LocalLease]:
         with self._lock:
-            return [LocalLease(**vars(lease)) for lease in self._leases.values()]
+            return [LocalLease(**vars(lease)) for lease in self._leases]
 
     def stray_ids(self) -> list[str]:
         with self._lock:
-            return sorted(lease.lease_id for lease in self._leases.values() if lease.stray)
+            return sorted(lease.lease_id for lease in self._leases if lease.stray)
 
     def reservations(self) -> list[Reservation]:
         with self._lock:
@@ -326,58 +306,14 @@ class DelegatedCapacity:
             return self._used_by(tenant)
 
     def _used_by(self, tenant: str) -> tuple[int, int]:
-        use = self._use.get(tenant)
-        return (0, 0) if use is None else (use[0], use[1])
+        return self._leases.used_by(tenant)
 
     def _occupied(self, res: Reservation) -> list[Extent]:
-        inside = self._in_res.get(res.id)
-        if not inside:
-            return []
-        return list(inside.values())
-
-    def _add(self, lease: LocalLease) -> None:
-        self._leases[lease.lease_id] = lease
-        extent = Extent(lease.offset_bytes, lease.length_bytes)
-        self._in_res.setdefault(lease.reservation_id, {})[lease.lease_id] = extent
-        rid = lease.reservation_id
-        self._res_used[rid] = self._res_used.get(rid, 0) + lease.length_bytes
-        use = self._use.setdefault(lease.tenant, [0, 0])
-        use[0] += lease.length_bytes
-        use[1] += 1
-
-    def _pop(self, lease_id: str) -> LocalLease | None:
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
-            return None
-        rid = lease.reservation_id
-        inside = self._in_res.get(rid)
-        if inside is not None:
-            inside.pop(lease_id, None)
-            if not inside:
-                del self._in_res[rid]
-        self._res_used[rid] = self._res_used.get(rid, 0) - lease.length_bytes
-        if rid not in self._in_res:
-            self._res_used.pop(rid, None)
-        use = self._use[lease.tenant]
-        use[0] -= lease.length_bytes
-        use[1] -= 1
-        if use[1] == 0:
-            del self._use[lease.tenant]
-        return lease
-
-    def _shrink(self, lease: LocalLease, length_bytes: int) -> None:
-        new = min(lease.length_bytes, length_bytes)
-        self._use[lease.tenant][0] -= lease.length_bytes - new
-        rid = lease.reservation_id
-        self._res_used[rid] = self._res_used.get(rid, 0) - (lease.length_bytes - new)
-        lease.length_bytes = new
-        inside = self._in_res.get(rid)
-        if inside is not None and lease.lease_id in inside:
-            inside[lease.lease_id] = Extent(lease.offset_bytes, new)
+        return self._leases.occupied(res.id)
 
     def _free_in(self, held: _Held) -> int:
         res = held.reservation
-        return res.length_bytes - self._res_used.get(res.id, 0)
+        return res.length_bytes - self._leases.used_in(res.id)
 
     # --- granting -------------------------------------------------------------------
     def grant_locally(
@@ -433,7 +369,7 @@ class DelegatedCapacity:
             epoch = res.epoch_base + held.epochs_used
             held.epochs_used += 1
             lease_id = str(uuid.uuid4())
-            self._add(
+            self._leases.add(
                 LocalLease(lease_id, res.id, budget.tenant, extent.offset, extent.length, epoch)
             )
             self._note_demand(budget.tenant, res.media, extent.length)
@@ -537,13 +473,13 @@ class DelegatedCapacity:
         """A local grant whose memory could not be made: its extent is free again (its
         epoch stays spent), and poold never hears of it."""
         with self._lock:
-            lease = self._pop(lease_id)
+            lease = self._leases.pop(lease_id)
             if lease is not None:
                 self._freed_in(lease.reservation_id)
 
     def _freed_in(self, reservation_id: str) -> None:
         """A local lease left a reservation poold no longer lists: give it back if empty."""
-        if reservation_id in self._withdrawn_busy and not self._in_res.get(reservation_id):
+        if reservation_id in self._withdrawn_busy and not self._leases.any_in(reservation_id):
             del self._withdrawn_busy[reservation_id]
             self._withdrawn.add(reservation_id)
 
@@ -642,10 +578,10 @@ class DelegatedCapacity:
             if lease is None:
                 return
             if op in FREEING_OPS:
-                self._pop(lease_id)
+                self._leases.pop(lease_id)
                 self._freed_in(lease.reservation_id)
             elif op == "shrink" and length_bytes is not None:
-                self._shrink(lease, length_bytes)
+                self._leases.shrink(lease_id, length_bytes)
 
     # --- refill and give-back ----------------------------------------------------------
     def note_demand(self, tenant: str, media: str, length_bytes: int) -> None:

@@ -341,6 +341,6 @@ def test_the_indexes_always_agree_with_the_leases(
             )
             with d._lock:
                 indexed = sorted((e.offset, e.length) for e in d._occupied(res))
-                used = d._res_used.get(res.id, 0)
+                used = d._leases.used_in(res.id)
             assert indexed == inside
             assert used == sum(length for _, length in inside)
