@@ -459,6 +459,15 @@ class PooldLink:
             if _no_verdict(err) or err.http_status in (401, 403):
                 self.enqueue(LeaseOp(lease_id=lease_id, op="abort", reason=reason))
 
+    def give_up(self, lease: LeaseOut, reason: str) -> None:
+        """A lease its tenant will not get (the memory could not be made): aborted while
+        granted; one recorded active with its grant (``GrantRequest.activate``) is
+        released through the outbox, which delivers it whatever poold's state."""
+        if lease.state == "granted":
+            self.abort_now(lease.id, reason)
+        elif self.local is None or not self.local.abandon(lease.id):
+            self.enqueue(LeaseOp(lease_id=lease.id, op="release", reason=reason))
+
     def activate(self, lease_id: str) -> LeaseOut:
         return self.client.activate(lease_id)
 

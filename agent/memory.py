@@ -264,7 +264,7 @@ class LeaseMemory:
                 backend, lease, shrinkable=shrinkable, pin=pin
             )
         except BaseException as exc:
-            self.link.abort_now(lease.id, f"materialise failed: {exc}")
+            self.link.give_up(lease, f"materialise failed: {exc}")
             if isinstance(exc, PoolError):
                 raise
             raise BackendFailed(f"could not materialise lease: {exc}") from exc

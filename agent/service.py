@@ -221,7 +221,8 @@ class AgentService:
 
     def _authorise_then_make(self, peer: Peer, args: p.LeaseArgs) -> tuple[LeaseOut, Materialised]:
         """The one way to a lease's memory: poold authorises it (grants it), then the agent
-        makes its memory within the in-flight budgets, then poold activates it.
+        makes its memory within the in-flight budgets (poold recorded it active with the
+        grant; an older poold's granted lease is activated after the memory is made).
 
         Nothing is made, taken from the warm pool, or counted towards pressure before the
         grant, so a caller no tenant allows costs the host nothing but the refusal. (A
@@ -244,7 +245,7 @@ class AgentService:
                 memory = self.memory.materialise_placed(lease, shrinkable=args.shrinkable, pin=pin)
         except BaseException as err:
             if not making:
-                self.link.abort_now(lease.id, f"not materialised: {err}")
+                self.link.give_up(lease, f"not materialised: {err}")
             self.delegation.abandon(lease.id)  # a local grant's extent is free again
             self.link.settled(lease.id)
             raise
@@ -259,6 +260,9 @@ class AgentService:
             return
         held.extra["lost_reason"] = (p.LOST_ENDED, why)
         self.revocations.revoke([lease_id])
+
+    def _host_has_devdax(self) -> bool:
+        return any(d.kind == "devdax" for d in self.link.inventory)
 
     def _host_has_real(self) -> bool:
         """This host reaches real far memory (placement keeps emulated memory out then)."""
@@ -300,6 +304,12 @@ class AgentService:
             gids=list(peer.all_gids),
             pid=peer.pid,
             labels=dict(args.labels),
+            # Recorded active at once where the memory is a memfd (made right after the
+            # grant; one that cannot be is released, PooldLink.give_up): a separate
+            # activation was a second round trip and transaction per central lease. A
+            # host with dax devices keeps the two steps: carving a sub-device can fail,
+            # and a lease that never had memory is aborted, not released.
+            activate=not self._host_has_devdax(),
         )
         try:
             return self.admission.grant(req, args.wait_s)

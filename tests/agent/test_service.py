@@ -28,6 +28,7 @@ from poold.ledger.types import utcnow
 from poold.wire.admin import TenantSpec
 from poold.wire.agent import InventoryDevice
 from tests.agent.backends.test_devdax import BASE0, FakeDaxKernel, _add_write_only_attrs
+from tests.agent.conftest import emulated_device, linked_agent
 from tests.conftest import ThreadedServer
 from tests.fixtures.machines.loader import Machine
 
@@ -119,3 +120,50 @@ def test_devdax_failure_aborts_the_grant_and_leaves_no_sub_device(
     assert list(dev.iterdir()) == []
     (lease,) = admin.list_leases()
     assert lease.state == "aborted"
+
+
+# --- a host of memfd memory: granted active in one request ------------------------------
+
+
+@pytest.fixture
+def memfd_agent(api: ThreadedServer, admin: PooldClient) -> Iterator[AgentService]:
+    with linked_agent(api.url, admin, emulated_device(256 * MIB), ["t"]) as linked:
+        yield linked.service
+
+
+def test_a_memfd_lease_is_recorded_active_by_its_grant_alone(
+    memfd_agent: AgentService, admin: PooldClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No activation request: poold records the lease granted and active in the grant's
+    transaction (both events), and the tenant's lease is the same as before."""
+
+    def no_activation(lease_id: str) -> None:
+        raise AssertionError(f"activation asked for {lease_id}")
+
+    monkeypatch.setattr(memfd_agent.link.client, "activate", no_activation)
+    result, _fd = memfd_agent.lease(PEER, p.LeaseArgs(size_bytes=2 * MIB, tenant="t"))
+    lease = admin.show_lease(result.lease_id)
+    assert lease.state == "active" and lease.activated_at is not None
+    memfd_agent.release(PEER, p.ReleaseArgs(lease_id=result.lease_id))
+
+
+def test_a_memfd_lease_whose_memory_cannot_be_made_is_released(
+    memfd_agent: AgentService, admin: PooldClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recorded active with its grant, a lease whose memory fails is ended through the
+    outbox (released: it never held bytes), not left active for its ttl."""
+    from poold.errors import BackendFailed
+
+    def fail(*_args: object, **_kw: object) -> None:
+        raise BackendFailed("no memory today")
+
+    monkeypatch.setattr(memfd_agent.memory.backends["emulated"], "materialise_placed", fail)
+    with pytest.raises(BackendFailed):
+        memfd_agent.lease(PEER, p.LeaseArgs(size_bytes=2 * MIB, tenant="t"))
+    (lease,) = admin.list_leases()
+    deadline = time.monotonic() + 10
+    while admin.show_lease(lease.id).state == "active":
+        memfd_agent.link.flush()
+        assert time.monotonic() < deadline, "the lease stayed active"
+        time.sleep(0.05)
+    assert admin.show_lease(lease.id).state == "released"
