@@ -461,12 +461,20 @@ class PooldLink:
 
     def give_up(self, lease: LeaseOut, reason: str) -> None:
         """A lease its tenant will not get (the memory could not be made): aborted while
-        granted; one recorded active with its grant (``GrantRequest.activate``) is
-        released through the outbox, which delivers it whatever poold's state."""
+        granted; one recorded active with its grant (``GrantRequest.activate``) released,
+        at once as an abort is, so that the refusal the tenant gets finds the ledger
+        already without it; through the outbox when poold gives no verdict."""
         if lease.state == "granted":
             self.abort_now(lease.id, reason)
-        elif self.local is None or not self.local.abandon(lease.id):
-            self.enqueue(LeaseOp(lease_id=lease.id, op="release", reason=reason))
+            return
+        if self.local is not None and self.local.abandon(lease.id):
+            return  # granted locally and never reported: poold has nothing to end
+        op = LeaseOp(lease_id=lease.id, op="release", reason=reason)
+        try:
+            self.client.apply_ops([op], request_id=new_request_id())
+        except PoolError as err:
+            if _no_verdict(err) or err.http_status in (401, 403):
+                self.enqueue(op)
 
     def activate(self, lease_id: str) -> LeaseOut:
         return self.client.activate(lease_id)
