@@ -42,7 +42,7 @@ _LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
 
 
 class _Recorded(NamedTuple):
-    """A local grant's row as `_LOCAL_GRANT_AS_RECORDED` reads it."""
+    """A local grant's row as `_LOCAL_GRANT_AS_RECORDED` reads it (`_RECORDED_COLUMNS`)."""
 
     host_id: int
     reservation_id: str | None
@@ -67,20 +67,8 @@ _RESERVATION = Prepared(
     .join(Device, Device.id == Reservation.device_id)
     .where(Reservation.id == bindparam("reservation_id"))
 )
-_LOCAL_GRANT_AS_RECORDED = Prepared(
-    select(
-        Lease.host_id,
-        Lease.reservation_id,
-        Lease.tenant_id,
-        Lease.offset_bytes,
-        Lease.length_bytes,
-        Lease.epoch,
-        Lease.state,
-    ).where(Lease.id == bindparam("lease_id"))
-)
-# The same, for every local grant of a batch at once (an expanding IN: plain Core).
-_LOCAL_GRANTS_AS_RECORDED = select(
-    Lease.id,
+# What a replayed local grant is compared on (`_Recorded` below, in this order).
+_RECORDED_COLUMNS = (
     Lease.host_id,
     Lease.reservation_id,
     Lease.tenant_id,
@@ -88,7 +76,14 @@ _LOCAL_GRANTS_AS_RECORDED = select(
     Lease.length_bytes,
     Lease.epoch,
     Lease.state,
-).where(Lease.id.in_(bindparam("lease_ids", expanding=True)))
+)
+_LOCAL_GRANT_AS_RECORDED = Prepared(
+    select(*_RECORDED_COLUMNS).where(Lease.id == bindparam("lease_id"))
+)
+# The same, for every local grant of a batch at once (an expanding IN: plain Core).
+_LOCAL_GRANTS_AS_RECORDED = select(Lease.id, *_RECORDED_COLUMNS).where(
+    Lease.id.in_(bindparam("lease_ids", expanding=True))
+)
 _OVERLAPPING = Prepared(
     select(Lease.id)
     .where(
