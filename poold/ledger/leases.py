@@ -415,10 +415,7 @@ def _apply_batch(
 ) -> list[LeaseOpResult]:
     now = utcnow()
     freed: set[int] = set()
-    reads = local_commit.BatchReads()
-    grants = [op.lease_id for op in ops if op.grant is not None]
-    if len(grants) > 1:
-        reads.prefetch_recorded(conn, grants)
+    reads = local_commit.BatchReads.for_batch(conn, ops)
     results: list[LeaseOpResult | None] = [None] * len(ops)
     for i in order:
         op = ops[i]
