@@ -11,7 +11,7 @@ from poold.ledger.db import Ledger
 from poold.ledger.models import Budget, Event, Lease, Tenant
 from poold.wire.admin import TenantUpdate
 from poold.wire.agent import LeaseOp
-from poold.wire.delegation import BudgetWant, DelegationRequest, ReserveWant
+from poold.wire.delegation import BudgetWant, Delegation, DelegationRequest, ReserveWant
 from tests.poold.conftest import MiB, local_grant_op, seed
 
 
@@ -24,20 +24,25 @@ def _generation(ledger: Ledger) -> int:
         return int(s.scalar(select(Tenant.generation).where(Tenant.name == "t1")) or 0)
 
 
+def _delegated(ledger: Ledger, *, reserve: int, budget: int, leases: int) -> Delegation:
+    """Host h1's delegation: one reservation, and a budget of tenant t1."""
+    return delegation.delegate(
+        ledger,
+        "h1",
+        DelegationRequest(
+            reserve=[ReserveWant(bytes=reserve)],
+            budgets=[BudgetWant(tenant="t1", bytes=budget, leases=leases)],
+        ),
+        "agent:h1",
+    )
+
+
 def test_a_batch_spends_the_budget_grant_by_grant_and_frees_before_it_grants(
     ledger: Ledger,
 ) -> None:
     # The quota is the budget: a grant past the budget cannot be kept as an overrun.
     seed(ledger, quota_bytes=6 * MiB, quota_leases=3)
-    d = delegation.delegate(
-        ledger,
-        "h1",
-        DelegationRequest(
-            reserve=[ReserveWant(bytes=16 * MiB)],
-            budgets=[BudgetWant(tenant="t1", bytes=6 * MiB, leases=3)],
-        ),
-        "agent:h1",
-    )
+    d = _delegated(ledger, reserve=16 * MiB, budget=6 * MiB, leases=3)
     before = _generation(ledger)
     first = [local_grant_op(d, f"L{i}", i * 2 * MiB, epoch=i) for i in range(5)]
     assert _ops(ledger, first) == [("active", None)] * 3 + [(None, "budget_exceeded")] * 2
@@ -69,15 +74,7 @@ def test_budget_a_quota_cut_could_not_claw_back_is_not_spent_again_once_freed(
     budget is not granted into again: that would take the tenant's real holdings back
     over its new quota (seen in the 4-agent delegation run)."""
     seed(ledger, quota_bytes=64 * MiB, quota_leases=32)
-    d = delegation.delegate(
-        ledger,
-        "h1",
-        DelegationRequest(
-            reserve=[ReserveWant(bytes=32 * MiB)],
-            budgets=[BudgetWant(tenant="t1", bytes=16 * MiB, leases=8)],
-        ),
-        "agent:h1",
-    )
+    d = _delegated(ledger, reserve=32 * MiB, budget=16 * MiB, leases=8)
     held = [local_grant_op(d, f"L{i}", i * 2 * MiB, epoch=i) for i in range(8)]
     assert _ops(ledger, held) == [("active", None)] * 8
     tenants.update_tenant(
@@ -110,15 +107,7 @@ def test_a_lease_granted_and_released_in_one_batch_is_recorded_as_two_batches_wo
     sent twice in one batch is recorded once (the second is a replay), and one sent with
     other fields is refused."""
     seed(ledger, quota_bytes=64 * MiB, quota_leases=10)
-    d = delegation.delegate(
-        ledger,
-        "h1",
-        DelegationRequest(
-            reserve=[ReserveWant(bytes=16 * MiB)],
-            budgets=[BudgetWant(tenant="t1", bytes=16 * MiB, leases=8)],
-        ),
-        "agent:h1",
-    )
+    d = _delegated(ledger, reserve=16 * MiB, budget=16 * MiB, leases=8)
     ops = [
         local_grant_op(d, "A", 0, epoch=0),
         LeaseOp(lease_id="A", op="release", reason="released"),
