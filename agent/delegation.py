@@ -303,13 +303,7 @@ class DelegatedCapacity:
     def budget_used(self, tenant: str) -> tuple[int, int]:
         """(bytes, leases) of the tenant's local leases (what its budget is spent on)."""
         with self._lock:
-            return self._used_by(tenant)
-
-    def _used_by(self, tenant: str) -> tuple[int, int]:
-        return self._leases.used_by(tenant)
-
-    def _occupied(self, res: Reservation) -> list[Extent]:
-        return self._leases.occupied(res.id)
+            return self._leases.used_by(tenant)
 
     def _free_in(self, held: _Held) -> int:
         res = held.reservation
@@ -335,7 +329,7 @@ class DelegatedCapacity:
             if entry is None:
                 return None
             budget = entry.budget
-            used_bytes, used_leases = self._used_by(budget.tenant)
+            used_bytes, used_leases = self._leases.used_by(budget.tenant)
             view_bytes, view_leases = self._view(budget)
             if used_leases + 1 > view_leases:
                 return None
@@ -442,7 +436,7 @@ class DelegatedCapacity:
         candidates = []
         for index, h in enumerate(held):
             res = h.reservation
-            used = [Extent(0, res.offset_bytes), *self._occupied(res)]
+            used = [Extent(0, res.offset_bytes), *self._leases.occupied(res.id)]
             candidates.append(
                 placement.Candidate(
                     device_id=index,
@@ -522,7 +516,7 @@ class DelegatedCapacity:
             size = -(-req.size_bytes // max(1, alignment_bytes)) * max(1, alignment_bytes)
             # Read with the debit under one lock: every local grant after it fits the
             # lowered view, every one before it is in this count.
-            limit = _Limit(tenant, size, 1, local_use=self._used_by(tenant))
+            limit = _Limit(tenant, size, 1, local_use=self._leases.used_by(tenant))
             self._limits.append(limit)
             return limit
 
@@ -619,7 +613,7 @@ class DelegatedCapacity:
                         h.reservation.id,
                         h.reservation.length_bytes,
                         self._free_in(h),
-                        bool(self._occupied(h.reservation)),
+                        self._leases.any_in(h.reservation.id),
                     )
                     for h in self._reservations.values()
                     if h.reservation.media == media
@@ -634,13 +628,13 @@ class DelegatedCapacity:
             spent = [
                 h.reservation.id
                 for h in self._reservations.values()
-                if h.epochs_used >= EPOCH_BLOCK and not self._occupied(h.reservation)
+                if h.epochs_used >= EPOCH_BLOCK and not self._leases.any_in(h.reservation.id)
             ]
             give_back.extend(spent)
             self._giving.update(spent)
             budgets: list[BudgetWant] = []
             for tenant, rates in sorted(by_tenant.items()):
-                used_bytes, used_leases = self._used_by(tenant)
+                used_bytes, used_leases = self._leases.used_by(tenant)
                 idle = now - self._last_demand.get(tenant, now)
                 if idle > p.idle_budget_s and not used_bytes:
                     # No lease of it here for long: its budget goes back to the quota

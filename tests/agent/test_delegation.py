@@ -340,7 +340,7 @@ def test_the_indexes_always_agree_with_the_leases(
                 (x.offset_bytes, x.length_bytes) for x in leases if x.reservation_id == res.id
             )
             with d._lock:
-                indexed = sorted((e.offset, e.length) for e in d._occupied(res))
+                indexed = sorted((e.offset, e.length) for e in d._leases.occupied(res.id))
                 used = d._leases.used_in(res.id)
             assert indexed == inside
             assert used == sum(length for _, length in inside)
