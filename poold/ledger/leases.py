@@ -376,8 +376,11 @@ def apply_ops(
         return []
     granted = {op.lease_id for op in ops if op.op == "local_grant"}
     order = sorted(range(len(ops)), key=lambda i: (ops[i].lease_id in granted, ops[i].lease_id))
+    attempts = 0
 
     def attempt() -> list[LeaseOpResult]:
+        nonlocal attempts
+        attempts += 1
         try:
             with ledger.write_conn() as conn:
                 host_id = _host_id(ledger, conn, host_name)
@@ -385,7 +388,9 @@ def apply_ops(
                     stored = agent_requests.recall(conn, host_id, request_id, agent_requests.OPS)
                     if stored is not None:
                         return [LeaseOpResult.model_validate(x) for x in stored]
-                results = _apply_batch(conn, host_id, host_name, ops, order, actor)
+                results = _apply_batch(
+                    conn, host_id, host_name, ops, order, actor, first_attempt=attempts == 1
+                )
                 if request_id is not None:
                     agent_requests.remember(
                         conn,
@@ -397,7 +402,9 @@ def apply_ops(
                 return results
         except IntegrityError as exc:
             # A local grant that met PostgreSQL's exclusion constraint (a racing batch
-            # placed over it): the rerun reads that lease and refuses this one.
+            # placed over it, or the lease was there already: a first attempt leaves
+            # the overlap check to the constraint): the rerun checks each grant, reads
+            # that lease and refuses this one.
             if "ex_leases_no_overlap" not in str(exc.orig) and not agent_requests.is_duplicate(exc):
                 raise
             raise transitions.LostRace from exc  # the rerun answers what the winner stored
@@ -412,17 +419,20 @@ def _apply_batch(
     ops: Sequence[LeaseOp],
     order: Sequence[int],
     actor: str,
+    *,
+    first_attempt: bool = False,
 ) -> list[LeaseOpResult]:
     now = utcnow()
     freed: set[int] = set()
-    reads = local_commit.BatchReads.for_batch(conn, ops)
+    reads = local_commit.BatchReads.for_batch(conn, ops, first_attempt=first_attempt)
     results: list[LeaseOpResult | None] = [None] * len(ops)
-    for i in order:
-        op = ops[i]
-        try:
-            results[i] = _apply_op(conn, host_id, host_name, op, now, actor, freed, reads)
-        except PoolError as err:
-            results[i] = LeaseOpResult(lease_id=op.lease_id, code=err.code, message=err.message)
+    with transitions.events_at_end(conn):
+        for i in order:
+            op = ops[i]
+            try:
+                results[i] = _apply_op(conn, host_id, host_name, op, now, actor, freed, reads)
+            except PoolError as err:
+                results[i] = LeaseOpResult(lease_id=op.lease_id, code=err.code, message=err.message)
     # One bump per device however many of its leases ended; in id order, so
     # that two batches freeing the same devices lock them in the same order.
     for device_id in sorted(freed):
@@ -443,7 +453,11 @@ def _apply_op(
     """One op of a batch; a PoolError is that op's refusal (raised before it writes)."""
     if op.grant is not None:
         return local_commit.commit(conn, host_id, host_name, op.grant, now, actor, reads)
-    lease = reads.inserted.get(op.lease_id) or held_lease.read(conn, op.lease_id)
+    lease = (
+        reads.inserted.get(op.lease_id)
+        or reads.held.pop(op.lease_id, None)
+        or held_lease.read(conn, op.lease_id)
+    )
     if lease is None:
         raise UnknownLease(f"no lease {op.lease_id!r}", lease_id=op.lease_id)
     held_lease.owned_by_host(lease, host_id, host_name)

@@ -25,10 +25,11 @@ from poold.errors import (
     LocalGrantMismatch,
     NotOwner,
     OutsideReservation,
+    PoolError,
     UnknownReservation,
 )
 from poold.lease_states import LIVE_STATES_SQL, LeaseState
-from poold.ledger import budgets, tenants, transitions
+from poold.ledger import budgets, held_lease, tenants, transitions
 from poold.ledger.db import Prepared
 from poold.ledger.granting import INSERT_LEASE, quota_use
 from poold.ledger.held_lease import Held
@@ -135,12 +136,27 @@ class BatchReads:
     # The leases this batch inserted, as an op on them reads one (held_lease.read):
     # a release that rides in the same batch as its grant needs no read of its own.
     inserted: dict[str, Held] = field(default_factory=dict)
+    # The leases its other ops act on (releases, shrinks...), read in one statement for
+    # the whole batch. Each row is taken by the first op on its lease: nothing before it
+    # in the batch writes that lease, and a second op on it reads it again.
+    held: dict[str, Held] = field(default_factory=dict)
+    # PostgreSQL's exclusion constraint (ex_leases_no_overlap, over the same live states)
+    # refuses an overlapping insert by itself: the batch's first attempt leaves the
+    # overlap check to it, and a batch it refused runs again checking each grant, which
+    # refuses the overlapping one alone (`leases.apply_ops`). SQLite has no such
+    # constraint: every grant is checked.
+    overlap_by_constraint: bool = False
 
     @classmethod
-    def for_batch(cls, conn: Connection, ops: Sequence[LeaseOp]) -> BatchReads:
+    def for_batch(
+        cls, conn: Connection, ops: Sequence[LeaseOp], *, first_attempt: bool = False
+    ) -> BatchReads:
         """The reads of one op batch, its local grants' recorded rows read at once when
         it has several (one grant: one keyed read, cheaper than an IN)."""
-        reads = cls()
+        reads = cls(overlap_by_constraint=first_attempt and conn.dialect.name == "postgresql")
+        others = {op.lease_id for op in ops if op.grant is None}
+        if len(others) > 1:
+            reads.held = held_lease.read_many(conn, list(others))
         grants = sorted({op.lease_id for op in ops if op.grant is not None})
         if len(grants) > 1:
             reads.recorded = {}
@@ -249,50 +265,62 @@ def commit(
             lease_id=grant.lease_id,
             reservation_id=res.id,
         )
-    other = _OVERLAPPING.scalar(
-        conn, {"device_id": res.device_id, "offset": grant.offset_bytes, "end": end_bytes}
-    )
-    if other is not None:
-        raise LeaseOverlap(
-            f"lease {grant.lease_id} overlaps live lease {other}",
-            lease_id=grant.lease_id,
-            other_lease_id=other,
+
+    def refuse_if_overlapping() -> None:
+        other = _OVERLAPPING.scalar(
+            conn, {"device_id": res.device_id, "offset": grant.offset_bytes, "end": end_bytes}
         )
-    if grant.requested_bytes > grant.length_bytes:
-        raise BadRequest(
-            f"lease {grant.lease_id} requested more bytes than it holds",
-            lease_id=grant.lease_id,
-        )
-    check_ints_fit(Lease.__table__, {"holder_uid": grant.uid, "holder_pid": grant.pid})
-    budget, spent = batch.budget_and_spent(conn, tenant.id, host_id)
-    spent_bytes, spent_leases = spent
-    # The budget is a mechanism, the quota the invariant: a grant its agent made before
-    # hearing its budget was lowered (a quota cut, a central grant of this host, a fair
-    # share) is kept when the quota has room for it (budgets.fit_local_grant). No budget
-    # row at all: the agent never held one here, or asked it back having capped its view.
-    if budget is None or (
-        (spent_leases + 1 > budget.leases or spent_bytes + grant.length_bytes > budget.bytes)
-        and not budgets.fit_local_grant(
-            conn,
-            tenant_id=tenant.id,
-            host_id=host_id,
-            use=quota_use(conn, tenant.id),
-            quota_bytes=tenant.quota_bytes,
-            quota_leases=tenant.quota_leases,
-            length_bytes=grant.length_bytes,
-            lease_id=grant.lease_id,
-            actor=actor,
-        )
-    ):
-        raise BudgetExceeded(
-            f"tenant {tenant.name!r} on host {host_name!r} would hold "
-            f"{spent_bytes + grant.length_bytes} bytes in {spent_leases + 1} local leases; "
-            f"its budget there is "
-            + ("none" if budget is None else f"{budget.bytes} bytes, {budget.leases} leases"),
-            tenant=tenant.name,
-            budget_bytes=0 if budget is None else budget.bytes,
-            budget_leases=0 if budget is None else budget.leases,
-        )
+        if other is not None:
+            raise LeaseOverlap(
+                f"lease {grant.lease_id} overlaps live lease {other}",
+                lease_id=grant.lease_id,
+                other_lease_id=other,
+            )
+
+    if not batch.overlap_by_constraint:
+        refuse_if_overlapping()
+    try:
+        if grant.requested_bytes > grant.length_bytes:
+            raise BadRequest(
+                f"lease {grant.lease_id} requested more bytes than it holds",
+                lease_id=grant.lease_id,
+            )
+        check_ints_fit(Lease.__table__, {"holder_uid": grant.uid, "holder_pid": grant.pid})
+        budget, spent = batch.budget_and_spent(conn, tenant.id, host_id)
+        spent_bytes, spent_leases = spent
+        # The budget is a mechanism, the quota the invariant: a grant its agent made before
+        # hearing its budget was lowered (a quota cut, a central grant of this host, a fair
+        # share) is kept when the quota has room for it (budgets.fit_local_grant). No budget
+        # row at all: the agent never held one here, or asked it back having capped its view.
+        if budget is None or (
+            (spent_leases + 1 > budget.leases or spent_bytes + grant.length_bytes > budget.bytes)
+            and not budgets.fit_local_grant(
+                conn,
+                tenant_id=tenant.id,
+                host_id=host_id,
+                use=quota_use(conn, tenant.id),
+                quota_bytes=tenant.quota_bytes,
+                quota_leases=tenant.quota_leases,
+                length_bytes=grant.length_bytes,
+                lease_id=grant.lease_id,
+                actor=actor,
+            )
+        ):
+            raise BudgetExceeded(
+                f"tenant {tenant.name!r} on host {host_name!r} would hold "
+                f"{spent_bytes + grant.length_bytes} bytes in {spent_leases + 1} local leases; "
+                f"its budget there is "
+                + ("none" if budget is None else f"{budget.bytes} bytes, {budget.leases} leases"),
+                tenant=tenant.name,
+                budget_bytes=0 if budget is None else budget.bytes,
+                budget_leases=0 if budget is None else budget.leases,
+            )
+    except PoolError:
+        # An overlap is the refusal an overlapping grant gets on either backend, as if
+        # it had been checked first.
+        if batch.overlap_by_constraint:
+            refuse_if_overlapping()
+        raise
     if tenant.id not in batch.swapped:
         if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
             raise transitions.LostRace

@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import insert, select, update
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from poold.errors import (
@@ -382,6 +382,46 @@ def test_apply_ops_each_op_on_its_own(ledger: Ledger) -> None:
     foreign = leases.apply_ops(ledger, "h2", [LeaseOp(lease_id=c.id, op="release")], "agent:h2")
     assert foreign[0].code == "not_owner"
     assert lease_views.show(ledger, c.id).state == "granted"
+
+
+def test_an_op_batch_journals_each_applied_op_once_in_the_order_applied(
+    ledger: Ledger,
+) -> None:
+    """A batch's events are written together when it ends (`transitions.events_at_end`),
+    and its leases' rows read together when it starts (`BatchReads.held`): still one event
+    per transition, in the order the ops were applied (lease id order), none for a refused
+    op, and a second op on a lease sees what the first one wrote."""
+    seed(ledger)
+    a, b, c = sorted((grant(ledger, MiB, activate=True) for _ in range(3)), key=lambda x: x.id)
+    with ledger.read() as s:
+        before = s.scalar(select(func.max(Event.id)))
+    results = leases.apply_ops(
+        ledger,
+        "h1",
+        [
+            LeaseOp(lease_id=c.id, op="release_mapped"),
+            LeaseOp(lease_id=b.id, op="scrubbed"),  # refused: b is active
+            LeaseOp(lease_id=a.id, op="release"),
+            LeaseOp(lease_id=c.id, op="unmapped"),
+        ],
+        "agent:h1",
+    )
+    assert [(r.state, r.code) for r in results] == [
+        ("released_mapped", None),
+        (None, "invalid_transition"),
+        ("released", None),
+        ("released", None),
+    ]
+    with ledger.read() as s:
+        rows = s.execute(
+            select(Event.lease_id, Event.kind).where(Event.id > before).order_by(Event.id)
+        ).all()
+    assert [tuple(r) for r in rows] == [
+        (a.id, "lease.release"),
+        (c.id, "lease.release_mapped"),
+        (c.id, "lease.unmapped"),
+    ]
+    assert lease_views.show(ledger, b.id).state == "active"
 
 
 def test_grant_applies_pending_release_first(ledger: Ledger) -> None:

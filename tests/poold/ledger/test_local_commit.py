@@ -132,3 +132,33 @@ def test_a_lease_granted_and_released_in_one_batch_is_recorded_as_two_batches_wo
         assert list(kinds) == ["lease.grant", "lease.activate", "lease.release"]
         kinds = s.scalars(select(Event.kind).where(Event.lease_id == "B").order_by(Event.id))
         assert list(kinds) == ["lease.grant", "lease.activate"]  # recorded once
+
+
+def test_an_overlapping_local_grant_is_refused_alone_the_rest_of_its_batch_kept(
+    ledger: Ledger,
+) -> None:
+    """On PostgreSQL a batch's first attempt leaves the overlap check to the exclusion
+    constraint; the constraint refusing the batch runs it again checking each grant. Either
+    way: the overlapping grant alone is refused, with nothing of it written."""
+    seed(ledger)
+    d = _delegated(ledger, reserve=16 * MiB, budget=16 * MiB, leases=8)
+    assert _ops(ledger, [local_grant_op(d, "A", 0)]) == [("active", None)]
+    batch = [
+        local_grant_op(d, "B", 2 * MiB, epoch=1),
+        local_grant_op(d, "C", 0, epoch=2),  # overlaps A
+        local_grant_op(d, "D", 4 * MiB, epoch=3),
+        local_grant_op(d, "E", 4 * MiB, epoch=4),  # overlaps D, granted in this batch
+    ]
+    assert _ops(ledger, batch) == [
+        ("active", None),
+        (None, "lease_overlap"),
+        ("active", None),
+        (None, "lease_overlap"),
+    ]
+    with ledger.read() as s:
+        assert sorted(s.scalars(select(Lease.id))) == ["A", "B", "D"]
+        kinds = s.execute(select(Event.lease_id, Event.kind).where(Event.lease_id.is_not(None)))
+        by_lease: dict[str, list[str]] = {}
+        for lease_id, kind in kinds:
+            by_lease.setdefault(lease_id, []).append(kind)
+    assert by_lease == {lid: ["lease.grant", "lease.activate"] for lid in ("A", "B", "D")}
