@@ -15,8 +15,9 @@ import anyio
 import anyio.to_thread
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter
 
+from poold.api import sliced
 from poold.api.gate import AUTH_DEPENDENCIES, Outage, Principal
 from poold.wire.routes import (
     ROUTES,
@@ -143,9 +144,9 @@ def _parse_body(route: Route[Any], raw: bytes) -> BaseModel | None:
     if route.body_optional and not raw.strip():
         return None  # older clients send no body: the handler applies the defaults
     try:
-        return route.body.model_validate_json(raw)
-    except ValidationError as exc:
-        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        return sliced.validate_json(route.body, raw)
+    except sliced.BodyInvalid as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors]
         raise RequestValidationError(errors) from None
 
 
@@ -201,7 +202,9 @@ def _threaded(
             return value
         assert adapter is not None, f"{route.name} returns no body"
         return Response(
-            adapter.dump_json(value), status_code=route.status_code, media_type="application/json"
+            sliced.dump_json(adapter, value),
+            status_code=route.status_code,
+            media_type="application/json",
         )
 
     async def endpoint(**kwargs: Any) -> Response:
