@@ -564,28 +564,48 @@ def health_floor(url: str, n: int) -> list[float]:
     return out
 
 
+def _send_heartbeat(url: str, credential: str, items: int, out: Any) -> None:
+    """The probe's heartbeat, sent from a process of its own (`heartbeat_probe`)."""
+    beat = Heartbeat(
+        agent_version="bench-scale",
+        renewals=[Renewal(lease_id=str(uuid.uuid4()), ttl_s=60) for _ in range(items)],
+    )
+    body = beat.model_dump_json().encode()
+    with httpx.Client(timeout=600) as http:
+        t0 = time.perf_counter()
+        resp = http.post(
+            f"{url}/v1/agent/heartbeat",
+            content=body,
+            headers={"Authorization": f"Bearer {credential}", "Content-Type": "application/json"},
+        )
+        beat_s = time.perf_counter() - t0
+    refused, error = 0, None
+    if resp.status_code == 200:
+        refused = sum(1 for r in resp.json()["renewed"] if r.get("code"))
+    else:
+        error = resp.json().get("code", str(resp.status_code))
+    out.put((beat_s, refused, error))
+
+
 def heartbeat_probe(url: str, credential: str, items: int) -> dict[str, Any]:
-    """One heartbeat of `items` renewals of unknown leases, /v1/health polled meanwhile."""
+    """One heartbeat of `items` renewals of unknown leases, /v1/health polled meanwhile.
+
+    The heartbeat is built, sent and its reply read in a process of its own: in this one
+    its JSON (6 MB out, 12 MB back) would hold this process's GIL for a few hundred ms,
+    and the poller thread's latencies would be the bench's own, not poold's."""
     with PooldClient(url, credential, timeout_s=600) as agent:
         agent.register(Heartbeat(agent_version="bench-scale", inventory=[]))
-        beat = Heartbeat(
-            agent_version="bench-scale",
-            renewals=[Renewal(lease_id=str(uuid.uuid4()), ttl_s=60) for _ in range(items)],
-        )
-        poller = HealthPoller([url], interval_s=0.01)
-        poller.start()
-        time.sleep(0.2)  # a few idle polls first
-        t0 = time.perf_counter()
-        error = None
-        refused = 0
-        try:
-            reply = agent.heartbeat(beat)
-            refused = sum(1 for r in reply.renewed if r.code)
-        except PoolError as err:
-            error = err.code
-        beat_s = time.perf_counter() - t0
-        time.sleep(0.2)
-        poller.stop()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    sender = ctx.Process(target=_send_heartbeat, args=(url, credential, items, out))
+    poller = HealthPoller([url], interval_s=0.01)
+    poller.start()
+    time.sleep(0.2)  # a few idle polls first
+    sender.start()
+    beat_s, refused, error = out.get(timeout=900)
+    sender.join(60)
+    time.sleep(0.2)
+    poller.stop()
     lat = ms(poller.latencies)
     return {
         "items": items,
