@@ -270,6 +270,11 @@ def commit(
         other = _OVERLAPPING.scalar(
             conn, {"device_id": res.device_id, "offset": grant.offset_bytes, "end": end_bytes}
         )
+        if other == grant.lease_id:
+            # This very grant, committed by a concurrent batch (the agent resent it through
+            # another poold) after this one found it unrecorded: the rerun answers it as
+            # the replay it is.
+            raise transitions.LostRace
         if other is not None:
             raise LeaseOverlap(
                 f"lease {grant.lease_id} overlaps live lease {other}",

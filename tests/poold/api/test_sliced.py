@@ -82,7 +82,9 @@ def _bad_item(index: int, item: Any) -> bytes:
         _body(renewals=_renewals(100_001)),  # past the list's max_length
         _body(admission_wanted_bytes=-1),  # the head
         _body(unknown_field=1),
-        b'{"agent_version": "t", "renewals": [' + b"NaN," * (sliced.SLICED_BODY_BYTES // 4) + b"1]}",
+        b'{"agent_version": "t", "renewals": ['
+        + b"NaN," * (sliced.SLICED_BODY_BYTES // 4)
+        + b"1]}",
         b"[" + b"1," * sliced.SLICED_BODY_BYTES + b"1]",  # not an object
         b'{"renewals": [' + b" " * sliced.SLICED_BODY_BYTES,  # not JSON
     ],

@@ -12,7 +12,7 @@ from poold.ledger.models import Budget, Event, Lease, Tenant
 from poold.wire.admin import TenantUpdate
 from poold.wire.agent import LeaseOp
 from poold.wire.delegation import BudgetWant, Delegation, DelegationRequest, ReserveWant
-from tests.poold.conftest import MiB, local_grant_op, seed
+from tests.poold.conftest import MiB, at_once, device, local_grant_op, seed
 
 
 def _ops(ledger: Ledger, ops: list[LeaseOp]) -> list[tuple[str | None, str | None]]:
@@ -162,3 +162,25 @@ def test_an_overlapping_local_grant_is_refused_alone_the_rest_of_its_batch_kept(
         for lease_id, kind in kinds:
             by_lease.setdefault(lease_id, []).append(kind)
     assert by_lease == {lid: ["lease.grant", "lease.activate"] for lid in ("A", "B", "D")}
+
+
+def test_one_local_grant_committed_by_two_batches_at_once_is_recorded_once(
+    ledger: Ledger,
+) -> None:
+    """An agent that resends an outbox batch through another poold while the first is still
+    running: two transactions commit the same local grant at once. One records it, the
+    other answers it as a replay (no duplicate key, no overlap refusal)."""
+    seed(
+        ledger, devices=[device(capacity_bytes=4096 * MiB)], quota_leases=1000, quota_bytes=1 << 40
+    )
+    d = _delegated(ledger, reserve=512 * MiB, budget=512 * MiB, leases=500)
+    for i in range(40):
+        ops = [local_grant_op(d, f"R{i}", i * 2 * MiB, epoch=i)]
+        first, second = at_once(
+            lambda ops=ops: _ops(ledger, ops), lambda ops=ops: _ops(ledger, ops)
+        )
+        assert first == second == [("active", None)], i
+    with ledger.read() as s:
+        assert s.scalar(select(func.count()).select_from(Lease)) == 40
+        grants = s.scalar(select(func.count()).where(Event.kind == "lease.grant"))
+    assert grants == 40
