@@ -13,7 +13,17 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, case, func, insert, select, text, union_all
+from sqlalchemy import (
+    Connection,
+    bindparam,
+    case,
+    func,
+    insert,
+    literal_column,
+    select,
+    text,
+    union_all,
+)
 
 from poold import placement
 from poold.extents import Extent
@@ -25,21 +35,29 @@ from poold.ledger.models import Budget, Device, DevicePath, Lease, Quarantine, R
 
 _LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
 _CENTRAL = Lease.reservation_id.is_(None)
-# A tenant's live leases per host, central and local (granted inside a reservation).
-_TENANT_USAGE = Prepared(
-    select(
-        Lease.host_id,
-        func.coalesce(func.sum(case((_CENTRAL, Lease.length_bytes), else_=0)), 0),
-        func.count(case((_CENTRAL, 1))),
-        func.coalesce(func.sum(case((_CENTRAL, 0), else_=Lease.length_bytes)), 0),
-        func.count(case((_CENTRAL, None), else_=1)),
-    )
-    .where(Lease.tenant_id == bindparam("tenant_id"), _LIVE_SQL)
-    .group_by(Lease.host_id)
-)
-_TENANT_BUDGETS = Prepared(
-    select(Budget.host_id, Budget.bytes, Budget.leases).where(
-        Budget.tenant_id == bindparam("tenant_id")
+# What counts against a tenant's quota, in one statement: per host its live leases,
+# central and local (granted inside a reservation) ("lease" rows), and its budgets
+# ("budget" rows: bytes, leases).
+_TENANT_USE = Prepared(
+    union_all(
+        select(
+            literal_column("'lease'").label("kind"),
+            Lease.host_id,
+            func.coalesce(func.sum(case((_CENTRAL, Lease.length_bytes), else_=0)), 0),
+            func.count(case((_CENTRAL, 1))),
+            func.coalesce(func.sum(case((_CENTRAL, 0), else_=Lease.length_bytes)), 0),
+            func.count(case((_CENTRAL, None), else_=1)),
+        )
+        .where(Lease.tenant_id == bindparam("tenant_id"), _LIVE_SQL)
+        .group_by(Lease.host_id),
+        select(
+            literal_column("'budget'"),
+            Budget.host_id,
+            Budget.bytes,
+            Budget.leases,
+            literal_column("0"),
+            literal_column("0"),
+        ).where(Budget.tenant_id == bindparam("tenant_id")),
     )
 )
 _HOST_DEVICES = Prepared(
@@ -118,12 +136,15 @@ def quota_use(conn: Connection, tenant_id: int) -> QuotaUse:
     local: dict[int, tuple[int, int]] = {}
     # int(): PostgreSQL's SUM(bigint) is a numeric (Decimal), which would leak
     # into the quota_exceeded detail and fail to serialise to JSON.
-    for host_id, c_bytes, c_leases, l_bytes, l_leases in _TENANT_USAGE.rows(conn, params):
+    budgets: dict[int, tuple[int, int]] = {}
+    for kind, host_id, c_bytes, c_leases, l_bytes, l_leases in _TENANT_USE.rows(conn, params):
+        if kind == "budget":
+            budgets[int(host_id)] = (int(c_bytes), int(c_leases))
+            continue
         central_bytes += int(c_bytes)
         central_leases += int(c_leases)
         if l_leases:
             local[int(host_id)] = (int(l_bytes), int(l_leases))
-    budgets = {int(h): (int(b), int(n)) for h, b, n in _TENANT_BUDGETS.rows(conn, params)}
     return QuotaUse(central_bytes, central_leases, local, budgets)
 
 
