@@ -963,7 +963,8 @@ def database(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[str, str]]:
     finally:
         with contextlib.suppress(Exception):
             server.stop()
-        shutil.rmtree(server.root, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(server.root, ignore_errors=True)
 
 
 def main() -> int:
@@ -986,6 +987,9 @@ def main() -> int:
         "--delegation", action="store_true", help="agents grant locally (delegated capacity)"
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument(
+        "--keep", action="store_true", help="keep the run's directory (daemon logs) to look at"
+    )
     args = ap.parse_args()
     if args.hosts < 1 or args.tenants < 1 or args.operations < 1:
         ap.error("--hosts, --tenants and --operations must be positive")
@@ -1055,7 +1059,10 @@ def main() -> int:
         print("interrupted: everything started was stopped", file=sys.stderr)
         return 130
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if args.keep:
+            print(f"kept the run's directory (logs, journals): {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     result: dict[str, Any] = {
         "database": backend,
