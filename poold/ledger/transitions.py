@@ -165,15 +165,19 @@ def events_at_end(conn: Connection) -> Iterator[None]:
     PostgreSQL each INSERT is a round trip of its own, ~0.1 ms of poold's CPU, and one
     executemany pipelines them. Nothing reads the events table inside such a block.
     On an error nothing is written; the transaction is rolled back anyway."""
-    if _DEFERRED_EVENTS in conn.info:
+    # The dict itself, not `conn.info` again at the end: a connection the database
+    # dropped inside the block is invalidated, and reading its info then raises
+    # PendingRollbackError instead of the error that says the ledger is unavailable.
+    info = conn.info
+    if _DEFERRED_EVENTS in info:
         yield
         return
     rows: list[dict[str, Any]] = []
-    conn.info[_DEFERRED_EVENTS] = rows
+    info[_DEFERRED_EVENTS] = rows
     try:
         yield
     finally:
-        del conn.info[_DEFERRED_EVENTS]
+        info.pop(_DEFERRED_EVENTS, None)
     if rows:
         _INSERT_EVENT_FAST.write(conn, rows[0] if len(rows) == 1 else rows)
 

@@ -1,0 +1,53 @@
+"""The journal's batching (poold/ledger/transitions.py `events_at_end`), on a real ledger."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+
+from poold.ledger import transitions
+from poold.ledger.db import Ledger
+from poold.ledger.models import Event
+from poold.ledger.transitions import event_row
+
+
+def _kinds(ledger: Ledger) -> list[str]:
+    with ledger.read() as s:
+        return list(s.scalars(select(Event.kind).order_by(Event.id)))
+
+
+def _batch_that_fails(ledger: Ledger, kind: str, *, drop: bool) -> None:
+    with ledger.write_conn() as conn, transitions.events_at_end(conn):
+        transitions.record(conn, event_row(actor="t", kind=kind))
+        if drop:
+            conn.invalidate()
+            raise RuntimeError("dropped")
+        raise RuntimeError("the batch failed")
+
+
+def test_events_held_for_the_end_are_written_in_order_and_not_on_an_error(
+    ledger: Ledger,
+) -> None:
+    with ledger.write_conn() as conn, transitions.events_at_end(conn):
+        transitions.record(conn, event_row(actor="t", kind="a"))
+        transitions.record(conn, event_row(actor="t", kind="b"), event_row(actor="t", kind="c"))
+        with transitions.events_at_end(conn):  # nested: the outer block writes them
+            transitions.record(conn, event_row(actor="t", kind="d"))
+        assert _kinds(ledger) == []  # another transaction: nothing yet
+    assert _kinds(ledger) == ["a", "b", "c", "d"]
+    with pytest.raises(RuntimeError):
+        _batch_that_fails(ledger, "e", drop=False)
+    with ledger.write_conn() as conn:  # the same pooled connection: nothing held over
+        transitions.record(conn, event_row(actor="t", kind="f"))
+    assert _kinds(ledger) == ["a", "b", "c", "d", "f"]
+
+
+def test_a_connection_dropped_inside_the_block_raises_the_error_that_dropped_it(
+    ledger: Ledger,
+) -> None:
+    # The database dropping the connection invalidates it; the block's end must not
+    # read the connection again (PendingRollbackError would hide the outage, which the
+    # ledger answers as ledger_unavailable).
+    with pytest.raises(RuntimeError, match="dropped"):
+        _batch_that_fails(ledger, "x", drop=True)
+    assert _kinds(ledger) == []
