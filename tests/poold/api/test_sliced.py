@@ -60,9 +60,10 @@ def test_a_large_body_validates_to_the_model_one_call_gives() -> None:
     assert isinstance(got, Heartbeat)
     assert got == Heartbeat.model_validate_json(raw)
     assert got.model_fields_set == Heartbeat.model_validate_json(raw).model_fields_set
-    assert len(got.renewals) == N and got.renewals[-1].lease_id == json.loads(raw)["renewals"][-1][
-        "lease_id"
-    ]
+    assert (
+        len(got.renewals) == N
+        and got.renewals[-1].lease_id == json.loads(raw)["renewals"][-1]["lease_id"]
+    )
 
 
 def _bad_item(index: int, item: Any) -> bytes:
