@@ -40,34 +40,34 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _list_type(model: type[BaseModel], name: str) -> Any:
+    """The field's list type when it is list[X] or list[X] | None; None otherwise (a union
+    of lists, not a list: validated in one call)."""
+    field = model.model_fields.get(name)
+    if field is None:
+        return None
+    annotation = field.annotation
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    args = typing.get_args(annotation) if union else (annotation,)
+    lists = [a for a in args if typing.get_origin(a) is list]
+    if len(lists) != 1 or any(a is not types.NoneType and a not in lists for a in args):
+        return None
+    return lists[0]
+
+
+def _sliceable(model: type[BaseModel], name: str) -> bool:
+    return _list_type(model, name) is not None
+
+
 @functools.cache
 def _list_items(model: type[BaseModel], name: str) -> tuple[TypeAdapter[Any], TypeAdapter[Any]]:
     """For a list field: an adapter for its length rules alone, and one for its items."""
     field = model.model_fields[name]
-    annotation = field.annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        lists = [a for a in typing.get_args(annotation) if typing.get_origin(a) is list]
-        annotation = lists[0]
-    (item,) = typing.get_args(annotation)
+    (item,) = typing.get_args(_list_type(model, name))
     rules: Any = list[Any]
     if field.metadata:  # Field(max_length=...): the length rules, checked on the whole list
         rules = Annotated.__class_getitem__((list[Any], *field.metadata))  # type: ignore[attr-defined]
     return TypeAdapter(rules), TypeAdapter(list[item])  # type: ignore[valid-type]
-
-
-def _sliceable(model: type[BaseModel], name: str) -> bool:
-    field = model.model_fields.get(name)
-    if field is None:
-        return False
-    annotation = field.annotation
-    args = (
-        typing.get_args(annotation)
-        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
-        else (annotation,)
-    )
-    lists = [a for a in args if typing.get_origin(a) is list]
-    # list[X] or list[X] | None; anything else (a union of lists) in one call.
-    return len(lists) == 1 and all(a is types.NoneType or a in lists for a in args)
 
 
 def _errors(exc: ValidationError, prefix: tuple[Any, ...] = (), offset: int = 0) -> list[Any]:

@@ -63,22 +63,22 @@ def read(conn: Connection, lease_id: str) -> Held | None:
     return None if row is None else Held(*row)
 
 
-def read_many(conn: Connection, lease_ids: Sequence[str]) -> dict[str, Held]:
-    """Leases by id as `read` reads each, in one statement per chunk (unlocked)."""
+def _by_id(conn: Connection, stmt: Any, lease_ids: Sequence[str]) -> dict[str, Held]:
     out: dict[str, Held] = {}
-    for chunk in transitions.chunks(sorted(lease_ids)):
-        for row in conn.execute(_LEASES, {"lease_ids": list(chunk)}):
+    for chunk in transitions.chunks(transitions.lock_order(lease_ids)):
+        for row in conn.execute(stmt, {"lease_ids": list(chunk)}):
             out[row.id] = Held(**row._mapping)
     return out
+
+
+def read_many(conn: Connection, lease_ids: Sequence[str]) -> dict[str, Held]:
+    """Leases by id as `read` reads each, in one statement per chunk (unlocked)."""
+    return _by_id(conn, _LEASES, lease_ids)
 
 
 def lock(conn: Connection, lease_ids: Sequence[str]) -> dict[str, Held]:
     """Leases by id, row-locked until the transaction ends (a heartbeat renews many at once)."""
-    out: dict[str, Held] = {}
-    for chunk in transitions.chunks(transitions.lock_order(lease_ids)):
-        for row in conn.execute(_LEASES_FOR_UPDATE, {"lease_ids": list(chunk)}):
-            out[row.id] = Held(**row._mapping)
-    return out
+    return _by_id(conn, _LEASES_FOR_UPDATE, lease_ids)
 
 
 def lock_one(conn: Connection, lease_id: str) -> Held:

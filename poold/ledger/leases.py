@@ -157,11 +157,7 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Gran
                 )
                 return out
         except IntegrityError as exc:
-            # PostgreSQL's exclusion constraint caught an overlap a racing
-            # writer created; it is the same situation as a generation miss.
-            # A concurrent run of the same request id committed first: the
-            # rerun answers what it stored.
-            if "ex_leases_no_overlap" not in str(exc.orig) and not agent_requests.is_duplicate(exc):
+            if not _lost_to_a_concurrent_writer(exc):
                 raise
             raise transitions.LostRace from exc
 
@@ -172,6 +168,25 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Gran
     with ledger.host_lock(host_name):
         lease = transitions.retrying(attempt, what="allocation")
     return GrantReply.model_construct(**dict(lease), pending=pending)
+
+
+def _lost_to_a_concurrent_writer(exc: IntegrityError) -> bool:
+    """A constraint a concurrent writer's commit made this transaction meet: the rerun
+    reads what it committed (a lost race, not an error).
+
+    - the exclusion constraint (PostgreSQL): a racing grant or batch placed over these
+      bytes, or a batch's first attempt left a local grant's overlap check to it
+      (`local_commit.BatchReads.overlap_by_constraint`); the rerun refuses that grant;
+    - the lease's key: a concurrent batch committed this same local grant (resent
+      through another poold) after this one found it unrecorded; the rerun answers it
+      as a replay;
+    - the request id's: a concurrent run of the same request committed first; the
+      rerun answers what it stored.
+    """
+    words = str(exc.orig)
+    return (
+        "ex_leases_no_overlap" in words or "pk_leases" in words or agent_requests.is_duplicate(exc)
+    )
 
 
 def _grant_once(
@@ -401,18 +416,7 @@ def apply_ops(
                     )
                 return results
         except IntegrityError as exc:
-            # A local grant that met PostgreSQL's exclusion constraint (a racing batch
-            # placed over it, or the lease was there already: a first attempt leaves
-            # the overlap check to the constraint): the rerun checks each grant, reads
-            # that lease and refuses this one. The lease's own key: a concurrent batch
-            # committed this same local grant (resent through another poold) after this
-            # one found it unrecorded: the rerun answers it as a replay.
-            words = str(exc.orig)
-            if (
-                "ex_leases_no_overlap" not in words
-                and "pk_leases" not in words
-                and not agent_requests.is_duplicate(exc)
-            ):
+            if not _lost_to_a_concurrent_writer(exc):
                 raise
             raise transitions.LostRace from exc  # the rerun answers what the winner stored
 
