@@ -140,7 +140,11 @@ def test_poolrun_killed_leaves_a_lease_the_agent_orphans_and_reclaims(
     script = f"""
         import os, signal, sys, time
         def ended(s, f):
-            open({str(done)!r}, "w").write(str(s))
+            # written then renamed: the test polls for the name, so it must
+            # never see the file before its content
+            with open({str(done)!r} + ".tmp", "w") as out:
+                out.write(str(s))
+            os.rename({str(done)!r} + ".tmp", {str(done)!r})
             sys.exit(0)
         signal.signal(signal.SIGTERM, ended)
         print(os.environ["POOLD_LEASE_ID"], os.getpid(), flush=True)
