@@ -120,16 +120,25 @@ class BatchReads:
 
     Sound because nothing the batch does changes them but its own grants, which update
     them here: reservations are not written by op batches; every budget change swaps
-    the tenant's generation, and this batch holds the tenant's row from its first swap
-    on (a change before that fails the swap and reruns the batch with fresh reads); a
-    batch's grants go after its other ops (`leases.apply_ops`), so the local use read at
-    its first grant already counts the batch's releases."""
+    the tenant's generation, and the batch swaps each of its tenants' generations from
+    the one it read, before it commits (`swap_tenants`): a change committed since fails
+    the swap and reruns the batch with fresh reads; a batch's grants go after its other
+    ops (`leases.apply_ops`), so the local use read at its first grant already counts
+    the batch's releases.
+
+    The swaps come last, after the batch's device bumps, in tenant name order: the
+    order a central grant (device, then tenant) and a delegation (devices, then tenants
+    by name) lock the same rows. Swapping each tenant at its first grant locked them in
+    lease id order, so two hosts' batches, or a batch and a central grant, each held a
+    row the other wanted: a deadlock that PostgreSQL breaks only after its
+    deadlock_timeout, with every lock held meanwhile."""
 
     tenants: dict[tuple[str | None, int, tuple[int, ...]], Any] = field(default_factory=dict)
     reservations: dict[str, Any] = field(default_factory=dict)
     budgets: dict[int, Any] = field(default_factory=dict)  # by tenant id; None: no row
     spent: dict[int, list[int]] = field(default_factory=dict)  # tenant id -> [bytes, leases]
-    swapped: set[int] = field(default_factory=set)  # tenants whose generation it swapped
+    # Tenants the batch granted to: id -> (name, the generation it read), swapped at its end.
+    to_swap: dict[int, tuple[str, int]] = field(default_factory=dict)
     # Its local grants' rows as already recorded (a replay), read in one statement for
     # the whole batch and kept in step with what the batch inserts; None: one by one.
     recorded: dict[str, Any] | None = None
@@ -164,6 +173,13 @@ class BatchReads:
                 for row in conn.execute(_LOCAL_GRANTS_AS_RECORDED, {"lease_ids": list(chunk)}):
                     reads.recorded[row.id] = row
         return reads
+
+    def swap_tenants(self, conn: Connection) -> None:
+        """Swap the generation of every tenant the batch granted to, by name; a swap that
+        fails (a budget or quota changed since the batch read it) reruns the batch."""
+        for tenant_id, (_name, seen) in sorted(self.to_swap.items(), key=lambda kv: kv[1][0]):
+            if not transitions.compare_and_bump(conn, Tenant, tenant_id, seen):
+                raise transitions.LostRace
 
     def as_recorded(self, conn: Connection, lease_id: str) -> Any:
         if self.recorded is None:
@@ -210,8 +226,9 @@ def commit(
     Checked before anything is written: the reservation is this host's, the extent lies
     in it (aligned) and its epoch in its block, no live lease overlaps it, the process
     may act for the tenant there, and the tenant's budget on this host covers it. The
-    tenant's generation is swapped, so a clawback that read the budget's use before this
-    commits reads again (no quota excess between them).
+    tenant's generation is swapped (by the caller, `BatchReads.swap_tenants`, before it
+    commits), so a clawback that read the budget's use before this commits reads again
+    (no quota excess between them).
     """
     batch = BatchReads() if batch is None else batch
     recorded = batch.as_recorded(conn, grant.lease_id)
@@ -326,10 +343,7 @@ def commit(
         if batch.overlap_by_constraint:
             refuse_if_overlapping()
         raise
-    if tenant.id not in batch.swapped:
-        if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
-            raise transitions.LostRace
-        batch.swapped.add(tenant.id)
+    batch.to_swap.setdefault(tenant.id, (tenant.name, int(tenant.generation)))
     expires_at = grant.granted_at + timedelta(seconds=grant.ttl_s)
     INSERT_LEASE.write(
         conn,

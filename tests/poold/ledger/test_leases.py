@@ -344,16 +344,30 @@ def test_lazy_expiry_on_renew(ledger: Ledger) -> None:
     assert live_extents(ledger) == {1: [Extent(0, 2 * MiB)]}
 
 
-def test_lazy_expiry_on_release(ledger: Ledger) -> None:
+def test_lazy_expiry_on_release_then_the_agents_release_is_the_reclaim(ledger: Ledger) -> None:
+    """The agent freed the memory when its holder released it, whatever poold decided
+    meanwhile: the expiry is journalled, and the release reclaims the range at once
+    (refused, the range stayed live while the agent granted it again)."""
     seed(ledger)
     lease = grant(ledger, MiB, activate=True)
     _backdate(ledger, lease.id)
+    assert release(ledger, lease.id).state == "reclaimed"
+    assert lease_events(ledger, lease.id)[-2:] == [
+        ("lease.expire", "active", "expired"),
+        ("lease.reclaim", "expired", "reclaimed"),
+    ]
+    assert live_extents(ledger) == {}
+    # The same through an op batch; an admin's release of an expired lease is refused.
+    other = grant(ledger, MiB, activate=True)
+    _backdate(ledger, other.id)
+    results = leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=other.id, op="release")], "a")
+    assert (results[0].state, results[0].code) == ("reclaimed", None)
+    third = grant(ledger, MiB, activate=True)
+    _backdate(ledger, third.id)
     with pytest.raises(LeaseNotActive):
-        release(ledger, lease.id)
-    assert lease_views.show(ledger, lease.id).state == "expired"
-    results = leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=lease.id, op="release")], "a")
-    assert results[0].code == "lease_not_active"
-    assert [e[0] for e in lease_events(ledger, lease.id)].count("lease.expire") == 1
+        leases.end(ledger, third.id, LeaseEvent.RELEASE, "admin:test")
+    assert lease_views.show(ledger, third.id).state == "expired"
+    assert [e[0] for e in lease_events(ledger, third.id)].count("lease.expire") == 1
 
 
 def test_apply_ops_each_op_on_its_own(ledger: Ledger) -> None:
