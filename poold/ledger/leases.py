@@ -435,7 +435,7 @@ def _apply_batch(
 ) -> list[LeaseOpResult]:
     now = utcnow()
     freed: set[int] = set()
-    reads = local_commit.BatchReads.for_batch(conn, ops, first_attempt=first_attempt)
+    reads = local_commit.BatchReads.for_batch(conn, ops, host_name, first_attempt=first_attempt)
     results: list[LeaseOpResult | None] = [None] * len(ops)
     with transitions.events_at_end(conn):
         for i in order:
@@ -444,9 +444,8 @@ def _apply_batch(
                 results[i] = _apply_op(conn, host_id, host_name, op, now, actor, freed, reads)
             except PoolError as err:
                 results[i] = LeaseOpResult(lease_id=op.lease_id, code=err.code, message=err.message)
-    # One bump per device however many of its leases ended; in id order, so
-    # that two batches freeing the same devices lock them in the same order. Then the
-    # tenants it granted to (local_commit.BatchReads: devices before tenants, as a grant).
+    # One bump per device however many of its leases ended, then a swap per tenant it
+    # granted to: rows local_commit.BatchReads locked first, in the ledger's one order.
     for device_id in sorted(freed):
         transitions.bump(conn, Device, device_id)
     reads.swap_tenants(conn)

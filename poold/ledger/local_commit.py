@@ -126,12 +126,16 @@ class BatchReads:
     ops (`leases.apply_ops`), so the local use read at its first grant already counts
     the batch's releases.
 
-    The swaps come last, after the batch's device bumps, in tenant name order: the
-    order a central grant (device, then tenant) and a delegation (devices, then tenants
-    by name) lock the same rows. Swapping each tenant at its first grant locked them in
-    lease id order, so two hosts' batches, or a batch and a central grant, each held a
-    row the other wanted: a deadlock that PostgreSQL breaks only after its
-    deadlock_timeout, with every lock held meanwhile."""
+    On PostgreSQL the batch takes its row locks first, in the ledger's one order
+    (`_lock_rows`): the leases its ops act on (by id, as the reaper's hold), the devices
+    they may free (by id), the tenants it grants to (by name, as a delegation sets
+    budgets; a central grant locks device, then tenant). Swapping each tenant at its
+    first grant and bumping the devices last locked them in lease id order, so two
+    hosts' batches, or a batch and a central grant, each held a row the other wanted: a
+    deadlock PostgreSQL breaks only after its deadlock_timeout, every lock held
+    meanwhile. Swapping them all at the end instead, unlocked until then, let the
+    central grants' swaps make a long batch lose its own swap again and again. Held
+    from the start, the swaps at the end cannot fail."""
 
     tenants: dict[tuple[str | None, int, tuple[int, ...]], Any] = field(default_factory=dict)
     reservations: dict[str, Any] = field(default_factory=dict)
@@ -158,13 +162,22 @@ class BatchReads:
 
     @classmethod
     def for_batch(
-        cls, conn: Connection, ops: Sequence[LeaseOp], *, first_attempt: bool = False
+        cls,
+        conn: Connection,
+        ops: Sequence[LeaseOp],
+        host_name: str,
+        *,
+        first_attempt: bool = False,
     ) -> BatchReads:
-        """The reads of one op batch, its local grants' recorded rows read at once when
-        it has several (one grant: one keyed read, cheaper than an IN)."""
-        reads = cls(overlap_by_constraint=first_attempt and conn.dialect.name == "postgresql")
+        """The reads (and on PostgreSQL the row locks) of one op batch, its local grants'
+        recorded rows read at once when it has several (one grant: one keyed read,
+        cheaper than an IN)."""
+        postgres = conn.dialect.name == "postgresql"
+        reads = cls(overlap_by_constraint=first_attempt and postgres)
         others = {op.lease_id for op in ops if op.grant is None}
-        if len(others) > 1:
+        if postgres and others:
+            reads.held = held_lease.lock(conn, list(others))  # in id order
+        elif len(others) > 1:
             reads.held = held_lease.read_many(conn, list(others))
         grants = sorted({op.lease_id for op in ops if op.grant is not None})
         if len(grants) > 1:
@@ -172,7 +185,33 @@ class BatchReads:
             for chunk in transitions.chunks(grants):
                 for row in conn.execute(_LOCAL_GRANTS_AS_RECORDED, {"lease_ids": list(chunk)}):
                     reads.recorded[row.id] = row
+        if postgres:  # SQLite runs one writer at a time: nothing to order
+            reads._lock_rows(conn, ops, host_name)
         return reads
+
+    def _lock_rows(self, conn: Connection, ops: Sequence[LeaseOp], host_name: str) -> None:
+        """After the leases: the devices the batch's ops may free, then the tenants its
+        grants are for, by name (see the class docstring); a tenant changed since this
+        batch resolved it reruns the batch."""
+        reservation_of = {op.lease_id: op.grant.reservation_id for op in ops if op.grant}
+        devices = {lease.device_id for lease in self.held.values()}
+        for op in ops:
+            if op.grant is None and op.lease_id in reservation_of:  # a lease it grants
+                res = self.reservation(conn, reservation_of[op.lease_id])
+                if res is not None:
+                    devices.add(res.device_id)
+        transitions.lock_rows(conn, Device, devices)
+        resolved: dict[int, Any] = {}
+        for op in ops:
+            if op.grant is not None:
+                try:
+                    tenant = self.tenant(conn, op.grant, host_name)
+                except PoolError:
+                    continue  # refused in its turn
+                resolved[tenant.id] = tenant
+        held = transitions.lock_rows(conn, Tenant, resolved, order_by=Tenant.name)
+        if any(held.get(i) != int(t.generation) for i, t in resolved.items()):
+            raise transitions.LostRace
 
     def swap_tenants(self, conn: Connection) -> None:
         """Swap the generation of every tenant the batch granted to, by name; a swap that
