@@ -188,6 +188,19 @@ def _pending_applied(err: PoolError) -> bool:
     return err.http_status not in (400, 401, 403, 413, 422) or err.code == "not_owner"
 
 
+def _pending_results(err: PoolError) -> list[LeaseOpResult]:
+    """What became of the ops that rode on a grant poold refused (its error's
+    ``detail.pending``; none from an older poold, or if unreadable)."""
+    raw = err.detail.get("pending")
+    if not isinstance(raw, list):
+        return []
+    try:
+        return [LeaseOpResult.model_validate(x) for x in raw]
+    except ValueError:
+        log.warning("poold's refusal of a grant carried unreadable op results; ignored")
+        return []
+
+
 class PooldLink:
     """The agent's one channel to poold (thread-safe)."""
 
@@ -323,6 +336,8 @@ class PooldLink:
                     self._wake.set()
                 elif pending:
                     self._tell_delivered(pending)
+                    if isinstance(err, PoolError):  # it is, to get here
+                        self._refused(pending, _pending_results(err))
                 raise
             else:
                 with self._lock:

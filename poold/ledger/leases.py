@@ -165,8 +165,17 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Gran
     # one poold they take turns instead, so its worker threads do not make each
     # other lose the swap and redo the transaction. Other poold processes are
     # still fenced by the swap itself.
-    with ledger.host_lock(host_name):
-        lease = transitions.retrying(attempt, what="allocation")
+    try:
+        with ledger.host_lock(host_name):
+            lease = transitions.retrying(attempt, what="allocation")
+    except PoolError as err:
+        if pending:
+            # The ops that rode on it were applied in their own transaction: their results
+            # go back with the refusal too. Dropped, an agent never heard that a local
+            # grant among them was refused, kept its lease uncommitted, and its tenant
+            # lost it at the first renewal (`unknown_lease`).
+            err.detail["pending"] = [r.model_dump(mode="json") for r in pending]
+        raise
     return GrantReply.model_construct(**dict(lease), pending=pending)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from agent.link import PooldLink
 from poold.api.client import PooldClient
-from poold.errors import Unauthorized
+from poold.errors import QuotaExceeded, Unauthorized
 from poold.wire.admin import TenantSpec
 from poold.wire.agent import GrantRequest, LeaseOp, LeaseOpResult
 from poold.wire.common import LeaseOut
@@ -101,6 +101,32 @@ def test_an_op_refused_on_a_grants_way_is_heard_of_and_the_lease_kept_plain(
     # What the agent keeps (journals, lists, re-reads) is the lease alone.
     assert type(second) is LeaseOut
     assert LeaseOut.model_validate_json(second.model_dump_json()) == second
+    client.close()
+
+
+def test_ops_riding_on_a_refused_grant_are_heard_of_too(
+    api: ThreadedServer, admin: PooldClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The grant is refused (the quota is full) after the ops that rode on it were
+    applied: its error carries their results, so one refused there is heard of (a
+    refused local grant dropped that way stayed uncommitted until its tenant lost it)."""
+    credential = admin.add_host("h1").credential
+    admin.create_tenant(
+        TenantSpec(name="t1", quota_bytes=2 * MIB, quota_leases=1, allowed_uids=[UID])
+    )
+    client = PooldClient(api.url, credential)
+    link = PooldLink(client, "test")
+    link.register([device()])
+    req = GrantRequest(tenant="t1", size_bytes=2 * MIB, uid=UID, pid=1, activate=True)
+    first = link.grant(req)
+    link.enqueue(LeaseOp(lease_id="no-such-lease", op="release", reason="done"))
+    with caplog.at_level("WARNING", logger="pool_agent.link"), pytest.raises(QuotaExceeded) as info:
+        link.grant(req)
+    assert [r["code"] for r in info.value.detail["pending"]] == ["unknown_lease"]
+    assert link.outbox_size() == 0
+    assert admin.show_lease(first.id).state == "active"
+    refused = [r.getMessage() for r in caplog.records if "refused the queued op" in r.getMessage()]
+    assert len(refused) == 1 and "no-such-lease" in refused[0] and "unknown_lease" in refused[0]
     client.close()
 
 
