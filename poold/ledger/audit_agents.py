@@ -44,8 +44,10 @@ from poold.ledger.models import Host, Lease
 from poold.wire.admin import AgentFindings, AuditItem
 from poold.wire.agent import AgentLease, LeftoverSubDevice
 
-# An agent's report is trusted for this long, and a lease granted less than
-# STALE_MARGIN_S before the report may simply not have reached the agent's list yet.
+# An agent's report is trusted for this long, and a lease granted (or ended) less than
+# STALE_MARGIN_S before the report may simply not have reached (or left) the agent's
+# list yet: the heartbeat that carries the list and the op batch that ends a lease are
+# sent apart, and either may arrive first.
 AGENT_REPORT_FRESH_S = 60.0
 STALE_MARGIN_S = 5.0
 # A lease may sit in `scrubbing` with no scrub running on its agent for this long
@@ -90,6 +92,13 @@ class AgentReport:
         return {i: x for i, x in self.leases.items() if x.state == "mapped"}
 
 
+def _ended_in_flight(ended_at: datetime | None, report: AgentReport) -> bool:
+    """The lease ended so shortly before the report arrived (or after it) that the report
+    may have been made before the agent let go of it: not a leak yet."""
+    assert report.at is not None  # a fresh report
+    return ended_at is not None and (report.at - ended_at).total_seconds() <= STALE_MARGIN_S
+
+
 def check_agents(
     leases: Iterable[LeaseRow],
     reports: dict[int, AgentReport],
@@ -112,6 +121,7 @@ def check_agents(
     scrubs: list[AuditItem] = []
     live_by_host: dict[int, set[str]] = defaultdict(set)
     state_of: dict[str, str] = {}
+    ended_at: dict[str, datetime] = {}
 
     def item(kind: str, lease: LeaseRow, message: str, **kw: Any) -> AuditItem:
         return AuditItem(
@@ -128,6 +138,8 @@ def check_agents(
     for lease in leases:
         state_of[lease.id] = lease.state
         if lease.state not in LIVE_STATES:
+            if lease.ended_at is not None:
+                ended_at[lease.id] = lease.ended_at
             continue
         live_by_host[lease.host_id].add(lease.id)
         if lease.state == LeaseState.SCRUBBING.value:
@@ -188,6 +200,7 @@ def check_agents(
         )
         for host_id, report in fresh.items()
         for lease_id in sorted(report.held() - live_by_host[host_id])
+        if not _ended_in_flight(ended_at.get(lease_id), report)
     ]
     for host_id, report in fresh.items():
         for lease_id, entry in sorted(report.mapped().items()):

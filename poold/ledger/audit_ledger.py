@@ -88,6 +88,7 @@ class LeaseRow:
     expires_at: datetime
     holder_pid: int | None = None
     reservation_id: str | None = None  # None: granted centrally
+    ended_at: datetime | None = None  # when it stopped being live (None: it is live)
 
 
 @dataclass(frozen=True)
@@ -489,6 +490,7 @@ def load(ledger: Ledger, progress: Progress | None = None) -> Snapshot:
                 Lease.expires_at,
                 Lease.holder_pid,
                 Lease.reservation_id,
+                Lease.ended_at,
             )
         )
         for chunk in result.partitions():

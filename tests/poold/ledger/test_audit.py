@@ -191,3 +191,25 @@ def test_agent_reports_reveal_stale_and_leaked_leases(ledger: Ledger) -> None:
     assert fixed.agents.stale[0].action == "orphaned"
     assert lease_views.show(ledger, lost.id).state == "orphaned"
     assert lease_views.show(ledger, kept.id).state == "active"
+
+
+def test_a_lease_ended_just_before_the_report_is_not_leaked_yet(ledger: Ledger) -> None:
+    """The agent's list rides on its heartbeat, its release on an op batch: a list made
+    before the release may arrive after it. Within STALE_MARGIN_S that is a report in
+    flight, not a leak (as a lease granted just before a report is not stale)."""
+    from datetime import timedelta
+
+    from poold.ledger import audit_agents, heartbeat, hosts, leases
+    from poold.wire.agent import Heartbeat, LeaseOp
+
+    seed(ledger)
+    just = grant(ledger)
+    leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=just.id, op="release")], "agent:h1")
+    for offset_s, leaked in ((1.0, []), (audit_agents.STALE_MARGIN_S + 5, [just.id])):
+        at = utcnow() + timedelta(seconds=offset_s)
+        with ledger.write() as s:
+            host = hosts.get_by_name(s, "h1")
+            heartbeat.heartbeat(s, host, Heartbeat(held=[just.id]))
+            host.agent_leases_at = at
+        report = audit.run_audit(ledger, POLICY, now=at)
+        assert [i.lease_id for i in report.agents.leaked] == leaked, offset_s
