@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 from sqlalchemy import Connection, bindparam, select
 
@@ -142,3 +142,35 @@ def expire_if_due(conn: Connection, lease: Held, now: datetime) -> None:
             # A renewal that committed since this transaction read the lease wins.
             where=(Lease.expires_at <= now,),
         )
+
+
+# A holder's release, met by a lease poold already ended for it: the reclaim it stands for.
+_RELEASE_AS_RECLAIM: Final = {
+    LeaseEvent.RELEASE: LeaseEvent.RECLAIM,
+    LeaseEvent.RELEASE_DIRTY: LeaseEvent.RECLAIM_DIRTY,
+    LeaseEvent.RELEASE_MAPPED: LeaseEvent.RECLAIM_MAPPED,
+}
+_ENDED_FOR_ITS_HOLDER: Final = frozenset(
+    s.value for s in (LeaseState.EXPIRED, LeaseState.ORPHANED, LeaseState.REVOKING)
+)
+
+
+def release_event(
+    conn: Connection, lease: Held, event: LeaseEvent, now: datetime, *, by_its_agent: bool
+) -> LeaseEvent:
+    """What a release does to the lease as it is now (other events: unchanged).
+
+    Past its ttl the holder no longer owns it: the lease expires first (kept,
+    journalled). If its host's agent sent it and poold ended the lease for its holder
+    (expired, orphaned, revoking) while it was on its way, the agent has freed the
+    memory all the same, so the release is the reclaim poold would otherwise wait for.
+    Refused, the range stayed live until the reaper's reclaim while the agent, which had
+    freed it, granted it again locally: that grant was then refused as an overlap and
+    its tenant lost it. An admin's release of such a lease is refused.
+    """
+    if event not in _RELEASE_AS_RECLAIM:
+        return event
+    expire_if_due(conn, lease, now)
+    if by_its_agent and lease.state in _ENDED_FOR_ITS_HOLDER:
+        return _RELEASE_AS_RECLAIM[event]
+    return event

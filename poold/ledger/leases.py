@@ -37,7 +37,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
-from typing import Any, Final
+from typing import Any
 
 from sqlalchemy import Connection, bindparam, insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -487,7 +487,7 @@ def _apply_op(
         freed.add(lease.device_id)
         return LeaseOpResult(lease_id=op.lease_id, state=lease.state)
     event = _OP_EVENTS[op.op]
-    event = _holder_release(conn, lease, event, now)
+    event = held_lease.release_event(conn, lease, event, now, by_its_agent=True)
     after = next_state(LeaseState(lease.state), event)
     held_lease.move(conn, lease, event, actor, now, op.reason, freed=freed)
     if event is LeaseEvent.SCRUB_FAILED:
@@ -503,37 +503,6 @@ def _apply_op(
             },
         )
     return LeaseOpResult(lease_id=op.lease_id, state=after.value)
-
-
-# A holder's release, met by a lease poold already ended for it: the reclaim it stands for.
-_RELEASE_AS_RECLAIM: Final = {
-    LeaseEvent.RELEASE: LeaseEvent.RECLAIM,
-    LeaseEvent.RELEASE_DIRTY: LeaseEvent.RECLAIM_DIRTY,
-    LeaseEvent.RELEASE_MAPPED: LeaseEvent.RECLAIM_MAPPED,
-}
-_ENDED_FOR_ITS_HOLDER: Final = frozenset(
-    s.value for s in (LeaseState.EXPIRED, LeaseState.ORPHANED, LeaseState.REVOKING)
-)
-
-
-def _holder_release(
-    conn: Connection, lease: held_lease.Held, event: LeaseEvent, now: datetime
-) -> LeaseEvent:
-    """What a release its host's agent sends does to the lease as it is now.
-
-    Past its ttl the holder no longer owns it: the lease expires first (kept,
-    journalled). If poold ended it for its holder (expired, orphaned, revoking) while
-    the release was on its way, the agent has freed the memory all the same, so the
-    release is the reclaim poold would otherwise wait for. Refused, the range stayed
-    live until the reaper's reclaim while the agent, which had freed it, granted it
-    again locally: that grant was then refused as an overlap and its tenant lost it.
-    """
-    if event not in _RELEASE_AS_RECLAIM:
-        return event
-    held_lease.expire_if_due(conn, lease, now)
-    if lease.state in _ENDED_FOR_ITS_HOLDER:
-        return _RELEASE_AS_RECLAIM[event]
-    return event
 
 
 _DEVICE_ALIGNMENT = select(Device.alignment_bytes).where(Device.id == bindparam("device_id"))
@@ -748,11 +717,10 @@ def end(
             if host_name is not None:
                 held_lease.owned_by_host(lease, _host_id(ledger, conn, host_name), host_name)
             now = utcnow()
-            moved = event
-            if host_name is not None:  # its agent: the release may be a reclaim by now
-                moved = _holder_release(conn, lease, event, now)
-            elif event in (LeaseEvent.RELEASE, LeaseEvent.RELEASE_DIRTY):
-                held_lease.expire_if_due(conn, lease, now)
+            # Its agent's release may be a reclaim by now; an admin's is refused then.
+            moved = held_lease.release_event(
+                conn, lease, event, now, by_its_agent=host_name is not None
+            )
             try:
                 held_lease.move(conn, lease, moved, actor, now, reason)
             except LeaseNotActive as err:

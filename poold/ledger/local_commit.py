@@ -141,8 +141,8 @@ class BatchReads:
     reservations: dict[str, Any] = field(default_factory=dict)
     budgets: dict[int, Any] = field(default_factory=dict)  # by tenant id; None: no row
     spent: dict[int, list[int]] = field(default_factory=dict)  # tenant id -> [bytes, leases]
-    # Tenants the batch granted to: id -> (name, the generation it read), swapped at its end.
-    to_swap: dict[int, tuple[str, int]] = field(default_factory=dict)
+    # Tenants the batch granted to: id -> the generation it read, swapped at its end.
+    to_swap: dict[int, int] = field(default_factory=dict)
     # Its local grants' rows as already recorded (a replay), read in one statement for
     # the whole batch and kept in step with what the batch inserts; None: one by one.
     recorded: dict[str, Any] | None = None
@@ -195,28 +195,29 @@ class BatchReads:
         batch resolved it reruns the batch."""
         reservation_of = {op.lease_id: op.grant.reservation_id for op in ops if op.grant}
         devices = {lease.device_id for lease in self.held.values()}
-        for op in ops:
-            if op.grant is None and op.lease_id in reservation_of:  # a lease it grants
-                res = self.reservation(conn, reservation_of[op.lease_id])
-                if res is not None:
-                    devices.add(res.device_id)
-        transitions.lock_rows(conn, Device, devices)
         resolved: dict[int, Any] = {}
         for op in ops:
-            if op.grant is not None:
-                try:
-                    tenant = self.tenant(conn, op.grant, host_name)
-                except PoolError:
-                    continue  # refused in its turn
-                resolved[tenant.id] = tenant
+            if op.grant is None:
+                if op.lease_id in reservation_of:  # an op on a lease the batch grants
+                    res = self.reservation(conn, reservation_of[op.lease_id])
+                    if res is not None:
+                        devices.add(res.device_id)
+                continue
+            try:
+                tenant = self.tenant(conn, op.grant, host_name)
+            except PoolError:
+                continue  # refused in its turn
+            resolved[tenant.id] = tenant
+        transitions.lock_rows(conn, Device, devices)
         held = transitions.lock_rows(conn, Tenant, resolved, order_by=Tenant.name)
         if any(held.get(i) != int(t.generation) for i, t in resolved.items()):
             raise transitions.LostRace
 
     def swap_tenants(self, conn: Connection) -> None:
-        """Swap the generation of every tenant the batch granted to, by name; a swap that
-        fails (a budget or quota changed since the batch read it) reruns the batch."""
-        for tenant_id, (_name, seen) in sorted(self.to_swap.items(), key=lambda kv: kv[1][0]):
+        """Swap the generation of every tenant the batch granted to (held since
+        `_lock_rows` on PostgreSQL); a swap that fails (a budget or quota changed since the
+        batch read it) reruns the batch."""
+        for tenant_id, seen in self.to_swap.items():
             if not transitions.compare_and_bump(conn, Tenant, tenant_id, seen):
                 raise transitions.LostRace
 
@@ -382,7 +383,7 @@ def commit(
         if batch.overlap_by_constraint:
             refuse_if_overlapping()
         raise
-    batch.to_swap.setdefault(tenant.id, (tenant.name, int(tenant.generation)))
+    batch.to_swap.setdefault(tenant.id, int(tenant.generation))
     expires_at = grant.granted_at + timedelta(seconds=grant.ttl_s)
     INSERT_LEASE.write(
         conn,
