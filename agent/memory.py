@@ -83,6 +83,54 @@ class _RunningScrub:
     sub: SubDevice | None = None  # the temporary sub-device, once it has a name
 
 
+class _Recycle:
+    """A released warm memfd's way back to the pool (agent/release_check.py ``Taker``),
+    settled once: zeroed and offered (:meth:`__call__`), or cancelled."""
+
+    __slots__ = ("_check", "_lock", "_memory", "_settled", "_warm")
+
+    def __init__(self, warm: WarmPool, check: ReleaseCheck, memory: MemfdMaterialised) -> None:
+        self._warm = warm
+        self._check = check
+        self._memory = memory
+        self._settled = False
+        self._lock = threading.Lock()
+
+    def _settle(self) -> bool:
+        with self._lock:
+            settled, self._settled = self._settled, True
+        return not settled
+
+    def __call__(self, fd: int) -> bool:
+        if not self._settle():
+            return False
+        memory = self._memory
+        try:
+            fresh = self._check.prepare(
+                MemfdMaterialised(
+                    fd=fd,
+                    backend=memory.backend,
+                    length_bytes=memory.length_bytes,
+                    page_size_bytes=memory.page_size_bytes,
+                    warm=True,
+                )
+            )
+        except BaseException:
+            self._warm.unpromise(memory.length_bytes)
+            raise
+        if not isinstance(fresh, MemfdMaterialised) or fresh.tenant is None:
+            self._warm.unpromise(memory.length_bytes)
+            return False  # no copies could be made: punched and closed instead
+        if self._warm.recycle(fresh, promised=True):
+            return True
+        close_copies(fresh, keep_fd=True)
+        return False
+
+    def cancel(self) -> None:
+        if self._settle():
+            self._warm.unpromise(self._memory.length_bytes)
+
+
 class LeaseMemory:
     """Makes, drops and scrubs the memory of this agent's leases (thread-safe)."""
 
@@ -223,30 +271,12 @@ class LeaseMemory:
     def _recycler(self, memory: MemfdMaterialised) -> Taker | None:
         """For a released warm memfd no one else holds, while the warm pool wants its
         length: the taker that gives it back to the pool once the punch thread zeroed
-        it, with a fresh tenant reopen and probe (the old ones are closed)."""
+        it, with a fresh tenant reopen and probe (the old ones are closed). Its room in
+        the pool is held from now until it is back or punched."""
         warm = self.warm
-        if warm is None or not memory.warm or not warm.wants(memory.length_bytes):
+        if warm is None or not memory.warm or not warm.promise(memory.length_bytes):
             return None
-        check = self.release_check
-
-        def take(fd: int) -> bool:
-            fresh = check.prepare(
-                MemfdMaterialised(
-                    fd=fd,
-                    backend=memory.backend,
-                    length_bytes=memory.length_bytes,
-                    page_size_bytes=memory.page_size_bytes,
-                    warm=True,
-                )
-            )
-            if not isinstance(fresh, MemfdMaterialised) or fresh.tenant is None:
-                return False  # no copies could be made: punched and closed instead
-            if warm.recycle(fresh):
-                return True
-            close_copies(fresh, keep_fd=True)
-            return False
-
-        return take
+        return _Recycle(warm, self.release_check, memory)
 
     def materialise_placed(
         self, lease: LeaseOut, *, shrinkable: bool = False, pin: Pin | None = None

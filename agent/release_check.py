@@ -51,6 +51,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from agent.backends import Materialised
 from agent.backends.emulated import F_GET_SEALS, LEASE_SEALS, MemfdMaterialised, OnceFd
@@ -126,9 +127,14 @@ def zero(fd: int, length_bytes: int) -> bool:
     return not tail or os.pwrite(fd, _ZEROS[:tail], at) == tail
 
 
-# A taker of a released memfd once zeroed (the warm pool, agent/memory.py): True when it
-# kept the fd; False hands the memfd back to be punched and closed.
-Taker = Callable[[int], bool]
+class Taker(Protocol):
+    """Who takes a released memfd once zeroed (the warm pool, agent/memory.py), settled
+    exactly once: called with the fd (True: it kept it; False: punch and close it), or
+    cancelled when the memfd is punched without being offered (it cannot be recycled)."""
+
+    def __call__(self, fd: int) -> bool: ...
+
+    def cancel(self) -> None: ...
 
 
 def _sole(probe_fd: int) -> bool:
@@ -174,17 +180,28 @@ class _Punch:
     While releases keep coming the thread stays awake and takes what queued every
     ``BATCH_S``, so a release wakes no thread (a wake-up per release cost the request
     thread more than the punch it saved); an idle one waits to be woken.
+
+    What waits is bounded (``MAX_PENDING`` memfds, ``MAX_PENDING_BYTES``): each holds two
+    fds and its pages, which the ledger already counts as free. A thread that falls
+    behind (starved of the GIL or the CPU: seen under a profiler, at 500 releases/s, as
+    the agent running out of fds) makes releases past the bound punch on their own
+    thread instead: slower releases, never unbounded memory or fds.
     """
 
     BATCH_S = 0.005
+    MAX_PENDING = 64
+    MAX_PENDING_BYTES = 256 << 20
 
     def __init__(self) -> None:
         self._todo: collections.deque[tuple[int, OnceFd, int, Taker | None]] = collections.deque()
         self._wake = threading.Event()
         self._awake = False
         self._pending = 0  # handed over and not yet closed
+        self._pending_bytes = 0
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self.inline = 0  # releases punched on their own thread (the bound was reached)
+        self._behind = False  # logged once per episode
 
     def start(self) -> None:
         """Start the thread, once per process: with the agent, since one that appeared at
@@ -197,7 +214,29 @@ class _Punch:
     def put(self, fd: int, probe: OnceFd, length_bytes: int, take: Taker | None = None) -> None:
         self.start()
         with self._lock:
+            behind = (
+                self._pending >= self.MAX_PENDING
+                or self._pending_bytes + length_bytes > self.MAX_PENDING_BYTES
+            )
             self._pending += 1
+            self._pending_bytes += length_bytes
+            if behind:
+                self.inline += 1
+            if behind and not self._behind:
+                log.warning(
+                    "%d released memfds (%d bytes) wait to be freed: releases free their "
+                    "own until the punch thread catches up",
+                    self._pending - 1,
+                    self._pending_bytes - length_bytes,
+                )
+            elif not behind and self._behind and self._pending == 1:
+                log.info("the punch thread caught up")
+            self._behind = behind or (self._behind and self._pending > 1)
+        if behind:
+            if take is not None:
+                take.cancel()
+            self._punch(fd, probe, length_bytes, None)
+            return
         self._todo.append((fd, probe, length_bytes, take))
         if not self._awake:  # read after the append: see _run
             self._wake.set()
@@ -229,6 +268,11 @@ class _Punch:
                     break
                 self._awake = True
 
+    def _done(self, length_bytes: int) -> None:
+        with self._lock:
+            self._pending -= 1
+            self._pending_bytes -= length_bytes
+
     def _punch(self, fd: int, probe: OnceFd, length_bytes: int, take: Taker | None) -> None:
         if take is not None:
             try:
@@ -236,12 +280,13 @@ class _Punch:
             except Exception:
                 log.exception("recycling a released memfd: its pages are punched instead")
                 kept = False
+            finally:
+                take.cancel()  # a no-op once it was called
             if kept:
                 try:
                     probe.close()
                 finally:
-                    with self._lock:
-                        self._pending -= 1
+                    self._done(length_bytes)
                 return
         try:
             punch(fd, length_bytes)
@@ -253,8 +298,7 @@ class _Punch:
             try:
                 probe.close()
             finally:
-                with self._lock:
-                    self._pending -= 1
+                self._done(length_bytes)
 
 
 PUNCH = _Punch()

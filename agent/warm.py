@@ -29,10 +29,12 @@ DEFAULT_MAX_TOTAL_BYTES = 64 << 20
 # tight lease+release loop missed 44 % of the time (each miss a fallocate on the request
 # path, ~0.85 ms for 2 MiB here), with 8 21 %; the byte cap above still bounds the pool.
 PER_LENGTH = 8
-# Fresh memfds are made only below this many per length: above it, released memfds
-# (zeroed, far cheaper than fresh ones) fill the pool, so a tenant leasing and releasing
-# back to back is served from its own released memory and nothing is allocated.
-REFILL_TO = PER_LENGTH // 2
+# A take that leaves fewer than this many per length (ready, or released and on their
+# way back: `promise`) wakes the refill thread, which makes fresh memfds up to
+# PER_LENGTH. Released memfds (zeroed, far cheaper than fresh ones) come back into the
+# room promised them, so a tenant leasing and releasing back to back is served from its
+# own released memory, and fresh ones are made only when the punch thread falls behind.
+REFILL_BELOW = PER_LENGTH // 2
 MAX_LENGTHS = 4
 
 
@@ -43,6 +45,11 @@ class WarmPool:
         self._lock = threading.Lock()
         self._ready: OrderedDict[int, deque[Materialised]] = OrderedDict()
         self._want: set[int] = set()
+        # Released memfds promised to the pool (:meth:`promise`) and not back yet: the
+        # punch thread zeroes them a few ms after the release. Counted as in the pool, or
+        # every take meanwhile asked for fresh ones (0.85 ms of fallocate each) and the
+        # recycled ones, back, found the pool full and were punched: churn for nothing.
+        self._coming: dict[int, int] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -56,7 +63,7 @@ class WarmPool:
 
     def take(self, length_bytes: int) -> Materialised | None:
         """A ready memfd of exactly this length, if there is one; asks for a refill when
-        fewer than REFILL_TO are left (waking the thread on every take cost the request
+        fewer than REFILL_BELOW are left (waking the thread on every take cost the request
         thread a sixth of its time, and a released one usually comes back anyway)."""
         if length_bytes > MAX_WARM_LENGTH_BYTES or self.max_total_bytes <= 0:
             return None
@@ -71,7 +78,7 @@ class WarmPool:
                 queue = self._ready[length_bytes] = deque()  # a released one may come back now
             else:
                 self._ready.move_to_end(length_bytes)  # recently asked: evicted last
-            refill = len(queue) < REFILL_TO
+            refill = len(queue) + self._coming.get(length_bytes, 0) < REFILL_BELOW
             if refill:
                 self._want.add(length_bytes)
         if refill:
@@ -98,24 +105,50 @@ class WarmPool:
         with self._lock:
             return self._room(length_bytes)
 
-    def recycle(self, memory: Materialised) -> bool:
+    def promise(self, length_bytes: int) -> bool:
+        """:meth:`wants`, and if so its room held for the released memfd until it comes
+        back (:meth:`recycle` with ``promised``) or will not (:meth:`unpromise`)."""
+        with self._lock:
+            if not self._room(length_bytes):
+                return False
+            self._coming[length_bytes] = self._coming.get(length_bytes, 0) + 1
+            return True
+
+    def unpromise(self, length_bytes: int) -> None:
+        """A promised memfd will not come back (punched instead): its room is free."""
+        with self._lock:
+            self._settle(length_bytes)
+
+    def recycle(self, memory: Materialised, *, promised: bool = False) -> bool:
         """Keep a released memfd, zeroed and with fresh copies, to hand out again; False
         when there is no room for it now (the caller frees it)."""
         with self._lock:
+            if promised:
+                self._settle(memory.length_bytes)
             if not self._room(memory.length_bytes):
                 return False
             self._ready[memory.length_bytes].append(memory)
             self.recycled += 1
             return True
 
+    def _settle(self, length_bytes: int) -> None:
+        left = self._coming.get(length_bytes, 0) - 1
+        if left > 0:
+            self._coming[length_bytes] = left
+        else:
+            self._coming.pop(length_bytes, None)
+
     def _room(self, length_bytes: int) -> bool:
         queue = self._ready.get(length_bytes)
-        if queue is None or len(queue) >= PER_LENGTH or self._stop.is_set():
+        if queue is None or self._stop.is_set():
+            return False
+        if len(queue) + self._coming.get(length_bytes, 0) >= PER_LENGTH:
             return False
         return self._total() + length_bytes <= self.max_total_bytes
 
     def _total(self) -> int:
-        return sum(m.length_bytes for q in self._ready.values() for m in q)
+        ready = sum(m.length_bytes for q in self._ready.values() for m in q)
+        return ready + sum(length * n for length, n in self._coming.items())
 
     def _refill_loop(self) -> None:
         while not self._stop.is_set():
@@ -139,7 +172,7 @@ class WarmPool:
                 while not self._stop.is_set():
                     with self._lock:
                         queue = self._ready.get(length)
-                        if queue is None or len(queue) >= REFILL_TO:
+                        if queue is None or len(queue) + self._coming.get(length, 0) >= PER_LENGTH:
                             break
                         if self._total() + length > self.max_total_bytes:
                             break

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -691,3 +692,73 @@ def test_the_warm_pool_keeps_a_released_memfd_only_where_it_has_room() -> None:
         pool.stop()
         backend.release(made[1])
         backend.release(made[2])
+
+
+def test_a_promised_recycle_holds_its_room_and_stops_fresh_refills() -> None:
+    """A released memfd on its way back counts as in the pool: a take meanwhile asks no
+    fresh one for it, and a cancelled promise frees the room again."""
+    backend = EmulatedBackend()
+    pool = WarmPool(backend, max_total_bytes=4 * MIB)
+    made = [backend.materialise(2 * MIB, "test-recycle") for _ in range(2)]
+    try:
+        assert pool.take(2 * MIB) is None  # asked now (the refill thread is not running)
+        assert pool.promise(2 * MIB) and pool.promise(2 * MIB)
+        assert pool.wants(2 * MIB) is False  # both slots of the byte cap are promised
+        pool.unpromise(2 * MIB)
+        assert pool.wants(2 * MIB) is True
+        assert pool.recycle(made[0], promised=True)
+        assert pool.wants(2 * MIB) is True  # the promise it kept is settled
+        assert pool.recycle(made[1]) and pool.wants(2 * MIB) is False
+    finally:
+        pool.stop()
+
+
+class _Counting:
+    """A taker that records how it was settled."""
+
+    def __init__(self) -> None:
+        self.called: list[int] = []
+        self.cancelled = 0
+
+    def __call__(self, fd: int) -> bool:
+        self.called.append(fd)
+        return False
+
+    def cancel(self) -> None:
+        self.cancelled += 1
+
+
+@needs_check
+def test_releases_past_the_punch_bound_free_their_own_memfd() -> None:
+    """A punch thread that falls behind holds at most MAX_PENDING memfds: the release past
+    that punches and closes its own (and cancels its recycle), so fds and pages never pile
+    up unboundedly (seen under a profiler as the agent running out of fds)."""
+    from agent.backends.emulated import OnceFd
+    from agent.release_check import _Punch
+
+    punch = _Punch()
+    punch.MAX_PENDING = 2
+    punch._thread = threading.current_thread()  # never started: everything queued waits
+    fds: list[int] = []
+    try:
+        for _ in range(3):
+            fd = os.memfd_create("test-bound", os.MFD_CLOEXEC)
+            os.ftruncate(fd, 2 * MIB)
+            os.posix_fallocate(fd, 0, 2 * MIB)
+            fds.append(fd)
+        probes = [OnceFd(os.dup(fd)) for fd in fds]
+        takers = [_Counting() for _ in fds]
+        for fd, probe, take in zip(fds, probes, takers, strict=True):
+            punch.put(fd, probe, 2 * MIB, take)
+        assert punch.inline == 1 and len(punch._todo) == 2
+        # The third was punched and closed on this thread: its fd and probe are gone.
+        assert probes[2].fd is None
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(fds[2])
+        assert takers[2].cancelled == 1 and takers[2].called == []
+        assert punch._pending == 2 and punch._pending_bytes == 4 * MIB
+    finally:
+        while punch._todo:
+            fd, probe, _, _ = punch._todo.popleft()
+            os.close(fd)
+            probe.close()
