@@ -436,7 +436,7 @@ class DelegatedCapacity:
         candidates = []
         for index, h in enumerate(held):
             res = h.reservation
-            used = [Extent(0, res.offset_bytes), *self._leases.occupied(res.id)]
+            end = res.offset_bytes + res.length_bytes
             candidates.append(
                 placement.Candidate(
                     device_id=index,
@@ -444,9 +444,9 @@ class DelegatedCapacity:
                     media=res.media,
                     state="online",
                     health=res.health,
-                    capacity_bytes=res.offset_bytes + res.length_bytes,
+                    capacity_bytes=end,
                     alignment_bytes=res.alignment_bytes,
-                    used=tuple(used),
+                    free=self._leases.holes(res.id, res.offset_bytes, end),
                     read_latency_ns=res.read_latency_ns,
                     distance=res.distance,
                 )

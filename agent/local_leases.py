@@ -4,16 +4,20 @@ kept as leases come and go: what occupies a reservation, and what a tenant uses 
 
 A released local lease stays in the table until poold has applied its release
 (agent/delegation.py), so at a few thousand leases a second it holds hundreds; a pass
-over all of them per grant was a fifth of the request thread's time. Pure and not
-thread-safe: :class:`agent.delegation.DelegatedCapacity`'s lock guards it.
+over all of them per grant was a fifth of the request thread's time. So were the free
+extents of a reservation, sorted and merged from those hundreds on every grant: they
+are kept too (:meth:`LocalLeases.holes`), cut as a lease is added, and made again only
+after leases went (one batch of poold's acknowledgements, not one per grant). Pure and
+not thread-safe: :class:`agent.delegation.DelegatedCapacity`'s lock guards it.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from poold.extents import Extent
+from poold.extents import Extent, free_extents
 
 
 @dataclass
@@ -38,6 +42,8 @@ class LocalLeases:
         self._in_res: dict[str, dict[str, Extent]] = {}  # reservation -> lease id -> extent
         self._res_used: dict[str, int] = {}  # reservation -> bytes of its leases
         self._use: dict[str, list[int]] = {}  # tenant -> [bytes, leases]
+        # reservation -> (window start, window end, the window's free extents in order)
+        self._holes: dict[str, tuple[int, int, list[Extent]]] = {}
 
     def __contains__(self, lease_id: object) -> bool:
         return lease_id in self._by_id
@@ -60,12 +66,35 @@ class LocalLeases:
         use = self._use.setdefault(lease.tenant, [0, 0])
         use[0] += lease.length_bytes
         use[1] += 1
+        self._cut(rid, lease.offset_bytes, lease.length_bytes)
+
+    def _cut(self, rid: str, offset: int, length: int) -> None:
+        """Take ``[offset, offset+length)`` out of the reservation's kept free extents;
+        forget them when it is not inside one (an adopted lease, an overlap): the next
+        :meth:`holes` makes them again from the leases."""
+        kept = self._holes.get(rid)
+        if kept is None or length <= 0:
+            return
+        holes = kept[2]
+        at = bisect.bisect_right(holes, offset, key=lambda e: e.offset) - 1
+        if at < 0 or offset + length > holes[at].offset + holes[at].length:
+            del self._holes[rid]
+            return
+        hole = holes[at]
+        pieces = []
+        if offset > hole.offset:
+            pieces.append(Extent(hole.offset, offset - hole.offset))
+        end, hole_end = offset + length, hole.offset + hole.length
+        if hole_end > end:
+            pieces.append(Extent(end, hole_end - end))
+        holes[at : at + 1] = pieces
 
     def pop(self, lease_id: str) -> LocalLease | None:
         lease = self._by_id.pop(lease_id, None)
         if lease is None:
             return None
         rid = lease.reservation_id
+        self._holes.pop(rid, None)  # made again when next asked: once per batch of pops
         inside = self._in_res[rid]
         del inside[lease_id]
         self._res_used[rid] -= lease.length_bytes
@@ -86,6 +115,7 @@ class LocalLeases:
             return
         cut = lease.length_bytes - length_bytes
         lease.length_bytes = length_bytes
+        self._holes.pop(lease.reservation_id, None)
         self._in_res[lease.reservation_id][lease_id] = Extent(lease.offset_bytes, length_bytes)
         self._res_used[lease.reservation_id] -= cut
         self._use[lease.tenant][0] -= cut
@@ -93,6 +123,19 @@ class LocalLeases:
     def occupied(self, reservation_id: str) -> list[Extent]:
         """The extents of the reservation local leases occupy."""
         return list(self._in_res.get(reservation_id, {}).values())
+
+    def holes(self, reservation_id: str, start: int, end: int) -> list[Extent]:
+        """The free extents of ``[start, end)`` (the reservation on its device) that no
+        local lease occupies, in offset order: what ``poold.extents.free_extents`` says
+        of the window with everything outside it used. Kept; the caller must not change
+        the list."""
+        kept = self._holes.get(reservation_id)
+        if kept is not None and kept[0] == start and kept[1] == end:
+            return kept[2]
+        used = [Extent(0, start), *self._in_res.get(reservation_id, {}).values()]
+        holes = free_extents(end, used)
+        self._holes[reservation_id] = (start, end, holes)
+        return holes
 
     def used_in(self, reservation_id: str) -> int:
         """Bytes of the reservation local leases occupy."""

@@ -113,8 +113,13 @@ def best_fit_in(holes: Iterable[Extent], alignment: int, size: int) -> tuple[Ext
 
 def largest_free(capacity: int, alignment: int, used: Iterable[Extent]) -> int:
     """The largest aligned request that would still fit: what `no_capacity` reports."""
+    return largest_free_in(free_extents(capacity, used), alignment)
+
+
+def largest_free_in(holes: Iterable[Extent], alignment: int) -> int:
+    """:func:`largest_free` over holes already computed."""
     largest = 0
-    for hole in free_extents(capacity, used):
+    for hole in holes:
         start = align_up(hole.offset, alignment)
         usable = align_down(hole.end - start, alignment) if hole.end > start else 0
         largest = max(largest, usable)

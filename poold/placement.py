@@ -42,6 +42,9 @@ class Candidate:
     # The part of ``used`` that is held by dax devices poold did not place: never free,
     # and not part of the device's usable size either (what a whole-only device gives).
     reserved: tuple[Extent, ...] = ()
+    # The gaps between ``used``, when the caller keeps them already (the agent's local
+    # grants: agent/local_leases.py): then ``used`` is not read. Not for a whole-only device.
+    free: Sequence[Extent] | None = None
 
 
 @dataclass(frozen=True)
@@ -123,13 +126,15 @@ def _fit(c: Candidate, size_bytes: int) -> tuple[Extent, int] | None:
     if c.whole_only:
         ext = extents.whole_fit(c.capacity_bytes, c.alignment_bytes, c.used, c.reserved, size_bytes)
         return None if ext is None else (ext, _hole_size(c, ext))
-    holes = extents.free_extents(c.capacity_bytes, c.used)
+    holes = c.free if c.free is not None else extents.free_extents(c.capacity_bytes, c.used)
     return extents.best_fit_in(holes, c.alignment_bytes, size_bytes)
 
 
 def _largest(c: Candidate) -> int:
     if c.whole_only:
         return extents.whole_free(c.capacity_bytes, c.alignment_bytes, c.used, c.reserved)
+    if c.free is not None:
+        return extents.largest_free_in(c.free, c.alignment_bytes)
     return extents.largest_free(c.capacity_bytes, c.alignment_bytes, c.used)
 
 

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.local_leases import LocalLease, LocalLeases
+from poold.extents import Extent, free_extents
 
 MiB = 1 << 20
 
@@ -51,3 +52,36 @@ def test_sums_and_index_agree_with_the_leases(ops: list[tuple[str, int, str, str
             )
             assert table.used_in(r) == sum(x.length_bytes for x in inside)
             assert table.any_in(r) == bool(inside)
+
+
+placed = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "pop", "shrink", "ask"]),
+        st.integers(0, 12),  # lease id
+        st.integers(0, 40),  # offset, MiB (some outside the window, some overlapping)
+        st.integers(0, 6),  # MiB
+    ),
+    max_size=80,
+)
+
+
+@given(placed)
+def test_kept_holes_are_the_free_extents_of_the_leases(
+    ops: list[tuple[str, int, int, int]],
+) -> None:
+    """Cut as leases are added, made again after removals: always what free_extents says
+    of the window with the reservation's leases (overlapping or not) used."""
+    table = LocalLeases()
+    start, end = 4 * MiB, 36 * MiB
+    for op, n, at, mib in ops:
+        lease_id = f"L{n}"
+        if op == "add":
+            table.add(LocalLease(lease_id, "r", "t", at * MiB, (mib + 1) * MiB, n))
+        elif op == "pop":
+            table.pop(lease_id)
+        elif op == "shrink":
+            table.shrink(lease_id, mib * MiB)
+        else:
+            table.holes("r", start, end)  # kept from here until a removal
+        used = [Extent(0, start), *table.occupied("r")]
+        assert table.holes("r", start, end) == free_extents(end, used)
