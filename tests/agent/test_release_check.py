@@ -30,7 +30,7 @@ from agent.client import PoolClient
 from agent.lease import Lease
 from agent.release_check import PUNCH, ReleaseCheck, recyclable, self_test, zero
 from agent.service import AgentService
-from agent.warm import PER_LENGTH, WarmPool
+from agent.warm import MAX_PER_LENGTH, WarmPool
 from poold.api.client import PooldClient
 from tests.agent.conftest import emulated_device, linked_agent, serving
 from tests.conftest import ThreadedServer
@@ -539,7 +539,7 @@ def _take_until(client: PoolClient, inode: tuple[int, int]) -> tuple[Lease, list
     """Leases of 2 MiB until one is of ``inode`` (the warm pool may hand out a fresh memfd
     its refill thread made meanwhile first); that one, and the others taken on the way."""
     others: list[Lease] = []
-    for _ in range(PER_LENGTH + 1):
+    for _ in range(MAX_PER_LENGTH + 1):
         lease = client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False)
         if _inode(lease.fd) == inode:
             return lease, others
@@ -762,3 +762,25 @@ def test_releases_past_the_punch_bound_free_their_own_memfd() -> None:
             fd, probe, _, _ = punch._todo.popleft()
             os.close(fd)
             probe.close()
+
+
+def test_misses_deepen_a_lengths_pool_up_to_its_cap() -> None:
+    """Tenants leasing at once need more than PER_LENGTH ready: each miss of a length
+    asked before deepens its pool by half of that, up to MAX_PER_LENGTH."""
+    from agent.warm import PER_LENGTH
+
+    backend = EmulatedBackend()
+    pool = WarmPool(backend, max_total_bytes=1 << 30)
+    try:
+        assert pool.take(2 * MIB) is None  # first asked: not yet a miss that deepens
+        for _ in range(PER_LENGTH):
+            assert pool.promise(2 * MIB)
+        assert pool.wants(2 * MIB) is False  # PER_LENGTH promised: full
+        for _ in range(100):
+            assert pool.take(2 * MIB) is None  # misses (the refill thread is not running)
+        room = 0
+        while pool.promise(2 * MIB):
+            room += 1
+        assert PER_LENGTH + room == MAX_PER_LENGTH
+    finally:
+        pool.stop()
