@@ -115,16 +115,34 @@ def dispatch(
         return encode_error(internal), None
 
 
-def send_reply(sock: socket.socket, frame: bytes, fd: int | None) -> bool:
-    """Send one frame, with ``fd`` riding on its first byte; False when the peer is gone."""
+def send_reply(
+    sock: socket.socket, frame: bytes, fd: int | None, timeout_s: float | None = None
+) -> bool:
+    """Send one frame, with ``fd`` riding on its first byte; False when the peer is gone
+    (or, with ``timeout_s``, has not taken it all within that many seconds).
+
+    What the socket buffer takes now is sent without waiting (one sendmsg; a timeout on
+    the socket would add an ioctl and a poll, each a GIL hand-over); only the rest waits,
+    under ``timeout_s``, and the socket is left without a timeout again after."""
+    rights: list[tuple[int, int, array.array[int]]] = []
+    if fd is not None:
+        rights.append((socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd])))
+    flags = socket.MSG_NOSIGNAL
     try:
-        if fd is None:
-            sock.sendall(frame, socket.MSG_NOSIGNAL)
-        else:
-            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
-            sent = sock.sendmsg([frame], rights, socket.MSG_NOSIGNAL)
+        try:
+            sent = sock.sendmsg([frame], rights, flags | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        if sent == len(frame):
+            return True
+        sock.settimeout(timeout_s)
+        try:
+            if not sent:  # nothing left yet: the fd rides on the first byte that does
+                sent = sock.sendmsg([frame], rights, flags)
             if sent < len(frame):
-                sock.sendall(frame[sent:], socket.MSG_NOSIGNAL)
+                sock.sendall(frame[sent:], flags)
+        finally:
+            sock.settimeout(None)
     except OSError as err:
         log.debug("reply not delivered: %s", err)
         return False

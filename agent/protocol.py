@@ -392,6 +392,21 @@ def _recv_exact(
     if fds is None:
         chunks: list[bytes] = []
         remaining = length
+        # What has arrived is taken without waiting first: on a socket without a timeout
+        # that is one recv, where a timeout makes it a settimeout (an ioctl), a poll and
+        # a recv, each a point where the GIL passes to another thread (the agent's
+        # socket threads spent a third of their CPU handing it over). Only a frame that
+        # is not all there yet waits, bounded by the deadline.
+        try:
+            chunk = sock.recv(remaining, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            chunk = None
+        if chunk is not None:
+            if chunk:
+                chunks.append(chunk)
+                remaining -= len(chunk)
+            else:
+                remaining = 0  # EOF
         while remaining:
             _until(sock, deadline)
             chunk = sock.recv(remaining)

@@ -465,6 +465,9 @@ class AgentServer:
         limits = self.limits
         waiting = select.poll()
         waiting.register(sock, select.POLLIN)
+        # No timeout on the socket between frames: reads and replies take what is there
+        # without a poll first, and set a deadline only when they must wait (protocol.py).
+        sock.settimeout(None)
         while not self._stopping.is_set():
             if not waiting.poll(limits.idle_timeout_s * 1000):
                 if self._holds_leases(peer):
@@ -502,14 +505,16 @@ class AgentServer:
                 return
             if frame is None:
                 return
+            if sock.gettimeout() is not None:  # the frame was waited for: no timeout again
+                sock.settimeout(None)
             reply, fd = dispatch(self._methods, connection, frame)
             with connection.send_lock:
                 if connection.wants_events and connection.outbox is None:
                     # Events may queue from now; its writer waits for this lock, so the
                     # hello's reply is the first frame the session sees.
                     self._start_session(connection)
-                sock.settimeout(limits.reply_timeout_s)  # a peer that never reads pins nothing
-                sent = send_reply(sock, reply, fd)
+                # A peer that never reads pins nothing: bounded by the reply timeout.
+                sent = send_reply(sock, reply, fd, limits.reply_timeout_s)
                 if fd is not None and self._fd_sent is not None:
                     self._fd_sent(peer, fd)  # the kernel has its own reference now
                 if not sent:
@@ -525,5 +530,4 @@ class AgentServer:
             err.message,
         )
         with connection.send_lock:
-            connection.sock.settimeout(self.limits.reply_timeout_s)
-            send_reply(connection.sock, encode_error(err), None)
+            send_reply(connection.sock, encode_error(err), None, self.limits.reply_timeout_s)

@@ -144,7 +144,9 @@ class AgentService:
     # --- operations ----------------------------------------------------------------
     def _result(self, held: HeldLease) -> p.LeaseResult:
         lease = held.lease
-        return p.LeaseResult(
+        # Built without validation, which would only re-check checked values: each comes
+        # from the validated lease, the memory the backend made, or the held lease.
+        return p.LeaseResult.model_construct(
             lease_id=lease.id,
             size_bytes=lease.requested_bytes,
             length_bytes=lease.length_bytes,
