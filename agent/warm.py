@@ -85,7 +85,7 @@ class WarmPool:
                 queue = self._ready[length_bytes] = deque()  # a released one may come back now
             else:
                 self._ready.move_to_end(length_bytes)  # recently asked: evicted last
-            refill = len(queue) + self._coming.get(length_bytes, 0) < depth // 2
+            refill = len(queue) + self._coming.get(length_bytes, 0) < depth // 2  # as _low
             if refill:
                 self._want.add(length_bytes)
         if refill:
@@ -178,6 +178,11 @@ class WarmPool:
             for memory in evicted:
                 self.backend.release(memory)
             for length in reversed(list(self._ready)):
+                if length not in wanted and not self._low(length):
+                    # Woken by the clock, not a take: a few short of the depth are out
+                    # with tenants and come back released (fresh ones now would take
+                    # their room, and the released ones be punched).
+                    continue
                 while not self._stop.is_set():
                     with self._lock:
                         queue = self._ready.get(length)
@@ -193,6 +198,15 @@ class WarmPool:
                         break
                     with self._lock:
                         self._ready.setdefault(length, deque()).append(memory)
+
+    def _low(self, length_bytes: int) -> bool:
+        """Fewer than half its depth ready or on the way back (what a take wakes us for)."""
+        with self._lock:
+            queue = self._ready.get(length_bytes)
+            if queue is None:
+                return False
+            held = len(queue) + self._coming.get(length_bytes, 0)
+            return held < self._depth.get(length_bytes, PER_LENGTH) // 2
 
     def stop(self) -> None:
         self._stop.set()

@@ -30,7 +30,7 @@ from agent.client import PoolClient
 from agent.lease import Lease
 from agent.release_check import PUNCH, ReleaseCheck, recyclable, self_test, zero
 from agent.service import AgentService
-from agent.warm import MAX_PER_LENGTH, WarmPool
+from agent.warm import MAX_PER_LENGTH, PER_LENGTH, WarmPool
 from poold.api.client import PooldClient
 from tests.agent.conftest import emulated_device, linked_agent, serving
 from tests.conftest import ThreadedServer
@@ -555,8 +555,9 @@ def _warmed(client: PoolClient, service: AgentService) -> None:
     assert service.warm is not None
     client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False).release()
     deadline = time.monotonic() + 10
-    while not service.warm.ready(2 * MIB):
-        assert time.monotonic() < deadline, "the warm pool made nothing"
+    # Full: the refill is done, and a memfd released from here has the room it leaves.
+    while service.warm.ready(2 * MIB) < PER_LENGTH:
+        assert time.monotonic() < deadline, "the warm pool did not fill"
         time.sleep(0.01)
 
 
@@ -767,8 +768,6 @@ def test_releases_past_the_punch_bound_free_their_own_memfd() -> None:
 def test_misses_deepen_a_lengths_pool_up_to_its_cap() -> None:
     """Tenants leasing at once need more than PER_LENGTH ready: each miss of a length
     asked before deepens its pool by half of that, up to MAX_PER_LENGTH."""
-    from agent.warm import PER_LENGTH
-
     backend = EmulatedBackend()
     pool = WarmPool(backend, max_total_bytes=1 << 30)
     try:
