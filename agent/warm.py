@@ -38,6 +38,8 @@ MAX_PER_LENGTH = 32
 # the depth. Released memfds (zeroed, far cheaper than fresh ones) come back into the
 # room promised them, so a tenant leasing and releasing back to back is served from its
 # own released memory, and fresh ones are made only when the punch thread falls behind.
+
+# Lengths kept warm at once (the least recently asked is evicted).
 MAX_LENGTHS = 4
 
 
