@@ -85,26 +85,23 @@ class _RunningScrub:
 
 class _Recycle:
     """A released warm memfd's way back to the pool (agent/release_check.py ``Taker``),
-    settled once: zeroed and offered (:meth:`__call__`), or cancelled."""
+    settled once: zeroed and offered (:meth:`__call__`), or cancelled. Each is used by
+    one thread: the punch thread, or the releasing thread past the punch bound."""
 
-    __slots__ = ("_check", "_lock", "_memory", "_settled", "_warm")
+    __slots__ = ("_check", "_memory", "_settled", "_warm")
 
     def __init__(self, warm: WarmPool, check: ReleaseCheck, memory: MemfdMaterialised) -> None:
         self._warm = warm
         self._check = check
         self._memory = memory
         self._settled = False
-        self._lock = threading.Lock()
-
-    def _settle(self) -> bool:
-        with self._lock:
-            settled, self._settled = self._settled, True
-        return not settled
 
     def __call__(self, fd: int) -> bool:
-        if not self._settle():
+        if self._settled:
             return False
+        self._settled = True
         memory = self._memory
+        offered = False  # recycle() settles the pool's promise; anything else gives it back
         try:
             fresh = self._check.prepare(
                 MemfdMaterialised(
@@ -115,19 +112,20 @@ class _Recycle:
                     warm=True,
                 )
             )
-        except BaseException:
-            self._warm.unpromise(memory.length_bytes)
-            raise
-        if not isinstance(fresh, MemfdMaterialised) or fresh.tenant is None:
-            self._warm.unpromise(memory.length_bytes)
-            return False  # no copies could be made: punched and closed instead
-        if self._warm.recycle(fresh, promised=True):
-            return True
-        close_copies(fresh, keep_fd=True)
-        return False
+            if not isinstance(fresh, MemfdMaterialised) or fresh.tenant is None:
+                return False  # no copies could be made: punched and closed instead
+            offered = True
+            if self._warm.recycle(fresh, promised=True):
+                return True
+            close_copies(fresh, keep_fd=True)
+            return False
+        finally:
+            if not offered:
+                self._warm.unpromise(memory.length_bytes)
 
     def cancel(self) -> None:
-        if self._settle():
+        if not self._settled:
+            self._settled = True
             self._warm.unpromise(self._memory.length_bytes)
 
 

@@ -396,7 +396,9 @@ def _recv_exact(
         # that is one recv, where a timeout makes it a settimeout (an ioctl), a poll and
         # a recv, each a point where the GIL passes to another thread (the agent's
         # socket threads spent a third of their CPU handing it over). Only a frame that
-        # is not all there yet waits, bounded by the deadline.
+        # is not all there yet waits, bounded by the deadline; every read after the first
+        # checks it, so a peer that trickles bytes just in time is still cut off
+        # (tests/security/test_socket_abuse.py).
         try:
             chunk = sock.recv(remaining, socket.MSG_DONTWAIT)
         except BlockingIOError:

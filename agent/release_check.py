@@ -201,7 +201,7 @@ class _Punch:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.inline = 0  # releases punched on their own thread (the bound was reached)
-        self._behind = False  # logged once per episode
+        self._behind = False  # an episode past the bound, logged at its start and end
 
     def start(self) -> None:
         """Start the thread, once per process: with the agent, since one that appeared at
@@ -222,16 +222,14 @@ class _Punch:
             self._pending_bytes += length_bytes
             if behind:
                 self.inline += 1
-            if behind and not self._behind:
-                log.warning(
-                    "%d released memfds (%d bytes) wait to be freed: releases free their "
-                    "own until the punch thread catches up",
-                    self._pending - 1,
-                    self._pending_bytes - length_bytes,
-                )
-            elif not behind and self._behind and self._pending == 1:
-                log.info("the punch thread caught up")
-            self._behind = behind or (self._behind and self._pending > 1)
+                if not self._behind:
+                    self._behind = True
+                    log.warning(
+                        "%d released memfds (%d bytes) wait to be freed: releases free "
+                        "their own until the punch thread catches up",
+                        self._pending - 1,
+                        self._pending_bytes - length_bytes,
+                    )
         if behind:
             if take is not None:
                 take.cancel()
@@ -272,6 +270,9 @@ class _Punch:
         with self._lock:
             self._pending -= 1
             self._pending_bytes -= length_bytes
+            if self._behind and not self._pending:
+                self._behind = False
+                log.info("the punch thread caught up")
 
     def _punch(self, fd: int, probe: OnceFd, length_bytes: int, take: Taker | None) -> None:
         if take is not None:

@@ -76,18 +76,18 @@ class WarmPool:
         with self._lock:
             queue = self._ready.get(length_bytes)
             got = queue.pop() if queue else None  # the last returned: its pages are warm
-            depth = self._depth.get(length_bytes, PER_LENGTH)
             if got is not None:
                 self.hits += 1
             else:
                 self.misses += 1
+                depth = self._depth_of(length_bytes)
                 if queue is not None and depth < MAX_PER_LENGTH:  # asked before: too shallow
-                    depth = self._depth[length_bytes] = depth + PER_LENGTH // 2
+                    self._depth[length_bytes] = depth + PER_LENGTH // 2
             if queue is None:
-                queue = self._ready[length_bytes] = deque()  # a released one may come back now
+                self._ready[length_bytes] = deque()  # a released one may come back now
             else:
                 self._ready.move_to_end(length_bytes)  # recently asked: evicted last
-            refill = len(queue) + self._coming.get(length_bytes, 0) < depth // 2  # as _low
+            refill = self._low(length_bytes)
             if refill:
                 self._want.add(length_bytes)
         if refill:
@@ -98,7 +98,7 @@ class WarmPool:
         """Return an fd that was taken but never handed to a tenant (the grant failed)."""
         with self._lock:
             queue = self._ready.setdefault(memory.length_bytes, deque())
-            if len(queue) < self._depth.get(memory.length_bytes, PER_LENGTH):
+            if len(queue) < self._depth_of(memory.length_bytes):
                 queue.append(memory)
                 return
         self.backend.release(memory)
@@ -151,10 +151,22 @@ class WarmPool:
         queue = self._ready.get(length_bytes)
         if queue is None or self._stop.is_set():
             return False
-        depth = self._depth.get(length_bytes, PER_LENGTH)
-        if len(queue) + self._coming.get(length_bytes, 0) >= depth:
+        if self._held(length_bytes) >= self._depth_of(length_bytes):
             return False
         return self._total() + length_bytes <= self.max_total_bytes
+
+    # The three below are read under the lock.
+    def _depth_of(self, length_bytes: int) -> int:
+        return self._depth.get(length_bytes, PER_LENGTH)
+
+    def _held(self, length_bytes: int) -> int:
+        """Ready, or released and on the way back (promised)."""
+        queue = self._ready.get(length_bytes)
+        return (len(queue) if queue else 0) + self._coming.get(length_bytes, 0)
+
+    def _low(self, length_bytes: int) -> bool:
+        """Fewer than half its depth held: what a take wakes the refill thread for."""
+        return self._held(length_bytes) < self._depth_of(length_bytes) // 2
 
     def _total(self) -> int:
         ready = sum(m.length_bytes for q in self._ready.values() for m in q)
@@ -180,16 +192,18 @@ class WarmPool:
             for memory in evicted:
                 self.backend.release(memory)
             for length in reversed(list(self._ready)):
-                if length not in wanted and not self._low(length):
+                with self._lock:
+                    low = self._low(length)
+                if length not in wanted and not low:
                     # Woken by the clock, not a take: a few short of the depth are out
                     # with tenants and come back released (fresh ones now would take
                     # their room, and the released ones be punched).
                     continue
                 while not self._stop.is_set():
                     with self._lock:
-                        queue = self._ready.get(length)
-                        depth = self._depth.get(length, PER_LENGTH)
-                        if queue is None or len(queue) + self._coming.get(length, 0) >= depth:
+                        if length not in self._ready:
+                            break
+                        if self._held(length) >= self._depth_of(length):
                             break
                         if self._total() + length > self.max_total_bytes:
                             break
@@ -200,15 +214,6 @@ class WarmPool:
                         break
                     with self._lock:
                         self._ready.setdefault(length, deque()).append(memory)
-
-    def _low(self, length_bytes: int) -> bool:
-        """Fewer than half its depth ready or on the way back (what a take wakes us for)."""
-        with self._lock:
-            queue = self._ready.get(length_bytes)
-            if queue is None:
-                return False
-            held = len(queue) + self._coming.get(length_bytes, 0)
-            return held < self._depth.get(length_bytes, PER_LENGTH) // 2
 
     def stop(self) -> None:
         self._stop.set()
