@@ -1,5 +1,5 @@
 """How big a host's budget of a tenant may be: what `delegate` sets when its agent asks
-(`set_budget`: as far as the quota allows, at most a fair share when other hosts of the
+(`set_budgets`: as far as the quota allows, at most a fair share when other hosts of the
 tenant want some), the share a host holding more is told of (`shares`), and a quota cut
 taking budgets back (`claw_back`).
 
@@ -11,33 +11,44 @@ spends it (poold/ledger/budgets.py `spend_for_central`); raised by a local grant
 committed past it while the quota has room (`budgets.fit_local_grant`).
 
 Its own module because sizing a budget is a question of quota arithmetic, apart from
-placing reservations (poold/ledger/delegation.py, which calls `set_budget` and `shares`)
+placing reservations (poold/ledger/delegation.py, which calls `set_budgets` and `shares`)
 and from the grants' budget moves (poold/ledger/budgets.py). It imports neither
 delegation nor leases (only granting and transitions), so it adds no import circle.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
+from sqlalchemy import Connection, delete, insert, select, update
 
 from poold.errors import NotOwner, UnknownTenant
 from poold.ledger import granting, transitions
+from poold.ledger.budgets import QuotaUse
 from poold.ledger.models import Budget, Tenant
 from poold.ledger.transitions import event_row
 
-_TENANT = select(
+_TENANTS = select(
     Tenant.id,
     Tenant.name,
     Tenant.quota_bytes,
     Tenant.quota_leases,
     Tenant.allowed_hosts,
     Tenant.generation,
-).where(Tenant.name == bindparam("name"))
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Want:
+    """What a host's agent asks of one tenant's budget there."""
+
+    tenant: str
+    bytes: int
+    leases: int
 
 
 def fair_share(quota: int, central: int, hosts: int) -> int:
@@ -46,18 +57,16 @@ def fair_share(quota: int, central: int, hosts: int) -> int:
     return max(0, math.ceil((quota - central) / max(1, hosts)))
 
 
-def set_budget(
+def set_budgets(
     conn: Connection,
     host_id: int,
     host_name: str,
-    tenant_name: str,
-    want_bytes: int,
-    want_leases: int,
+    wants: Sequence[Want],
     now: datetime,
     expires_at: datetime,
 ) -> None:
-    """The tenant's budget on this host: what it asks, as far as its quota allows, and no
-    more than a fair share when other hosts of the tenant want some too.
+    """Each tenant's budget on this host: what it asks, as far as its quota allows, and
+    no more than a fair share when other hosts of the tenant want some too.
 
     The rule (docs/design-changes.md "Budgets that never starve"):
     * raised to at most min(want, what the quota leaves, max(fair share, local use
@@ -68,13 +77,66 @@ def set_budget(
       so only the agent lowers its budget (a quota cut: `claw_back`; a central grant of
       this host: `spend_for_central`). A host holding more than its share hears it
       (`Budget.share_bytes`) and asks less next time.
+
+    The tenants and their quota use are read in one statement each, whatever their
+    number (an agent asks for dozens at once); the budgets that only live on are renewed
+    in one, after every changed one's tenant was swapped, in name order.
     """
-    tenant = conn.execute(_TENANT, {"name": tenant_name}).one_or_none()
-    if tenant is None:
-        raise UnknownTenant(f"no tenant named {tenant_name!r}", tenant=tenant_name)
-    if tenant.allowed_hosts and host_name not in tenant.allowed_hosts:
-        raise NotOwner(f"tenant {tenant_name!r} may not lease on host {host_name!r}")
-    use = granting.quota_use(conn, tenant.id)
+    by_name = {w.tenant: w for w in wants}  # the last want of a tenant named twice
+    if not by_name:
+        return
+    tenants = {
+        t.name: t for t in conn.execute(_TENANTS.where(Tenant.name.in_(sorted(by_name)))).all()
+    }
+    for name in sorted(by_name):
+        tenant = tenants.get(name)
+        if tenant is None:
+            raise UnknownTenant(f"no tenant named {name!r}", tenant=name)
+        if tenant.allowed_hosts and host_name not in tenant.allowed_hosts:
+            raise NotOwner(f"tenant {name!r} may not lease on host {host_name!r}")
+    uses = granting.quota_uses(conn, [t.id for t in tenants.values()])
+    renew: list[int] = []
+    for name in sorted(by_name):  # tenants swapped in one order
+        tenant, want = tenants[name], by_name[name]
+        new = _sized(tenant, uses[tenant.id], host_id, want)
+        if new is None:
+            renew.append(tenant.id)
+            continue
+        if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
+            raise transitions.LostRace
+        new_bytes, new_leases = new
+        if want.bytes == 0 and want.leases == 0:
+            conn.execute(
+                delete(Budget).where(Budget.tenant_id == tenant.id, Budget.host_id == host_id)
+            )
+        elif host_id not in uses[tenant.id].budgets:
+            conn.execute(
+                insert(Budget),
+                {
+                    "tenant_id": tenant.id,
+                    "host_id": host_id,
+                    "bytes": new_bytes,
+                    "leases": new_leases,
+                    "created_at": now,
+                    "expires_at": expires_at,
+                },
+            )
+        else:
+            conn.execute(
+                update(Budget)
+                .where(Budget.tenant_id == tenant.id, Budget.host_id == host_id)
+                .values(bytes=new_bytes, leases=new_leases, expires_at=expires_at)
+            )
+    if renew:
+        conn.execute(
+            update(Budget)
+            .where(Budget.host_id == host_id, Budget.tenant_id.in_(sorted(renew)))
+            .values(expires_at=expires_at)
+        )
+
+
+def _sized(tenant: Any, use: QuotaUse, host_id: int, want: Want) -> tuple[int, int] | None:
+    """The (bytes, leases) `set_budgets`' rule gives the budget, or None: as it is."""
     old = use.budgets.get(host_id)
     hosts = len(set(use.budgets) | {host_id})
     local_bytes, local_leases = use.local.get(host_id, (0, 0))
@@ -87,57 +149,26 @@ def set_budget(
     cap_leases = min(
         tenant.quota_leases - use.leases(skip_host=host_id), max(fair_leases, local_leases)
     )
-    new_bytes = max(0, min(want_bytes, cap_bytes))
-    new_leases = max(0, min(want_leases, cap_leases))
+    new_bytes = max(0, min(want.bytes, cap_bytes))
+    new_leases = max(0, min(want.leases, cap_leases))
     if old is not None:
-        new_bytes = max(new_bytes, min(old[0], want_bytes))
-        new_leases = max(new_leases, min(old[1], want_leases))
+        new_bytes = max(new_bytes, min(old[0], want.bytes))
+        new_leases = max(new_leases, min(old[1], want.leases))
     if old == (new_bytes, new_leases):
-        _renew_budget(conn, tenant.id, host_id, expires_at)
-        return
-    if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
-        raise transitions.LostRace
-    if want_bytes == 0 and want_leases == 0:
-        conn.execute(delete(Budget).where(Budget.tenant_id == tenant.id, Budget.host_id == host_id))
-    elif old is None:
-        conn.execute(
-            insert(Budget),
-            {
-                "tenant_id": tenant.id,
-                "host_id": host_id,
-                "bytes": new_bytes,
-                "leases": new_leases,
-                "created_at": now,
-                "expires_at": expires_at,
-            },
-        )
-    else:
-        conn.execute(
-            update(Budget)
-            .where(Budget.tenant_id == tenant.id, Budget.host_id == host_id)
-            .values(bytes=new_bytes, leases=new_leases, expires_at=expires_at)
-        )
+        return None
+    return new_bytes, new_leases
 
 
 def shares(conn: Connection, host_id: int, rows: Sequence[Any]) -> dict[int, tuple[int, int]]:
     """Per tenant id: the fair share of this host, where it holds more than that while
-    other hosts hold (or asked for) a budget of the same tenant."""
-    if not rows:
-        return {}
-    ids = [r.id for r in rows]
-    hosts = dict(
-        conn.execute(
-            select(Budget.tenant_id, func.count(Budget.id))
-            .where(Budget.tenant_id.in_(ids))
-            .group_by(Budget.tenant_id)
-        ).all()
-    )
+    other hosts hold (or asked for) a budget of the same tenant (one statement for all)."""
+    uses = granting.quota_uses(conn, [r.id for r in rows])
     out: dict[int, tuple[int, int]] = {}
     for r in rows:
-        n = int(hosts.get(r.id, 1))
+        use = uses[r.id]
+        n = len(use.budgets)
         if n <= 1:
             continue
-        use = granting.quota_use(conn, r.id)
         share = (
             fair_share(r.quota_bytes, use.central_bytes, n),
             fair_share(r.quota_leases, use.central_leases, n),
@@ -145,14 +176,6 @@ def shares(conn: Connection, host_id: int, rows: Sequence[Any]) -> dict[int, tup
         if r.bytes > share[0] or r.leases > share[1]:
             out[r.id] = share
     return out
-
-
-def _renew_budget(conn: Connection, tenant_id: int, host_id: int, expires_at: datetime) -> None:
-    conn.execute(
-        update(Budget)
-        .where(Budget.tenant_id == tenant_id, Budget.host_id == host_id)
-        .values(expires_at=expires_at)
-    )
 
 
 def claw_back(conn: Connection, tenant_id: int) -> None:

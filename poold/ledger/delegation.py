@@ -254,10 +254,14 @@ def _delegate_once(
         if not transitions.compare_and_bump(conn, Host, host_id, int(host_generation)):
             raise transitions.LostRace
         _reserve(conn, host_id, host_name, req, actor, now, expires_at, policy)
-    for want in sorted(req.budgets, key=lambda w: w.tenant):  # tenants swapped in one order
-        budget_sizing.set_budget(
-            conn, host_id, host_name, want.tenant, want.bytes, want.leases, now, expires_at
-        )
+    budget_sizing.set_budgets(
+        conn,
+        host_id,
+        host_name,
+        [budget_sizing.Want(w.tenant, w.bytes, w.leases) for w in req.budgets],
+        now,
+        expires_at,
+    )
     return host_delegation(conn, host_id, now)
 
 

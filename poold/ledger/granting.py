@@ -11,6 +11,7 @@ Core statements, prepared once: they run on every grant.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import (
@@ -35,29 +36,41 @@ from poold.ledger.models import Budget, Device, DevicePath, Lease, Quarantine, R
 
 _LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
 _CENTRAL = Lease.reservation_id.is_(None)
-# What counts against a tenant's quota, in one statement: per host its live leases,
-# central and local (granted inside a reservation) ("lease" rows), and its budgets
-# ("budget" rows: bytes, leases).
-_TENANT_USE = Prepared(
-    union_all(
+
+
+def _tenant_use(lease_tenant: Any, budget_tenant: Any) -> Any:
+    """What counts against quotas, in one statement: per tenant and host its live leases,
+    central and local (granted inside a reservation) ("lease" rows), and its budgets
+    ("budget" rows: bytes, leases). The arguments filter on the tenant column of
+    each."""
+    return union_all(
         select(
             literal_column("'lease'").label("kind"),
+            Lease.tenant_id,
             Lease.host_id,
             func.coalesce(func.sum(case((_CENTRAL, Lease.length_bytes), else_=0)), 0),
             func.count(case((_CENTRAL, 1))),
             func.coalesce(func.sum(case((_CENTRAL, 0), else_=Lease.length_bytes)), 0),
             func.count(case((_CENTRAL, None), else_=1)),
         )
-        .where(Lease.tenant_id == bindparam("tenant_id"), _LIVE_SQL)
-        .group_by(Lease.host_id),
+        .where(lease_tenant, _LIVE_SQL)
+        .group_by(Lease.tenant_id, Lease.host_id),
         select(
             literal_column("'budget'"),
+            Budget.tenant_id,
             Budget.host_id,
             Budget.bytes,
             Budget.leases,
             literal_column("0"),
             literal_column("0"),
-        ).where(Budget.tenant_id == bindparam("tenant_id")),
+        ).where(budget_tenant),
+    )
+
+
+# One tenant's, on every grant; many tenants' at once in `quota_uses`.
+_TENANT_USE = Prepared(
+    _tenant_use(
+        Lease.tenant_id == bindparam("tenant_id"), Budget.tenant_id == bindparam("tenant_id")
     )
 )
 _HOST_DEVICES = Prepared(
@@ -131,21 +144,40 @@ INSERT_LEASE = Prepared(insert(Lease), column_keys=_NEW_LEASE_COLUMNS)
 
 def quota_use(conn: Connection, tenant_id: int) -> QuotaUse:
     """The tenant's quota use as this transaction reads it (under its generation swap)."""
-    params = {"tenant_id": tenant_id}
-    central_bytes = central_leases = 0
-    local: dict[int, tuple[int, int]] = {}
+    return _fold(_TENANT_USE.rows(conn, {"tenant_id": tenant_id})).get(tenant_id, QuotaUse())
+
+
+def quota_uses(conn: Connection, tenant_ids: Iterable[int]) -> dict[int, QuotaUse]:
+    """Each tenant's quota use in one statement (a delegation's budgets: one statement,
+    not one per tenant)."""
+    ids = sorted(set(tenant_ids))
+    if not ids:
+        return {}
+    rows = conn.execute(_tenant_use(Lease.tenant_id.in_(ids), Budget.tenant_id.in_(ids))).all()
+    found = _fold(rows)
+    return {t: found.get(t, QuotaUse()) for t in ids}
+
+
+def _fold(rows: Iterable[Any]) -> dict[int, QuotaUse]:
+    central: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    local: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)
+    budgets: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)
     # int(): PostgreSQL's SUM(bigint) is a numeric (Decimal), which would leak
     # into the quota_exceeded detail and fail to serialise to JSON.
-    budgets: dict[int, tuple[int, int]] = {}
-    for kind, host_id, c_bytes, c_leases, l_bytes, l_leases in _TENANT_USE.rows(conn, params):
+    for kind, tenant_id, host_id, c_bytes, c_leases, l_bytes, l_leases in rows:
+        tenant = int(tenant_id)
         if kind == "budget":
-            budgets[int(host_id)] = (int(c_bytes), int(c_leases))
+            budgets[tenant][int(host_id)] = (int(c_bytes), int(c_leases))
             continue
-        central_bytes += int(c_bytes)
-        central_leases += int(c_leases)
+        use = central[tenant]
+        use[0] += int(c_bytes)
+        use[1] += int(c_leases)
         if l_leases:
-            local[int(host_id)] = (int(l_bytes), int(l_leases))
-    return QuotaUse(central_bytes, central_leases, local, budgets)
+            local[tenant][int(host_id)] = (int(l_bytes), int(l_leases))
+    return {
+        t: QuotaUse(central[t][0], central[t][1], local[t], budgets[t])
+        for t in set(central) | set(budgets)
+    }
 
 
 def candidates(
