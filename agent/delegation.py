@@ -156,6 +156,10 @@ class DelegatedCapacity:
         # Bytes central grants were refused (quota) per tenant this interval: demand too.
         self._refused: dict[str, int] = {}
         self._last_demand: dict[str, float] = {}  # tenant -> when it last leased here
+        # Larger budgets asked of poold: tenant -> (when, poold's budget then); one it
+        # answered leaving that budget as it was is not asked again for a while.
+        self._raised: dict[str, tuple[float, tuple[int, int]]] = {}
+        self._raising: dict[str, tuple[float, tuple[int, int]]] = {}  # on its way
 
     # --- what poold says is held ----------------------------------------------------
     def replace(
@@ -552,6 +556,9 @@ class DelegatedCapacity:
             for x in self._asking:
                 x.settled_at = settled
             self._asking = []
+            if ok:  # failed: no answer to hold off for
+                self._raised.update(self._raising)
+            self._raising = {}
             # Given back (or maybe, without an answer): a reply to a request that left
             # before this one came back may still list them; they take no lease here
             # until a later reply (as `_Limit`).
@@ -652,6 +659,8 @@ class DelegatedCapacity:
                 if entry is not None and entry.budget.share_bytes is not None:
                     share = (entry.budget.share_bytes, entry.budget.share_leases or 0)
                 want = budget_want(p, rates, (used_bytes, used_leases), held, share)
+                if want is not None and self._unmoving(tenant, entry, want, now):
+                    want = None
                 if want is not None:
                     want_bytes, want_leases = want
                     budgets.append(BudgetWant(tenant=tenant, bytes=want_bytes, leases=want_leases))
@@ -665,6 +674,26 @@ class DelegatedCapacity:
             if not (reserve or give_back or budgets):
                 return None
         return DelegationRequest(reserve=reserve, give_back=give_back, budgets=budgets)
+
+    def _unmoving(
+        self, tenant: str, entry: _Budget | None, want: tuple[int, int], now: float
+    ) -> bool:
+        """Would asking ``want`` of the tenant's budget change nothing? poold keeps a
+        budget asked for what it is (poold/ledger/budget_sizing.py), and one it just
+        left as it was when asked for more (the quota or a fair share holds it) stays so
+        until other hosts or central leases free some: ask again after
+        ``unmoved_hold_s``. A smaller ask always goes. Called under the lock; an ask
+        for more is remembered until its answer (`asked`)."""
+        raw = (0, 0) if entry is None else (entry.budget.bytes, entry.budget.leases)
+        if want == raw:
+            return True
+        if want[0] < raw[0] or want[1] < raw[1]:
+            return False
+        last = self._raised.get(tenant)
+        if last is not None and last[1] == raw and now - last[0] < self.policy.unmoved_hold_s:
+            return True
+        self._raising[tenant] = (now, raw)
+        return False
 
 
 def _inside(res: Reservation, lease: LocalLease) -> bool:

@@ -29,6 +29,10 @@ class RefillPolicy:
     high_factor: float = 2.0
     # A tenant with no lease here for this long gives its budget back (asks 0).
     idle_budget_s: float = 600.0
+    # A larger budget poold answered by leaving the budget as it was (the tenant's quota
+    # or fair share holds it) is not asked again for this long: the tenant's leases go
+    # central meanwhile, and every ask costs poold a delegation transaction.
+    unmoved_hold_s: float = 5.0
 
     def headroom_bytes(self, rate: float) -> int:
         """Bytes to keep ahead of a demand of ``rate`` bytes per interval."""

@@ -278,6 +278,59 @@ def test_refill_follows_demand_and_gives_back_above_the_high_watermark(clock: Cl
     assert view is not None and view[0] == nbytes
 
 
+def test_an_ask_poold_left_unmoved_is_not_repeated_until_the_hold_passes(clock: Clock) -> None:
+    """A tenant whose quota holds its budget: asking again every interval changes nothing
+    and costs poold a delegation each time."""
+    policy = RefillPolicy(min_reserve_bytes=8 * MiB, min_budget_leases=4, unmoved_hold_s=5.0)
+    d = DelegatedCapacity("h1", policy=policy, clock=clock)
+    d.replace(delegation([reservation(length=64 * MiB)], [budget(bytes_=4 * MiB, leases=2)]))
+    d.note_refused("kv", 8 * MiB)  # its leases went central and were refused: demand
+
+    def budgets_asked() -> list[tuple[str, int, int]]:
+        want = d.wants()
+        d.asked(clock.now, ok=True)
+        return [] if want is None else [(b.tenant, b.bytes, b.leases) for b in want.budgets]
+
+    [(tenant, nbytes, _)] = budgets_asked()
+    assert tenant == "kv" and nbytes > 4 * MiB
+    # poold answered with the budget as it was (the quota holds it).
+    d.replace(delegation([reservation(length=64 * MiB)], [budget(bytes_=4 * MiB, leases=2)]))
+    for _ in range(4):
+        clock.now += 1.0
+        d.note_refused("kv", 8 * MiB)
+        assert budgets_asked() == []
+    clock.now += 1.5  # the hold has passed: ask again
+    d.note_refused("kv", 8 * MiB)
+    assert [t for t, _, _ in budgets_asked()] == ["kv"]
+    # This time poold raised it: the next shortfall is asked at once.
+    d.replace(delegation([reservation(length=64 * MiB)], [budget(bytes_=6 * MiB, leases=3)]))
+    clock.now += 1.0
+    d.note_refused("kv", 8 * MiB)
+    assert [t for t, _, _ in budgets_asked()] == ["kv"]
+    # A failed exchange holds nothing off.
+    want = d.wants()
+    d.asked(clock.now, ok=False)
+    clock.now += 1.0
+    d.note_refused("kv", 8 * MiB)
+    assert want is None or [t for t, _, _ in budgets_asked()] == ["kv"]
+
+
+def test_a_budget_already_what_would_be_asked_is_not_asked_for(clock: Clock) -> None:
+    """A fair share that caps the ask at the budget held: nothing to ask."""
+    policy = RefillPolicy(min_reserve_bytes=8 * MiB, min_budget_leases=4)
+    d = DelegatedCapacity("h1", policy=policy, clock=clock)
+    b = budget(bytes_=4 * MiB, leases=2).model_copy(
+        update={"share_bytes": 4 * MiB, "share_leases": 2}
+    )
+    d.replace(delegation([reservation(length=64 * MiB)], [b]))
+    for _ in range(3):
+        d.note_refused("kv", 8 * MiB)
+        want = d.wants()
+        d.asked(clock.now, ok=True)
+        assert want is None or want.budgets == []
+        clock.now += 1.0
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     steps=st.lists(
