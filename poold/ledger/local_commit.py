@@ -95,21 +95,24 @@ _OVERLAPPING = Prepared(
     )
     .limit(1)
 )
-_BUDGET_OF = Prepared(
-    select(Budget.bytes, Budget.leases).where(
-        Budget.tenant_id == bindparam("tenant_id"), Budget.host_id == bindparam("host_id")
-    )
+# Every grant tenant's of a batch at once (expanding INs: plain Core).
+_BUDGETS_OF = select(Budget.tenant_id, Budget.bytes, Budget.leases).where(
+    Budget.tenant_id.in_(bindparam("tenant_ids", expanding=True)),
+    Budget.host_id == bindparam("host_id"),
 )
-_LOCAL_USE = Prepared(
+_LOCAL_USES = (
     select(
-        func.coalesce(func.sum(Lease.length_bytes), 0).label("bytes"),
-        func.count(Lease.id).label("leases"),
-    ).where(
-        Lease.tenant_id == bindparam("tenant_id"),
+        Lease.tenant_id,
+        func.coalesce(func.sum(Lease.length_bytes), 0),
+        func.count(Lease.id),
+    )
+    .where(
+        Lease.tenant_id.in_(bindparam("tenant_ids", expanding=True)),
         Lease.host_id == bindparam("host_id"),
         Lease.reservation_id.is_not(None),
         _LIVE_SQL,
     )
+    .group_by(Lease.tenant_id)
 )
 
 
@@ -138,6 +141,9 @@ class BatchReads:
     from the start, the swaps at the end cannot fail."""
 
     tenants: dict[tuple[str | None, int, tuple[int, ...]], Any] = field(default_factory=dict)
+    # The rows of the tenants its grants name, read (on PostgreSQL: locked) in one
+    # statement; a name no tenant has maps to None. None: not read (one by one).
+    named: dict[str, Any] | None = None
     reservations: dict[str, Any] = field(default_factory=dict)
     budgets: dict[int, Any] = field(default_factory=dict)  # by tenant id; None: no row
     spent: dict[int, list[int]] = field(default_factory=dict)  # tenant id -> [bytes, leases]
@@ -187,7 +193,13 @@ class BatchReads:
                     reads.recorded[row.id] = row
         if postgres:  # SQLite runs one writer at a time: nothing to order
             reads._lock_rows(conn, ops, host_name)
+        else:
+            reads._read_named(conn, _named(ops), lock=False)
         return reads
+
+    def _read_named(self, conn: Connection, names: set[str], *, lock: bool) -> None:
+        found = tenants.by_names(conn, names, lock=lock)
+        self.named = {name: found.get(name) for name in names}
 
     def _lock_rows(self, conn: Connection, ops: Sequence[LeaseOp], host_name: str) -> None:
         """After the leases: the devices the batch's ops may free, then the tenants its
@@ -195,7 +207,7 @@ class BatchReads:
         batch resolved it reruns the batch."""
         reservation_of = {op.lease_id: op.grant.reservation_id for op in ops if op.grant}
         devices = {lease.device_id for lease in self.held.values()}
-        resolved: dict[int, Any] = {}
+        by_ids: dict[int, Any] = {}  # grants that name no tenant: resolved by uid, unlocked
         for op in ops:
             if op.grant is None:
                 if op.lease_id in reservation_of:  # an op on a lease the batch grants
@@ -203,15 +215,22 @@ class BatchReads:
                     if res is not None:
                         devices.add(res.device_id)
                 continue
+            if op.grant.tenant is not None:
+                continue
             try:
                 tenant = self.tenant(conn, op.grant, host_name)
             except PoolError:
                 continue  # refused in its turn
-            resolved[tenant.id] = tenant
+            by_ids[tenant.id] = tenant
         transitions.lock_rows(conn, Device, devices)
-        held = transitions.lock_rows(conn, Tenant, resolved, order_by=Tenant.name)
-        if any(held.get(i) != int(t.generation) for i, t in resolved.items()):
-            raise transitions.LostRace
+        # Every tenant it grants to in one locking read, in name order: the named ones'
+        # rows are read under their locks; one resolved by uid before must be unchanged.
+        self._read_named(conn, _named(ops) | {t.name for t in by_ids.values()}, lock=True)
+        named = self.named or {}
+        for tenant in by_ids.values():
+            now = named.get(tenant.name)
+            if now is None or int(now.generation) != int(tenant.generation):
+                raise transitions.LostRace
 
     def swap_tenants(self, conn: Connection) -> None:
         """Swap the generation of every tenant the batch granted to (held since
@@ -227,6 +246,10 @@ class BatchReads:
         return self.recorded.get(lease_id)
 
     def tenant(self, conn: Connection, grant: LocalGrant, host_name: str) -> Any:
+        if grant.tenant is not None and self.named is not None and grant.tenant in self.named:
+            return tenants.check_named(
+                self.named[grant.tenant], grant.tenant, grant.uid, grant.gids, host_name
+            )
         key = (grant.tenant, grant.uid, tuple(grant.gids))
         if key not in self.tenants:
             self.tenants[key] = tenants.resolve(
@@ -244,11 +267,27 @@ class BatchReads:
     def budget_and_spent(
         self, conn: Connection, tenant_id: int, host_id: int
     ) -> tuple[Any, list[int]]:
+        """The tenant's budget row on this host (None: none) and its local use there,
+        kept up to date by the batch's grants. Read at the batch's first grant for every
+        tenant it grants to, in one statement each: its other ops have gone before
+        (`leases.apply_ops`), and what goes between one tenant's first grant and another's
+        acts on leases the batch granted, never on the other tenant's use."""
         if tenant_id not in self.spent:
-            params = {"tenant_id": tenant_id, "host_id": host_id}
-            self.budgets[tenant_id] = _BUDGET_OF.one_or_none(conn, params)
-            self.spent[tenant_id] = [int(x) for x in _LOCAL_USE.rows(conn, params)[0]]
+            ids = {tenant_id} | {t.id for t in self.tenants.values()}
+            ids |= {t.id for t in (self.named or {}).values() if t is not None}
+            ids -= set(self.spent)
+            params = {"tenant_ids": sorted(ids), "host_id": host_id}
+            found = {row.tenant_id: row for row in conn.execute(_BUDGETS_OF, params)}
+            uses = {int(t): (int(b), int(n)) for t, b, n in conn.execute(_LOCAL_USES, params)}
+            for i in ids:
+                self.budgets[i] = found.get(i)
+                self.spent[i] = list(uses.get(i, (0, 0)))
         return self.budgets[tenant_id], self.spent[tenant_id]
+
+
+def _named(ops: Sequence[LeaseOp]) -> set[str]:
+    """The tenants a batch's local grants name."""
+    return {op.grant.tenant for op in ops if op.grant is not None and op.grant.tenant is not None}
 
 
 def commit(

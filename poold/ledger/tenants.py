@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, func, select
@@ -183,15 +183,7 @@ def resolve(conn: Connection, name: str | None, uid: int, gids: list[int], host:
     """
     if name is not None:
         row = _TENANT_BY_NAME.one_or_none(conn, {"name": name})
-        if row is None:
-            raise UnknownTenant(f"no tenant named {name!r}", tenant=name)
-        if not may_act(row, uid, gids, host):
-            raise NotOwner(
-                f"uid {uid} (gids {gids}) on host {host!r} may not act for tenant {name!r}",
-                tenant=name,
-                uid=uid,
-            )
-        return row
+        return check_named(row, name, uid, gids, host)
     matches = [row for row in conn.execute(_TENANT_ROWS) if may_act(row, uid, gids, host)]
     if not matches:
         raise NotOwner(f"uid {uid} on host {host!r} may not act for any tenant", uid=uid)
@@ -199,6 +191,32 @@ def resolve(conn: Connection, name: str | None, uid: int, gids: list[int], host:
         names = sorted(row.name for row in matches)
         raise NotOwner(f"uid {uid} may act for several tenants {names}; name one", uid=uid)
     return matches[0]
+
+
+def by_names(conn: Connection, names: Iterable[str], *, lock: bool = False) -> dict[str, Any]:
+    """The named tenants' rows (as `resolve` reads them) in one statement; ``lock``: row
+    locks taken in name order (PostgreSQL; as `transitions.lock_rows`), so what is read
+    is what the transaction commits against."""
+    wanted = sorted(set(names))
+    if not wanted:
+        return {}
+    stmt = _TENANT_ROWS.where(Tenant.name.in_(wanted)).order_by(Tenant.name)
+    if lock:
+        stmt = stmt.with_for_update(key_share=True)
+    return {row.name: row for row in conn.execute(stmt)}
+
+
+def check_named(row: Any, name: str, uid: int, gids: list[int], host: str) -> Any:
+    """`resolve`'s verdict on the tenant named ``name`` (``row``: its row, None if none)."""
+    if row is None:
+        raise UnknownTenant(f"no tenant named {name!r}", tenant=name)
+    if not may_act(row, uid, gids, host):
+        raise NotOwner(
+            f"uid {uid} (gids {gids}) on host {host!r} may not act for tenant {name!r}",
+            tenant=name,
+            uid=uid,
+        )
+    return row
 
 
 def may_act(tenant: Any, uid: int, gids: list[int], host: str) -> bool:
