@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -64,7 +64,7 @@ def set_budgets(
     wants: Sequence[Want],
     now: datetime,
     expires_at: datetime,
-) -> None:
+) -> dict[int, QuotaUse]:
     """Each tenant's budget on this host: what it asks, as far as its quota allows, and
     no more than a fair share when other hosts of the tenant want some too.
 
@@ -80,11 +80,12 @@ def set_budgets(
 
     The tenants and their quota use are read in one statement each, whatever their
     number (an agent asks for dozens at once); the budgets that only live on are renewed
-    in one, after every changed one's tenant was swapped, in name order.
+    in one, after every changed one's tenant was swapped, in name order. Returns the
+    tenants' quota use after it (by id), for the reply's `shares`.
     """
     by_name = {w.tenant: w for w in wants}  # the last want of a tenant named twice
     if not by_name:
-        return
+        return {}
     tenants = {
         t.name: t for t in conn.execute(_TENANTS.where(Tenant.name.in_(sorted(by_name)))).all()
     }
@@ -127,12 +128,17 @@ def set_budgets(
                 .where(Budget.tenant_id == tenant.id, Budget.host_id == host_id)
                 .values(bytes=new_bytes, leases=new_leases, expires_at=expires_at)
             )
+        after = {h: b for h, b in uses[tenant.id].budgets.items() if h != host_id}
+        if want.bytes or want.leases:
+            after[host_id] = new
+        uses[tenant.id] = dataclasses.replace(uses[tenant.id], budgets=after)
     if renew:
         conn.execute(
             update(Budget)
             .where(Budget.host_id == host_id, Budget.tenant_id.in_(sorted(renew)))
             .values(expires_at=expires_at)
         )
+    return uses
 
 
 def _sized(tenant: Any, use: QuotaUse, host_id: int, want: Want) -> tuple[int, int] | None:
@@ -159,10 +165,17 @@ def _sized(tenant: Any, use: QuotaUse, host_id: int, want: Want) -> tuple[int, i
     return new_bytes, new_leases
 
 
-def shares(conn: Connection, host_id: int, rows: Sequence[Any]) -> dict[int, tuple[int, int]]:
+def shares(
+    conn: Connection,
+    host_id: int,
+    rows: Sequence[Any],
+    known: Mapping[int, QuotaUse] | None = None,
+) -> dict[int, tuple[int, int]]:
     """Per tenant id: the fair share of this host, where it holds more than that while
-    other hosts hold (or asked for) a budget of the same tenant (one statement for all)."""
-    uses = granting.quota_uses(conn, [r.id for r in rows])
+    other hosts hold (or asked for) a budget of the same tenant (one statement for all;
+    ``known``: tenants' quota use this transaction already has, `set_budgets`')."""
+    known = known or {}
+    uses = {**granting.quota_uses(conn, [r.id for r in rows if r.id not in known]), **known}
     out: dict[int, tuple[int, int]] = {}
     for r in rows:
         use = uses[r.id]

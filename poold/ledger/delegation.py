@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, and_, delete, insert, select, text, update
@@ -43,6 +43,7 @@ from poold.errors import (
 )
 from poold.lease_states import LIVE_STATES_SQL
 from poold.ledger import agent_requests, budget_sizing, granting, leases, transitions
+from poold.ledger.budgets import QuotaUse
 from poold.ledger.db import Ledger
 from poold.ledger.models import (
     Budget,
@@ -95,8 +96,11 @@ _LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
 # --- the host's whole delegation ---------------------------------------------------------
 
 
-def host_delegation(conn: Connection, host_id: int, now: datetime) -> Delegation:
-    """What the host holds now: its held reservations and its budgets."""
+def host_delegation(
+    conn: Connection, host_id: int, now: datetime, uses: Mapping[int, QuotaUse] | None = None
+) -> Delegation:
+    """What the host holds now: its held reservations and its budgets (``uses``: quota
+    use of some tenants as this transaction left it, not read again)."""
     reservations = [
         ReservationOut(
             id=r.id,
@@ -160,7 +164,7 @@ def host_delegation(conn: Connection, host_id: int, now: datetime) -> Delegation
         .where(Budget.host_id == host_id)
         .order_by(Tenant.name)
     ).all()
-    shares = budget_sizing.shares(conn, host_id, rows)
+    shares = budget_sizing.shares(conn, host_id, rows, uses)
     budgets = [
         BudgetOut(
             tenant=b.name,
@@ -254,7 +258,7 @@ def _delegate_once(
         if not transitions.compare_and_bump(conn, Host, host_id, int(host_generation)):
             raise transitions.LostRace
         _reserve(conn, host_id, host_name, req, actor, now, expires_at, policy)
-    budget_sizing.set_budgets(
+    uses = budget_sizing.set_budgets(
         conn,
         host_id,
         host_name,
@@ -262,7 +266,7 @@ def _delegate_once(
         now,
         expires_at,
     )
-    return host_delegation(conn, host_id, now)
+    return host_delegation(conn, host_id, now, uses)
 
 
 def _give_back(

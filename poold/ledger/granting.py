@@ -73,6 +73,12 @@ _TENANT_USE = Prepared(
         Lease.tenant_id == bindparam("tenant_id"), Budget.tenant_id == bindparam("tenant_id")
     )
 )
+# Built once: an expanding IN cannot be prepared (db.Prepared), but building the union
+# and its cache key on every call cost more than running it.
+_TENANTS_USE = _tenant_use(
+    Lease.tenant_id.in_(bindparam("tenant_ids", expanding=True)),
+    Budget.tenant_id.in_(bindparam("tenant_ids", expanding=True)),
+)
 _HOST_DEVICES = Prepared(
     select(
         Device.id,
@@ -153,7 +159,7 @@ def quota_uses(conn: Connection, tenant_ids: Iterable[int]) -> dict[int, QuotaUs
     ids = sorted(set(tenant_ids))
     if not ids:
         return {}
-    rows = conn.execute(_tenant_use(Lease.tenant_id.in_(ids), Budget.tenant_id.in_(ids))).all()
+    rows = conn.execute(_TENANTS_USE, {"tenant_ids": ids}).all()
     found = _fold(rows)
     return {t: found.get(t, QuotaUse()) for t in ids}
 

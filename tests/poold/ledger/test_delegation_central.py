@@ -167,6 +167,9 @@ def test_a_second_host_of_the_tenant_is_not_starved_by_the_first(ledger: Ledger)
     assert (b1.bytes, b1.share_bytes, b1.share_leases) == (32 * MiB, 16 * MiB, 4)
     again = _delegate(ledger, budgets=[BudgetWant(tenant="t1", bytes=64 * MiB, leases=16)])
     assert [(b.bytes, b.leases) for b in again.budgets] == [(32 * MiB, 8)]
+    # The delegate reply says the share as the heartbeat's does (from the quota use the
+    # budgets were sized on, not read again).
+    assert [(b.share_bytes, b.share_leases) for b in again.budgets] == [(16 * MiB, 4)]
     # h1 asks its share (as its agent does on hearing it); h2 then gets the rest.
     _delegate(ledger, budgets=[BudgetWant(tenant="t1", bytes=16 * MiB, leases=4)])
     d2 = _delegate(ledger, "h2", budgets=[BudgetWant(tenant="t1", bytes=64 * MiB, leases=16)])
@@ -179,6 +182,8 @@ def test_a_second_host_of_the_tenant_is_not_starved_by_the_first(ledger: Ledger)
     # A host that no longer wants the tenant (asks 0) leaves the share to the other.
     _delegate(ledger, "h2", budgets=[BudgetWant(tenant="t1", bytes=0, leases=0)])
     assert _budget(ledger, 2) is None
+    alone = _delegate(ledger, budgets=[BudgetWant(tenant="t1", bytes=32 * MiB, leases=8)])
+    assert [(b.bytes, b.share_bytes) for b in alone.budgets] == [(24 * MiB, None)]  # 8 central
 
 
 # --- local grants poold has not heard of yet (issue 12: the concurrency run's races) ----
