@@ -76,18 +76,11 @@ def spend_for_central(
     which swaps the tenant's generation: a racing local grant, budget change or
     clawback makes one of them read again.
     """
-    budget = use.budgets.get(host_id)
-    if budget is None:
+    spend = spendable(use, host_id, quota_bytes, quota_leases, length_bytes, reported)
+    if spend is None:
         return use
-    local_bytes, local_leases = use.local.get(host_id, (0, 0))
-    if reported is not None:
-        local_bytes, local_leases = max(local_bytes, reported[0]), max(local_leases, reported[1])
-    over_bytes = max(0, use.bytes() + length_bytes - quota_bytes)
-    over_leases = max(0, use.leases() + 1 - quota_leases)
-    give_bytes = min(over_bytes, max(0, budget[0] - local_bytes))
-    give_leases = min(over_leases, max(0, budget[1] - local_leases))
-    if (give_bytes, give_leases) != (over_bytes, over_leases) or not (give_bytes or give_leases):
-        return use
+    budget = use.budgets[host_id]
+    give_bytes, give_leases = spend
     new = (budget[0] - give_bytes, budget[1] - give_leases)
     conn.execute(
         update(Budget)
@@ -112,6 +105,33 @@ def spend_for_central(
         ),
     )
     return dataclasses.replace(use, budgets={**use.budgets, host_id: new})
+
+
+def spendable(
+    use: QuotaUse,
+    host_id: int,
+    quota_bytes: int,
+    quota_leases: int,
+    length_bytes: int,
+    reported: tuple[int, int] | None = None,
+) -> tuple[int, int] | None:
+    """The (bytes, leases) of host `host_id`'s unspent budget that a central grant of
+    `length_bytes` over the quota would spend (`spend_for_central`), or None: the grant
+    is not over the quota, or that budget cannot cover the excess. Pure: a grant refused
+    before it is placed asks it with its requested size, the least its lease can be."""
+    budget = use.budgets.get(host_id)
+    if budget is None:
+        return None
+    local_bytes, local_leases = use.local.get(host_id, (0, 0))
+    if reported is not None:
+        local_bytes, local_leases = max(local_bytes, reported[0]), max(local_leases, reported[1])
+    over_bytes = max(0, use.bytes() + length_bytes - quota_bytes)
+    over_leases = max(0, use.leases() + 1 - quota_leases)
+    give_bytes = min(over_bytes, max(0, budget[0] - local_bytes))
+    give_leases = min(over_leases, max(0, budget[1] - local_leases))
+    if (give_bytes, give_leases) != (over_bytes, over_leases) or not (give_bytes or give_leases):
+        return None
+    return give_bytes, give_leases
 
 
 def fit_local_grant(

@@ -186,12 +186,19 @@ def _fold(rows: Iterable[Any]) -> dict[int, QuotaUse]:
     }
 
 
+def host_devices(conn: Connection, host_id: int) -> list[Any]:
+    """The devices a host reaches (rows `candidates` takes)."""
+    return _HOST_DEVICES.rows(conn, {"host_id": host_id})
+
+
 def candidates(
-    conn: Connection, host_id: int
+    conn: Connection, host_id: int, rows: list[Any] | None = None
 ) -> tuple[list[placement.Candidate], dict[int, dict[str, Any]]]:
-    """The devices a host reaches, with what occupies them, and how the host names them."""
+    """The devices a host reaches (``rows``: as `host_devices` read them), with what
+    occupies them, and how the host names them."""
     params = {"host_id": host_id}
-    rows = _HOST_DEVICES.rows(conn, params)
+    if rows is None:
+        rows = host_devices(conn, host_id)
     if not rows:
         return [], {}
     used: dict[int, list[Extent]] = defaultdict(list)

@@ -9,7 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
+from poold.ledger import tenants
 from poold.ledger.db import Ledger
+from poold.wire.admin import TenantUpdate
 from poold.wire.agent import GrantRequest
 from tests.conftest import ADMIN_TOKEN
 from tests.poold.api.conftest import Agent, Raw
@@ -341,6 +343,8 @@ def test_quota_exceeded_by_lease_count(ledger: Ledger, raw: Raw, agent: Agent) -
 
 
 def test_no_capacity_reports_largest_free(ledger: Ledger, raw: Raw, agent: Agent) -> None:
+    # Within the quota (one over it is refused quota_exceeded before it is placed).
+    tenants.update_tenant(ledger, "t1", TenantUpdate(quota_bytes=128 * MiB), "test")
     _grant(raw, agent, size_bytes=30 * MiB)
     body = refused(
         ledger,

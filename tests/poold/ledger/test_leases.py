@@ -159,6 +159,25 @@ def test_quota_bytes_counts_aligned_length(ledger: Ledger) -> None:
     assert snapshot(ledger) == before
 
 
+def test_a_grant_over_quota_anywhere_is_refused_before_it_is_placed(ledger: Ledger) -> None:
+    """Over its quota whatever device it lands on (the finest alignment here rounds it
+    least): quota_exceeded, with the figures of a placed refusal, even on a host too
+    full to place it at all, and nothing written."""
+    seed(ledger, quota_bytes=6 * MiB, devices=[device(capacity_bytes=4 * MiB)])
+    grant(ledger, 4 * MiB)  # the device is full now
+    before = snapshot(ledger)
+    with pytest.raises(QuotaExceeded) as info:
+        grant(ledger, 3 * MiB + 1)
+    assert info.value.detail == {
+        "quota_bytes": 6 * MiB,
+        "leased_bytes": 4 * MiB,
+        "requested_bytes": 4 * MiB,
+    }
+    assert snapshot(ledger) == before
+    with pytest.raises(NoCapacity):  # within the quota: the host's answer
+        grant(ledger, 2 * MiB)
+
+
 def test_quota_leases(ledger: Ledger) -> None:
     seed(ledger, quota_leases=2)
     first = grant(ledger, MiB)
