@@ -511,12 +511,19 @@ class DelegatedCapacity:
         """A central grant of ``req`` is about to leave: lower the view of the caller's
         tenant's budget by it first (rounded up to ``alignment_bytes``, the most any
         device here asks), since poold may pay the grant from this host's budget
-        (poold/ledger/delegation.py spend_for_central). None: no budget to lower."""
+        (poold/ledger/delegation.py spend_for_central). None: no tenant to lower it for.
+
+        Taken for a tenant named in the request even while no budget of it is held: a
+        delegation on its way may bring one that poold's grant then spends (a delegate
+        and a grant of one host take turns in poold, so its reply can leave before the
+        grant spends what it lists); the debit holds the view of that budget down until
+        a later delegation says the spend, and the request tells poold the local use.
+        An unnamed request with no budget held names no tenant to debit."""
         with self._lock:
             entry = self._resolve(req)
-            if entry is None:
+            tenant = entry.budget.tenant if entry is not None else req.tenant
+            if tenant is None:
                 return None
-            tenant = entry.budget.tenant
             size = -(-req.size_bytes // max(1, alignment_bytes)) * max(1, alignment_bytes)
             # Read with the debit under one lock: every local grant after it fits the
             # lowered view, every one before it is in this count.

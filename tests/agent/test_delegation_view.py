@@ -59,12 +59,37 @@ def test_a_central_grant_lowers_the_view_until_a_later_reply_says_it() -> None:
         sent_at=clock.now + 1,
     )
     assert d.budget_view("kv") == (2 * MiB, 2)
-    # A grant that never left is forgotten at once; no budget, no debit.
+    # A grant that never left is forgotten at once; unnamed and no budget: no debit.
     other = d.debit(ask(2 * MiB, tenant="kv"), alignment_bytes=2 * MiB)
     assert other is not None
     d.drop(other)
     assert d.budget_view("kv") == (2 * MiB, 2)
-    assert d.debit(ask(2 * MiB, tenant="nobody"), alignment_bytes=2 * MiB) is None
+    assert d.debit(ask(2 * MiB, uid=4242), alignment_bytes=2 * MiB) is None
+
+
+def test_a_debit_taken_before_the_budget_came_holds_the_budget_down() -> None:
+    """A central grant leaves while no budget of its tenant is held; the delegation that
+    brings one left poold before the grant spent it (a delegate and a grant of one host
+    take turns there): the budget it lists is already spent, and no local grant may
+    take it."""
+    clock = Clock()
+    d = _capacity(clock)
+    d.replace(delegation([reservation(length=16 * MiB)], []), sent_at=1.0)
+    limit = d.debit(ask(2 * MiB, tenant="kv"), alignment_bytes=2 * MiB)
+    assert limit is not None and limit.local_use == (0, 0)
+    d.replace(
+        delegation([reservation(length=16 * MiB)], [budget(bytes_=8 * MiB, leases=1)]),
+        sent_at=2.0,
+    )
+    assert d.budget_view("kv") == (6 * MiB, 0)
+    assert d.grant_locally(ask(2 * MiB, tenant="kv")) is None
+    clock.now += 1
+    d.settle(limit, 2 * MiB, known=True)
+    d.replace(  # a later reply says the spend
+        delegation([reservation(length=16 * MiB)], [budget(bytes_=6 * MiB, leases=0)]),
+        sent_at=clock.now + 0.1,
+    )
+    assert d.budget_view("kv") == (6 * MiB, 0)
 
 
 def test_a_debit_carries_the_tenants_local_use_uncommitted_grants_included() -> None:
