@@ -32,7 +32,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from agent.local_leases import LocalLease, LocalLeases
-from agent.refill import Demand, HeldReservation, RefillPolicy, budget_want, reservation_want
+from agent.refill import (
+    Demand,
+    HeldReservation,
+    RefillPolicy,
+    budget_ask_moves,
+    budget_want,
+    reservation_want,
+)
 from poold import placement
 from poold.errors import DelegationExpired
 from poold.extents import Extent
@@ -666,9 +673,14 @@ class DelegatedCapacity:
                 if entry is not None and entry.budget.share_bytes is not None:
                     share = (entry.budget.share_bytes, entry.budget.share_leases or 0)
                 want = budget_want(p, rates, (used_bytes, used_leases), held, share)
-                if want is not None and self._unmoving(tenant, entry, want, now):
+                raw = (0, 0) if entry is None else (entry.budget.bytes, entry.budget.leases)
+                if want is not None and not budget_ask_moves(
+                    p, want, raw, self._raised.get(tenant), now
+                ):
                     want = None
                 if want is not None:
+                    if want[0] >= raw[0] and want[1] >= raw[1]:  # for more: remembered
+                        self._raising[tenant] = (now, raw)
                     want_bytes, want_leases = want
                     budgets.append(BudgetWant(tenant=tenant, bytes=want_bytes, leases=want_leases))
                     held_bytes, held_leases = (0, 0) if held is None else held
@@ -681,26 +693,6 @@ class DelegatedCapacity:
             if not (reserve or give_back or budgets):
                 return None
         return DelegationRequest(reserve=reserve, give_back=give_back, budgets=budgets)
-
-    def _unmoving(
-        self, tenant: str, entry: _Budget | None, want: tuple[int, int], now: float
-    ) -> bool:
-        """Would asking ``want`` of the tenant's budget change nothing? poold keeps a
-        budget asked for what it is (poold/ledger/budget_sizing.py), and one it just
-        left as it was when asked for more (the quota or a fair share holds it) stays so
-        until other hosts or central leases free some: ask again after
-        ``unmoved_hold_s``. A smaller ask always goes. Called under the lock; an ask
-        for more is remembered until its answer (`asked`)."""
-        raw = (0, 0) if entry is None else (entry.budget.bytes, entry.budget.leases)
-        if want == raw:
-            return True
-        if want[0] < raw[0] or want[1] < raw[1]:
-            return False
-        last = self._raised.get(tenant)
-        if last is not None and last[1] == raw and now - last[0] < self.policy.unmoved_hold_s:
-            return True
-        self._raising[tenant] = (now, raw)
-        return False
 
 
 def _inside(res: Reservation, lease: LocalLease) -> bool:

@@ -156,3 +156,27 @@ def budget_want(
     if low or high:
         return want_bytes, want_leases
     return None
+
+
+def budget_ask_moves(
+    policy: RefillPolicy,
+    want: tuple[int, int],
+    budget: tuple[int, int],
+    last_raise: tuple[float, tuple[int, int]] | None,
+    now: float,
+) -> bool:
+    """Could asking poold for ``want`` change the tenant's ``budget`` (poold's figure,
+    (0, 0) without one)? Not when it is that budget: poold keeps a budget asked for what
+    it is (poold/ledger/budget_sizing.py). Not for more while poold left the budget as
+    it was when last asked for more (``last_raise``: when, and the budget then; the quota
+    or a fair share holds it) until ``unmoved_hold_s`` has passed. A smaller ask always
+    moves it."""
+    if want == budget:
+        return False
+    if want[0] < budget[0] or want[1] < budget[1]:
+        return True
+    return not (
+        last_raise is not None
+        and last_raise[1] == budget
+        and now - last_raise[0] < policy.unmoved_hold_s
+    )

@@ -106,11 +106,20 @@ def set_budgets(
         if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
             raise transitions.LostRace
         new_bytes, new_leases = new
-        if want.bytes == 0 and want.leases == 0:
+        after = {h: b for h, b in uses[tenant.id].budgets.items() if h != host_id}
+        if want.bytes == 0 and want.leases == 0:  # given back
             conn.execute(
                 delete(Budget).where(Budget.tenant_id == tenant.id, Budget.host_id == host_id)
             )
-        elif host_id not in uses[tenant.id].budgets:
+        elif host_id in uses[tenant.id].budgets:
+            after[host_id] = new
+            conn.execute(
+                update(Budget)
+                .where(Budget.tenant_id == tenant.id, Budget.host_id == host_id)
+                .values(bytes=new_bytes, leases=new_leases, expires_at=expires_at)
+            )
+        else:
+            after[host_id] = new
             conn.execute(
                 insert(Budget),
                 {
@@ -122,15 +131,6 @@ def set_budgets(
                     "expires_at": expires_at,
                 },
             )
-        else:
-            conn.execute(
-                update(Budget)
-                .where(Budget.tenant_id == tenant.id, Budget.host_id == host_id)
-                .values(bytes=new_bytes, leases=new_leases, expires_at=expires_at)
-            )
-        after = {h: b for h, b in uses[tenant.id].budgets.items() if h != host_id}
-        if want.bytes or want.leases:
-            after[host_id] = new
         uses[tenant.id] = dataclasses.replace(uses[tenant.id], budgets=after)
     if renew:
         conn.execute(

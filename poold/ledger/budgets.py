@@ -1,6 +1,7 @@
 """How a tenant's budgets move when a lease is granted: what counts against its quota
 (`QuotaUse`), a central grant spending its own host's budget (`spend_for_central`) and a
-local grant kept past its host's budget while the quota has room (`fit_local_grant`).
+local grant kept past its host's budget while the quota has room (`fit_local_grant`),
+and the refusal of a grant the quota cannot take (`over_quota`, `refuse_over_quota`).
 
 Its own module so that the grant paths (poold/ledger/leases.py, local_commit.py) and the
 delegation (poold/ledger/delegation.py) all use it without importing each other. The rule behind
@@ -13,10 +14,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from sqlalchemy import Connection, update
 
+from poold.errors import QuotaExceeded
 from poold.ledger import transitions
+from poold.ledger.mapped import still_mapped
 from poold.ledger.models import Budget
 from poold.ledger.transitions import event_row
 
@@ -181,3 +185,33 @@ def fit_local_grant(
         ),
     )
     return True
+
+
+def over_quota(tenant: Any, used_bytes: int, used_leases: int, length: int) -> bool:
+    """Would a grant of ``length`` bytes take the tenant past its quota (``used_*``: its
+    quota use, `QuotaUse.bytes`/`leases`)?"""
+    return bool(used_leases + 1 > tenant.quota_leases or used_bytes + length > tenant.quota_bytes)
+
+
+def refuse_over_quota(
+    conn: Connection, tenant: Any, use: QuotaUse, used_bytes: int, used_leases: int, length: int
+) -> NoReturn:
+    """`quota_exceeded` for a grant of ``length`` bytes: the lease count first."""
+    mapped, why = still_mapped(conn, tenant.id)
+    if used_leases + 1 > tenant.quota_leases:
+        raise QuotaExceeded(
+            f"tenant {tenant.name!r} holds {used_leases} of {tenant.quota_leases} leases{why}",
+            quota_leases=tenant.quota_leases,
+            live_leases=used_leases,
+            **({"delegated_leases": use.delegated_leases()} if use.budgets else {}),
+            **mapped,
+        )
+    raise QuotaExceeded(
+        f"tenant {tenant.name!r} would hold {used_bytes + length} bytes, "
+        f"quota is {tenant.quota_bytes}{why}",
+        quota_bytes=tenant.quota_bytes,
+        leased_bytes=used_bytes,
+        **({"delegated_bytes": use.delegated_bytes()} if use.budgets else {}),
+        requested_bytes=length,
+        **mapped,
+    )

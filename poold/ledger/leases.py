@@ -37,12 +37,12 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 from sqlalchemy import Connection, bindparam, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from poold import placement
+from poold import extents, placement
 from poold.errors import (
     GenerationConflict,
     InvalidSize,
@@ -50,7 +50,6 @@ from poold.errors import (
     NoCapacity,
     NotOwner,
     PoolError,
-    QuotaExceeded,
     UnknownLease,
 )
 from poold.lease_states import LeaseEvent, LeaseState, next_state
@@ -64,9 +63,7 @@ from poold.ledger import (
     tenants,
     transitions,
 )
-from poold.ledger.budgets import QuotaUse
 from poold.ledger.db import Ledger, Prepared
-from poold.ledger.mapped import still_mapped
 from poold.ledger.models import Device, Host, Lease, Quarantine, Tenant
 from poold.ledger.transitions import event_row
 from poold.ledger.types import check_ints_fit, utcnow
@@ -180,34 +177,6 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Gran
     return GrantReply.model_construct(**dict(lease), pending=pending)
 
 
-def _over_quota(tenant: Any, used_bytes: int, used_leases: int, length: int) -> bool:
-    return bool(used_leases + 1 > tenant.quota_leases or used_bytes + length > tenant.quota_bytes)
-
-
-def _refuse_over_quota(
-    conn: Connection, tenant: Any, use: QuotaUse, used_bytes: int, used_leases: int, length: int
-) -> NoReturn:
-    """`quota_exceeded` for a grant of ``length`` bytes: the lease count first."""
-    mapped, why = still_mapped(conn, tenant.id)
-    if used_leases + 1 > tenant.quota_leases:
-        raise QuotaExceeded(
-            f"tenant {tenant.name!r} holds {used_leases} of {tenant.quota_leases} leases{why}",
-            quota_leases=tenant.quota_leases,
-            live_leases=used_leases,
-            **({"delegated_leases": use.delegated_leases()} if use.budgets else {}),
-            **mapped,
-        )
-    raise QuotaExceeded(
-        f"tenant {tenant.name!r} would hold {used_bytes + length} bytes, "
-        f"quota is {tenant.quota_bytes}{why}",
-        quota_bytes=tenant.quota_bytes,
-        leased_bytes=used_bytes,
-        **({"delegated_bytes": use.delegated_bytes()} if use.budgets else {}),
-        requested_bytes=length,
-        **mapped,
-    )
-
-
 def _lost_to_a_concurrent_writer(exc: IntegrityError) -> bool:
     """A constraint a concurrent writer's commit made this transaction meet: the rerun
     reads what it committed (a lost race, not an error).
@@ -242,12 +211,13 @@ def _grant_once(
     reported = req.local_use.use_for(tenant.name) if req.local_use else None
     rows = granting.host_devices(conn, host_id)
     # The least a lease of it can be: its size rounded up to the finest alignment here.
-    align = max(1, min((int(r.alignment_bytes) for r in rows), default=1))
-    least = -(-req.size_bytes // align) * align
+    least = extents.align_up(
+        req.size_bytes, max(1, min((int(r.alignment_bytes) for r in rows), default=1))
+    )
     fits_a_device = any(least <= r.capacity_bytes for r in rows)  # else: no_capacity
     if (
         fits_a_device
-        and _over_quota(tenant, used_bytes, used_leases, least)
+        and budgets.over_quota(tenant, used_bytes, used_leases, least)
         and budgets.spendable(
             use, host_id, tenant.quota_bytes, tenant.quota_leases, least, reported
         )
@@ -256,7 +226,7 @@ def _grant_once(
         # Refused wherever it is placed: before the placement's read of everything that
         # occupies the host's devices, which a tenant pushing against its quota makes in
         # vain on every try.
-        _refuse_over_quota(conn, tenant, use, used_bytes, used_leases, least)
+        budgets.refuse_over_quota(conn, tenant, use, used_bytes, used_leases, least)
     candidates, paths = granting.candidates(conn, host_id, rows)
     choice = placement.place(
         placement.Request(
@@ -275,7 +245,7 @@ def _grant_once(
             free_by_device={paths[k]["uid"]: v for k, v in choice.free_by_device.items()},
         )
     length = choice.extent.length
-    if host_id in use.budgets and _over_quota(tenant, used_bytes, used_leases, length):
+    if host_id in use.budgets and budgets.over_quota(tenant, used_bytes, used_leases, length):
         # The quota is held by this host's own unspent budget: the grant spends it.
         use = budgets.spend_for_central(
             conn,
@@ -289,8 +259,8 @@ def _grant_once(
             reported=reported,
         )
         used_bytes, used_leases = use.bytes(), use.leases()
-    if _over_quota(tenant, used_bytes, used_leases, length):
-        _refuse_over_quota(conn, tenant, use, used_bytes, used_leases, length)
+    if budgets.over_quota(tenant, used_bytes, used_leases, length):
+        budgets.refuse_over_quota(conn, tenant, use, used_bytes, used_leases, length)
     dev = choice.candidate
     path = paths[dev.device_id]
     now = utcnow()

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from agent.refill import Demand, HeldReservation, RefillPolicy, budget_want, reservation_want
+from agent.refill import (
+    Demand,
+    HeldReservation,
+    RefillPolicy,
+    budget_ask_moves,
+    budget_want,
+    reservation_want,
+)
 
 MiB = 1 << 20
 POLICY = RefillPolicy(min_reserve_bytes=8 * MiB, max_reserve_bytes=64 * MiB, min_budget_leases=4)
@@ -67,3 +74,24 @@ def test_budget_want(
     held: tuple[int, int] | None, share: tuple[int, int] | None, want: tuple[int, int] | None
 ) -> None:
     assert budget_want(POLICY, (0.0, 0.0), (2 * MiB, 1), held, share) == want
+
+
+@pytest.mark.parametrize(
+    ("want", "budget", "last_raise", "moves"),
+    [
+        ((4 * MiB, 2), (4 * MiB, 2), None, False),  # what is held: poold keeps it
+        ((2 * MiB, 2), (4 * MiB, 2), (999.0, (4 * MiB, 2)), True),  # less: always
+        ((8 * MiB, 4), (4 * MiB, 2), None, True),  # more, never asked
+        ((8 * MiB, 4), (4 * MiB, 2), (998.0, (4 * MiB, 2)), False),  # left unmoved 2 s ago
+        ((8 * MiB, 4), (4 * MiB, 2), (994.0, (4 * MiB, 2)), True),  # the hold has passed
+        ((8 * MiB, 4), (4 * MiB, 2), (999.0, (2 * MiB, 1)), True),  # poold moved it since
+    ],
+)
+def test_budget_ask_moves(
+    want: tuple[int, int],
+    budget: tuple[int, int],
+    last_raise: tuple[float, tuple[int, int]] | None,
+    moves: bool,
+) -> None:
+    policy = RefillPolicy(unmoved_hold_s=5.0)
+    assert budget_ask_moves(policy, want, budget, last_raise, now=1000.0) is moves
