@@ -79,16 +79,19 @@ def set_budgets(
       (`Budget.share_bytes`) and asks less next time.
 
     The tenants and their quota use are read in one statement each, whatever their
-    number (an agent asks for dozens at once); the budgets that only live on are renewed
-    in one, after every changed one's tenant was swapped, in name order. Returns the
+    number (an agent asks for dozens at once), the tenants under row locks taken in name
+    order; the budgets that only live on are renewed in one, after every changed one's
+    tenant was swapped. Returns the
     tenants' quota use after it (by id), for the reply's `shares`.
     """
     by_name = {w.tenant: w for w in wants}  # the last want of a tenant named twice
     if not by_name:
         return {}
-    tenants = {
-        t.name: t for t in conn.execute(_TENANTS.where(Tenant.name.in_(sorted(by_name)))).all()
-    }
+    # Locked in name order (PostgreSQL), as an op batch locks the tenants it grants to:
+    # a batch committing in between no longer makes a swap below fail and the whole
+    # delegate run again (it waits for the lock instead).
+    locked = _TENANTS.where(Tenant.name.in_(sorted(by_name))).order_by(Tenant.name)
+    tenants = {t.name: t for t in conn.execute(locked.with_for_update(key_share=True)).all()}
     for name in sorted(by_name):
         tenant = tenants.get(name)
         if tenant is None:

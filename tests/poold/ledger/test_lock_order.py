@@ -20,7 +20,7 @@ from sqlalchemy import select, text
 
 from poold.ledger import delegation, leases, tenants
 from poold.ledger.db import Ledger
-from poold.ledger.models import Host, Lease
+from poold.ledger.models import Budget, Host, Lease
 from poold.ledger.reaper import Reaper, ReaperPolicy
 from poold.ledger.types import utcnow
 from poold.wire.admin import TenantSpec
@@ -185,3 +185,38 @@ def test_a_long_batch_is_not_starved_by_central_grants_of_its_tenant(ledger: Led
 
     granted, granted_too, _ = at_once(grants, grants, batches)
     assert granted + granted_too > 0
+
+
+def test_a_delegate_waits_for_a_batch_holding_its_tenant_instead_of_rerunning(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An op batch holds the row of a tenant it grants to until it commits, and swaps its
+    generation. A delegate changing that tenant's budget meanwhile reads the tenant under
+    its row lock (name order, as the batch): it waits for the batch and then swaps the
+    generation the batch left, instead of reading the old one, losing its swap at the
+    batch's commit and running the whole delegate again."""
+    if ledger.is_sqlite:
+        pytest.skip("SQLite runs one writer at a time: nothing runs beside a delegate")
+    seed(ledger, devices=[device(capacity_bytes=1 << 40)], quota_bytes=1 << 39, quota_leases=10**6)
+    runs = 0
+    once = delegation._delegate_once
+
+    def counted(*args: object, **kw: object) -> object:
+        nonlocal runs
+        runs += 1
+        return once(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(delegation, "_delegate_once", counted)
+    want = DelegationRequest(budgets=[BudgetWant(tenant="t1", bytes=64 * MiB, leases=16)])
+    with ledger.engine.connect() as batch:
+        # What a batch granting to t1 holds from its first statement to its commit.
+        batch.execute(text("UPDATE tenants SET generation = generation + 1 WHERE name = 't1'"))
+        asked = threading.Thread(target=delegation.delegate, args=(ledger, "h1", want, "agent:h1"))
+        asked.start()
+        time.sleep(0.5)  # the delegate is waiting for the row now
+        batch.commit()
+    asked.join(30)
+    assert not asked.is_alive()
+    assert runs == 1
+    with ledger.read() as s:
+        assert s.scalar(select(Budget.bytes)) == 64 * MiB
