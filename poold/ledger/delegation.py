@@ -285,7 +285,6 @@ def _give_back(
             .with_for_update()
         )
     }
-    freed: set[int] = set()
     for rid in sorted(set(ids)):
         row = rows.get(rid)
         if row is None:
@@ -307,9 +306,6 @@ def _give_back(
                 lease_ids=inside[:20],
             )
         drop(conn, rid, host_id, row.device_id, actor, now, "given back")
-        freed.add(row.device_id)
-    for device_id in sorted(freed):  # freed bytes change what the allocator may hand out
-        transitions.bump(conn, Device, device_id)
 
 
 def _was_returned(conn: Connection, reservation_id: str, host_id: int) -> bool:

@@ -78,7 +78,6 @@ def return_unleased(
             .distinct()
         ).scalars()
     )
-    freed: set[int] = set()
     for r in rows:
         if r.id in busy or not drop_empty:
             if r.state != delegation.RETURNING:
@@ -89,9 +88,6 @@ def return_unleased(
                 )
             continue
         delegation.drop(conn, r.id, r.host_id, r.device_id, actor, now, reason)
-        freed.add(r.device_id)
-    for dev in sorted(freed):
-        transitions.bump(conn, Device, dev)
     return len([r for r in rows if r.id not in busy]) if drop_empty else 0
 
 

@@ -107,7 +107,6 @@ def move(
     *,
     where: Sequence[Any] = (),
     values: dict[str, Any] | None = None,
-    freed: set[int] | None = None,
 ) -> None:
     """`transitions.move_if` from the state this transaction read; a lost race is refused."""
     before = LeaseState(lease.state)
@@ -122,7 +121,6 @@ def move(
         where=where,
         values=values,
         lease=lease,
-        freed=freed,
     )
     if not moved:
         raise GenerationConflict(f"lease {lease.id} changed state meanwhile", lease_id=lease.id)

@@ -139,7 +139,6 @@ def _end_host_leases(
         .with_for_update(of=Lease)
     ).all()
     reason = f"host {name} deleted"
-    freed: set[int] = set()
     ended: list[str] = []
     quarantined: list[str] = []
     for row in rows:
@@ -156,7 +155,6 @@ def _end_host_leases(
                 now=now,
                 values=values,
                 lease=row,
-                freed=freed,
             ):
                 raise transitions.LostRace
             state = next_state(state, event)
@@ -171,7 +169,6 @@ def _end_host_leases(
                 reason=f"{reason}: no agent left to zero the range",
                 now=now,
                 lease=row,
-                freed=freed,
             ):
                 raise transitions.LostRace
             conn.execute(
@@ -185,8 +182,6 @@ def _end_host_leases(
             )
             quarantined.append(row.id)
         ended.append(row.id)
-    for device_id in sorted(freed):  # devices after leases (lock order)
-        transitions.bump(conn, Device, device_id)
     return ended, quarantined
 
 

@@ -440,20 +440,18 @@ def _apply_batch(
     first_attempt: bool = False,
 ) -> list[LeaseOpResult]:
     now = utcnow()
-    freed: set[int] = set()
     reads = local_commit.BatchReads.for_batch(conn, ops, host_name, first_attempt=first_attempt)
     results: list[LeaseOpResult | None] = [None] * len(ops)
     with transitions.events_at_end(conn):
         for i in order:
             op = ops[i]
             try:
-                results[i] = _apply_op(conn, host_id, host_name, op, now, actor, freed, reads)
+                results[i] = _apply_op(conn, host_id, host_name, op, now, actor, reads)
             except PoolError as err:
                 results[i] = LeaseOpResult(lease_id=op.lease_id, code=err.code, message=err.message)
-    # One bump per device however many of its leases ended, then a swap per tenant it
-    # granted to: rows local_commit.BatchReads locked first, in the ledger's one order.
-    for device_id in sorted(freed):
-        transitions.bump(conn, Device, device_id)
+    # A swap per tenant it granted to: rows local_commit.BatchReads locked first, in the
+    # ledger's one order. The devices it freed bytes on keep their generations
+    # (poold/ledger/transitions.py).
     reads.swap_tenants(conn)
     return [r for r in results if r is not None]
 
@@ -465,7 +463,6 @@ def _apply_op(
     op: LeaseOp,
     now: datetime,
     actor: str,
-    freed: set[int],
     reads: local_commit.BatchReads,
 ) -> LeaseOpResult:
     """One op of a batch; a PoolError is that op's refusal (raised before it writes)."""
@@ -481,12 +478,11 @@ def _apply_op(
     held_lease.owned_by_host(lease, host_id, host_name)
     if op.op == "shrink":
         _shrink(conn, op, lease, now, actor)
-        freed.add(lease.device_id)
         return LeaseOpResult(lease_id=op.lease_id, state=lease.state)
     event = _OP_EVENTS[op.op]
     event = held_lease.release_event(conn, lease, event, now, by_its_agent=True)
     after = next_state(LeaseState(lease.state), event)
-    held_lease.move(conn, lease, event, actor, now, op.reason, freed=freed)
+    held_lease.move(conn, lease, event, actor, now, op.reason)
     if event is LeaseEvent.SCRUB_FAILED:
         # Bytes that may still hold a tenant's data are never handed out again.
         conn.execute(

@@ -17,7 +17,7 @@ from sqlalchemy import Connection, bindparam, select
 
 from poold.lease_states import MAPPED_STATE_VALUES, LeaseEvent, LeaseState
 from poold.ledger import transitions
-from poold.ledger.models import Device, Lease
+from poold.ledger.models import Lease
 
 _MAPPED_OF_TENANT = (
     select(Lease.id, Lease.state, Lease.length_bytes)
@@ -73,7 +73,6 @@ def settle_mapped(
     if not rows:
         return []
     held: list[str] = []
-    freed: set[int] = set()
     for row in rows:
         agent_state = reported.get(row.id)
         if agent_state is None:
@@ -86,10 +85,7 @@ def settle_mapped(
                 reason="the agent sees no process mapping or holding its memfd",
                 now=now,
                 lease=row,
-                freed=freed,
             )
         elif agent_state in ("held", "revoked_held"):
             held.append(row.id)
-    for device_id in sorted(freed):
-        transitions.bump(conn, Device, device_id)
     return held

@@ -7,11 +7,14 @@ Every ledger write that others race goes through here:
   False means another writer moved the row first: what the caller read may be
   stale, so it raises `LostRace` and `retrying` runs it again in a fresh
   transaction. `bump` is the same swap for a writer that has already changed what
-  the generation guards (freed bytes, reserved ranges): it locks the row first, so
-  its swap cannot lose.
+  the generation guards (a quarantine, a device's state): it locks the row first,
+  so its swap cannot lose. A device's generation moves only when bytes are taken
+  (a grant, a reservation, a quarantine) or its state or inventory changes, never
+  when bytes are freed: a placement made in free space stays valid when more frees
+  up, and each grant's own swap keeps epochs growing (docs/design-changes.md
+  "Freeing bytes moves no generation").
 * `move_if`: the one conditional lease transition, with its `events` row
-  (invariant 3), `ended_at` when the lease stops being live, and a device bump
-  when its bytes are freed.
+  (invariant 3) and `ended_at` when the lease stops being live.
 * `record` and `event_row`: the one way an `events` row is written, in the
   caller's transaction so that it commits or rolls back with the change.
 * `chunks`: IN lists cut to a size SQLite accepts.
@@ -251,7 +254,7 @@ def bump(conn: Connection, model: Generational, row_id: int) -> int:
     """Bump the row's generation whatever it is now; its new generation.
 
     For a writer that already changed what the generation guards in this
-    transaction (bytes freed, ranges reserved): any grant that read the row
+    transaction (a quarantine, a state change): any grant that read the row
     before this commits then loses its own swap and reads again. The row lock
     taken first means no other writer can move the generation in between.
     """
@@ -359,7 +362,6 @@ def move_if(
     values: dict[str, Any] | None = None,
     detail: dict[str, Any] | None = None,
     lease: Any = None,
-    freed: set[int] | None = None,
 ) -> bool:
     """Move a lease from `expected` along `event`, with its event; False if it lost a race.
 
@@ -372,9 +374,7 @@ def move_if(
     anything is written.
 
     `lease`: a row the caller already read with the lease's tenant_id, host_id
-    and device_id (saves a query). `freed`: collect the device ids whose bytes
-    were freed instead of bumping each now, for a caller moving many leases in
-    one transaction (it then calls `bump` once per device).
+    and device_id (saves a query).
     """
     after = next_state(expected, event)
     if lease is None:
@@ -399,12 +399,6 @@ def move_if(
         ).rowcount
     if changed != 1:
         return False
-    if ended:
-        # Freed bytes change what the allocator may hand out.
-        if freed is None:
-            bump(conn, Device, lease.device_id)
-        else:
-            freed.add(lease.device_id)
     if after is not expected:  # a renewal-like self-loop changes no state: no event
         record(
             conn,

@@ -226,6 +226,39 @@ def test_epoch_strictly_increases_when_a_range_is_reused(ledger: Ledger) -> None
     assert epochs == sorted(set(epochs)), epochs
 
 
+def test_freeing_bytes_moves_no_device_generation_and_epochs_still_grow(
+    ledger: Ledger,
+) -> None:
+    """Only taking bytes moves a device's generation: a grant that read the device before
+    a release, a batch's release or shrink committed keeps its swap (its placement in
+    space that was free is still valid), and the range granted again gets a larger epoch
+    than every lease that held it."""
+    seed(ledger)
+    generations, epochs = [], []
+    for how in ("end", "batch", "shrink"):
+        lease = grant(ledger, 4 * MiB, activate=True)
+        assert lease.offset_bytes == 0
+        epochs.append(lease.epoch)
+        with ledger.read() as s:
+            generations.append(s.scalar(select(Device.generation)))
+        if how == "end":
+            release(ledger, lease.id)
+        else:
+            op = (
+                LeaseOp(lease_id=lease.id, op="release")
+                if how == "batch"
+                else LeaseOp(lease_id=lease.id, op="shrink", length_bytes=2 * MiB)
+            )
+            [done] = leases.apply_ops(ledger, "h1", [op], "agent:h1")
+            assert done.code is None, done
+            if how == "shrink":
+                release(ledger, lease.id)
+        with ledger.read() as s:
+            assert s.scalar(select(Device.generation)) == generations[-1], how
+    assert epochs == sorted(set(epochs)), epochs
+    assert grant(ledger, 4 * MiB).epoch > epochs[-1]
+
+
 def test_every_transition_has_an_event(ledger: Ledger) -> None:
     seed(ledger)
     a = grant(ledger, MiB)
