@@ -67,6 +67,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from sqlalchemy import Engine, select, update  # noqa: E402
 
 from agent.client import PoolClient  # noqa: E402
@@ -542,6 +543,25 @@ def cpu_s(children: Sequence[procs.Child]) -> float:
 # --- floors and probes ------------------------------------------------------------
 
 
+def poold_counts(urls: Sequence[str]) -> Counter[str]:
+    """What the poolds did so far, summed over them, from their /metrics: requests by route
+    (and status when not 200) and ledger transactions run again, by cause and row."""
+    out: Counter[str] = Counter()
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "poold_http_requests_total" and s.labels["route"] != "health":
+                    status = s.labels["status"]
+                    out[s.labels["route"] + ("" if status == "200" else f" {status}")] += int(
+                        s.value
+                    )
+                elif s.name == "poold_ledger_reruns_total":
+                    row = s.labels["row"]
+                    out["rerun " + s.labels["cause"] + (f" {row}" if row else "")] += int(s.value)
+    return out
+
+
 def write_floor(ledger: Ledger, host_name: str, n: int) -> list[float]:
     """One trivial write transaction of the ledger's own kind (BEGIN IMMEDIATE on SQLite)."""
     stmt = update(Host).where(Host.name == host_name).values(agent_version=Host.agent_version)
@@ -674,6 +694,7 @@ def run_phase(
             time.sleep(0.02)
         poller = HealthPoller(c.urls)
         sampler = Sampler(engine)
+        counts0 = poold_counts(c.urls)
         each0 = cpu_each(c.poolds)
         cpu_p0, cpu_a0 = sum(each0), cpu_s(c.agents)
         t_start = time.monotonic()
@@ -684,6 +705,8 @@ def run_phase(
             p.join(max(1.0, deadline - time.monotonic() + 30))
         each1 = cpu_each(c.poolds)
         cpu_p1, cpu_a1 = sum(each1), cpu_s(c.agents)
+        counts = poold_counts(c.urls)
+        counts.subtract(counts0)
         poller.stop()
         sampler.stop()
     finally:
@@ -743,6 +766,8 @@ def run_phase(
         "agent_cpu_s": rnd(cpu_a1 - cpu_a0, 2),
         "errors": dict(sorted(errors.items())),
         "other_errors": dict(sorted(other.items())),
+        # Requests the poolds answered by route, and ledger transactions run again.
+        "poold_counts": {k: v for k, v in sorted(counts.items()) if v},
         "health_polls": len(h_ms),
         "health_failures": poller.failures,
         "health_p50_ms": rnd(median(h_ms)),
@@ -879,6 +904,14 @@ def print_phase(ph: dict[str, Any], backend: str) -> None:
     )
     errs = ", ".join(f"{k}={v}" for k, v in ph["errors"].items()) or "none"
     print(f"lease errors: {errs}")
+    counted = ph["poold_counts"]
+    print(
+        "poold requests: "
+        + (", ".join(f"{k}={v}" for k, v in counted.items() if not k.startswith("rerun")) or "none")
+    )
+    reruns = {k.removeprefix("rerun "): v for k, v in counted.items() if k.startswith("rerun")}
+    per = f" ({sum(reruns.values()) / ph['grants']:.3f} per grant)" if ph["grants"] else ""
+    print("ledger reruns: " + (", ".join(f"{k}={v}" for k, v in reruns.items()) or "none") + per)
     if ph["other_errors"]:
         print("other errors: " + ", ".join(f"{k}={v}" for k, v in ph["other_errors"].items()))
     inv = ph["invariants"]

@@ -33,12 +33,13 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from poold import __version__
 from poold.errors import LedgerUnavailable
 from poold.lease_states import LeaseEvent
+from poold.ledger import transitions
 from poold.ledger.db import Ledger
 from poold.ledger.metrics_views import (
     DeviceGauges,
@@ -120,6 +121,7 @@ class PooldMetrics:
         for result in ("0", "1", "2", "failed"):
             self.audit_runs.labels(result)
         self.registry.register(_LedgerCollector(ledger))
+        self.registry.register(_RerunCollector())
         count_committed_events(ledger, self.committed)
 
     def committed(self, kinds: list[str]) -> None:
@@ -399,6 +401,40 @@ _POOL = _Table[PoolView](
 
 # Every gauge read from the ledger view, by the row it has a sample for.
 _LEDGER_TABLES: tuple[_Table[Any], ...] = (_DEVICES, _TENANTS, _HOSTS, _POOL)
+
+
+# Exported from the start at 0, so that rate() sees the first one.
+RERUN_SERIES = (
+    ("lost_race", "tenants"),
+    ("lost_race", "devices"),
+    ("lost_race", "hosts"),
+    ("lost_race", "constraint"),
+    ("contention", ""),
+    ("stale_connection", ""),
+)
+
+
+class _RerunCollector(Collector):
+    """Ledger transactions this process ran again (`transitions.reruns`), read at scrape."""
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family({})
+
+    def collect(self) -> Iterator[Metric]:
+        yield self._family(transitions.reruns())
+
+    @staticmethod
+    def _family(counts: Mapping[tuple[str, str], int]) -> CounterMetricFamily:
+        family = CounterMetricFamily(
+            "poold_ledger_reruns",
+            "Ledger transactions run again by this process: a lost race (by the row whose "
+            "generation swap was lost, or 'constraint'), contention (a deadlock, a "
+            "serialisation failure, SQLite locked) or a stale pooled connection",
+            labels=["cause", "row"],
+        )
+        for key in dict.fromkeys((*RERUN_SERIES, *sorted(counts))):
+            family.add_metric(list(key), counts.get(key, 0))
+        return family
 
 
 class _LedgerCollector(Collector):

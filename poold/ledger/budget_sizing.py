@@ -106,8 +106,7 @@ def set_budgets(
         if new is None:
             renew.append(tenant.id)
             continue
-        if not transitions.compare_and_bump(conn, Tenant, tenant.id, tenant.generation):
-            raise transitions.LostRace
+        transitions.swap_or_rerun(conn, Tenant, tenant.id, tenant.generation)
         new_bytes, new_leases = new
         after = {h: b for h, b in uses[tenant.id].budgets.items() if h != host_id}
         if want.bytes == 0 and want.leases == 0:  # given back

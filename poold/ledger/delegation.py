@@ -231,7 +231,7 @@ def delegate(
                 and not agent_requests.is_duplicate(exc)
             ):
                 raise
-            raise transitions.LostRace from exc
+            raise transitions.LostRace("constraint") from exc
 
     # As grants: one poold's requests for one host take turns (poold/ledger/leases.py).
     with ledger.host_lock(host_name):
@@ -255,8 +255,7 @@ def _delegate_once(
     ).one()
     if req.reserve and status != "draining":
         # The host first, as a grant swaps it: a drain committing meanwhile is noticed.
-        if not transitions.compare_and_bump(conn, Host, host_id, int(host_generation)):
-            raise transitions.LostRace
+        transitions.swap_or_rerun(conn, Host, host_id, int(host_generation))
         _reserve(conn, host_id, host_name, req, actor, now, expires_at, policy)
     uses = budget_sizing.set_budgets(
         conn,
@@ -406,7 +405,7 @@ def _reserve(
             .values(generation=seen + EPOCH_BLOCK)
         ).rowcount
         if moved != 1:
-            raise transitions.LostRace
+            raise transitions.LostRace("devices")
         rid = str(uuid.uuid4())
         conn.execute(
             insert(Reservation),

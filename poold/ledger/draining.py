@@ -179,7 +179,7 @@ def _change(
                     f"{kind.noun} {name!r} is {found.state}{why}", **{kind.name_key: name}
                 )
             if not kind.set_state(s.connection(), found, after, now):
-                raise transitions.LostRace
+                raise transitions.LostRace(f"{kind.noun}s")
             target: dict[str, Any] = {kind.event_target: found.id}
             transitions.record(
                 s,

@@ -54,8 +54,7 @@ def delete_host(ledger: Ledger, name: str, actor: str, *, force: bool = False) -
         with ledger.write() as s:
             conn = s.connection()
             host = hosts.get_by_name(s, name)
-            if not transitions.compare_and_bump(conn, Host, host.id, host.generation):
-                raise transitions.LostRace
+            transitions.swap_or_rerun(conn, Host, host.id, host.generation)
             live = _live_leases(s, host.id)
             if live and not force:
                 raise HostBusy(
@@ -156,7 +155,7 @@ def _end_host_leases(
                 values=values,
                 lease=row,
             ):
-                raise transitions.LostRace
+                raise transitions.LostRace("leases")
             state = next_state(state, event)
         if state is LeaseState.SCRUBBING:
             # No agent of this host will zero the range: never hand it out again.
@@ -170,7 +169,7 @@ def _end_host_leases(
                 now=now,
                 lease=row,
             ):
-                raise transitions.LostRace
+                raise transitions.LostRace("leases")
             conn.execute(
                 insert(Quarantine).values(
                     device_id=row.device_id,

@@ -157,7 +157,7 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Gran
         except IntegrityError as exc:
             if not _lost_to_a_concurrent_writer(exc):
                 raise
-            raise transitions.LostRace from exc
+            raise transitions.LostRace("constraint") from exc
 
     # Grants for one host race for the same host and device generations: inside
     # one poold they take turns instead, so its worker threads do not make each
@@ -304,8 +304,7 @@ def _grant_once(
         (Device, dev.device_id, dev.generation),
         (Tenant, tenant.id, tenant.generation),
     ):
-        if not transitions.compare_and_bump(conn, model, row_id, seen):
-            raise transitions.LostRace
+        transitions.swap_or_rerun(conn, model, row_id, seen)
     granting.INSERT_LEASE.write(conn, values)
     common: dict[str, Any] = {
         "at": now,
@@ -424,7 +423,7 @@ def apply_ops(
         except IntegrityError as exc:
             if not _lost_to_a_concurrent_writer(exc):
                 raise
-            raise transitions.LostRace from exc  # the rerun answers what the winner stored
+            raise transitions.LostRace("constraint") from exc  # the rerun answers the winner's
 
     return transitions.retrying(attempt, what="op batch")
 

@@ -230,15 +230,14 @@ class BatchReads:
         for tenant in by_ids.values():
             now = named.get(tenant.name)
             if now is None or int(now.generation) != int(tenant.generation):
-                raise transitions.LostRace
+                raise transitions.LostRace("tenants")
 
     def swap_tenants(self, conn: Connection) -> None:
         """Swap the generation of every tenant the batch granted to (held since
         `_lock_rows` on PostgreSQL); a swap that fails (a budget or quota changed since the
         batch read it) reruns the batch."""
         for tenant_id, seen in self.to_swap.items():
-            if not transitions.compare_and_bump(conn, Tenant, tenant_id, seen):
-                raise transitions.LostRace
+            transitions.swap_or_rerun(conn, Tenant, tenant_id, seen)
 
     def as_recorded(self, conn: Connection, lease_id: str) -> Any:
         if self.recorded is None:
@@ -370,7 +369,7 @@ def commit(
             # This very grant, committed by a concurrent batch (the agent resent it through
             # another poold) after this one found it unrecorded: the rerun answers it as
             # the replay it is.
-            raise transitions.LostRace
+            raise transitions.LostRace("leases")
         if other is not None:
             raise LeaseOverlap(
                 f"lease {grant.lease_id} overlaps live lease {other}",

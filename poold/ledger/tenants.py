@@ -92,8 +92,7 @@ def _claim(session: Session, tenant: Tenant) -> None:
     that number would then pass its swap after this change committed.
     """
     seen = tenant.generation
-    if not transitions.compare_and_bump(session.connection(), Tenant, tenant.id, seen):
-        raise transitions.LostRace
+    transitions.swap_or_rerun(session.connection(), Tenant, tenant.id, seen)
     set_committed_value(tenant, "generation", seen + 1)  # what the row now holds
 
 

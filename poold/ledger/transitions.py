@@ -33,6 +33,7 @@ Core statements only: the grant and release hot paths call these.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -227,7 +228,39 @@ def lock_rows(
 
 
 class LostRace(Exception):
-    """Another writer moved a generation this transaction read; run it again."""
+    """Another writer moved a generation this transaction read; run it again.
+
+    ``row``: the table whose generation swap was lost ("tenants", "devices"...), or
+    "constraint" when a concurrent writer's commit met this one at a constraint; what
+    `reruns` counts it under."""
+
+    def __init__(self, row: str = "other") -> None:
+        super().__init__(row)
+        self.row = row
+
+
+# Reruns of whole transactions in this process, by (cause, row): what an operator
+# watches to see writers racing each other (poold_ledger_reruns_total, as PostgreSQL
+# counts the deadlocks it broke). Process-wide: one poold has one ledger.
+_RERUNS: dict[tuple[str, str], int] = {}
+_RERUNS_LOCK = threading.Lock()
+
+
+def reruns() -> dict[tuple[str, str], int]:
+    """How many transactions `retrying` ran again in this process, by (cause, row)."""
+    with _RERUNS_LOCK:
+        return dict(_RERUNS)
+
+
+def _rerun(cause: str, row: str = "") -> None:
+    with _RERUNS_LOCK:
+        _RERUNS[cause, row] = _RERUNS.get((cause, row), 0) + 1
+
+
+def swap_or_rerun(conn: Connection, model: Generational, row_id: int, seen: int) -> None:
+    """`compare_and_bump`, or `LostRace` naming the row's table when the swap is lost."""
+    if not compare_and_bump(conn, model, row_id, seen):
+        raise LostRace(model.__tablename__)
 
 
 def compare_and_bump(
@@ -278,7 +311,8 @@ def retrying(run: Callable[[], T], *, what: str, attempts: int = MAX_ATTEMPTS) -
     while True:
         try:
             return run()
-        except LostRace:
+        except LostRace as race:
+            _rerun("lost_race", race.row)
             lost += 1
             if lost >= attempts:
                 raise GenerationConflict(f"{what} lost {attempts} races in a row; retry") from None
@@ -290,9 +324,11 @@ def retrying(run: Callable[[], T], *, what: str, attempts: int = MAX_ATTEMPTS) -
                 # A pooled connection found dead before anything was sent: once, at
                 # once, on a fresh one (poold/ledger/db.py `make_engine`).
                 stale += 1
+                _rerun("stale_connection")
                 continue
             if not is_contention(exc):
                 raise
+            _rerun("contention")
             contended += 1
             if contended >= CONTENTION_ATTEMPTS:
                 if isinstance(exc, LedgerUnavailable):

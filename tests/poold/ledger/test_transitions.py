@@ -7,8 +7,9 @@ from sqlalchemy import select
 
 from poold.ledger import transitions
 from poold.ledger.db import Ledger
-from poold.ledger.models import Event
+from poold.ledger.models import Device, Event
 from poold.ledger.transitions import event_row
+from tests.poold.conftest import seed
 
 
 def _kinds(ledger: Ledger) -> list[str]:
@@ -51,3 +52,26 @@ def test_a_connection_dropped_inside_the_block_raises_the_error_that_dropped_it(
     with pytest.raises(RuntimeError, match="dropped"):
         _batch_that_fails(ledger, "x", drop=True)
     assert _kinds(ledger) == []
+
+
+def test_reruns_are_counted_by_cause_and_the_row_whose_swap_was_lost(ledger: Ledger) -> None:
+    """A real swap lost on a real row, then won: `retrying` ran the transaction twice and
+    counts the one rerun under the row's table (poold_ledger_reruns_total)."""
+    seed(ledger)
+    with ledger.read() as s:
+        device_id, generation = s.execute(select(Device.id, Device.generation)).one()
+    before = transitions.reruns()
+    seen = [generation - 1, generation]  # a stale read first, then the row as it is
+
+    def attempt() -> int:
+        with ledger.write_conn() as conn:
+            transitions.swap_or_rerun(conn, Device, device_id, seen.pop(0))
+            return 1
+
+    assert transitions.retrying(attempt, what="test") == 1
+    after = transitions.reruns()
+    key = ("lost_race", "devices")
+    assert after.get(key, 0) - before.get(key, 0) == 1
+    assert {k: v for k, v in after.items() if k != key} == {
+        k: v for k, v in before.items() if k != key
+    }
