@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,7 @@ from agent.peer import Peer
 from agent.service import AgentService
 from poold.api.client import PooldClient
 from poold.errors import DelegationExpired, PoolError
+from poold.wire.agent import GrantReply, GrantRequest
 from poold.wire.delegation import Budget, Delegation, Reservation
 from tests.agent.conftest import emulated_device, linked_agent
 from tests.conftest import ThreadedServer
@@ -153,8 +155,8 @@ def test_a_local_grant_poold_refuses_at_commit_is_taken_back_and_the_tenant_told
 ) -> None:
     """A delegation poold does not know (its reservation gone: a restored ledger, a
     reaped host): every local grant in it is refused at commit. The ledger has no row of
-    such a lease, so no heartbeat would ever end it; the agent ends it at once, whether
-    the refusal comes in a batch's answer or riding on a central grant."""
+    such a lease, so no heartbeat would ever end it; the agent ends it at once, in the
+    answer of the batch that carried it (local leases' ops ride on no central grant)."""
     with linked_agent(api.url, admin, emulated_device(256 * MiB), ["t"]) as linked:
         service, link = linked.service, linked.link
         service.delegation.replace(delegation())
@@ -173,10 +175,43 @@ def test_a_local_grant_poold_refuses_at_commit_is_taken_back_and_the_tenant_told
                 service.renew(PEER, p.RenewArgs(lease_id=lease.lease_id))
         assert sorted(told) == sorted((x.lease_id, p.LOST_ENDED) for x in (first, second))
         assert service.delegation.capacity.budget_used("t") == (0, 0)
-        # Riding on a central grant (a lease the delegation cannot hold) instead.
+        # A central grant (a lease the delegation cannot hold) in between changes nothing.
         third, _ = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
         central, _ = service.lease(PEER, p.LeaseArgs(size_bytes=96 * MiB, tenant="t"))
-        assert service.held.get(third.lease_id) is None
         assert service.held.get(central.lease_id) is not None
         assert admin.show_lease(central.lease_id).state == "active"
+        assert [op.lease_id for op in link._outbox] == [third.lease_id]
+        link.flush()
+        assert service.held.get(third.lease_id) is None
         assert (third.lease_id, p.LOST_ENDED) in told
+
+
+def test_a_central_grant_carries_central_leases_ops_and_leaves_local_ones_to_the_flush(
+    api: ThreadedServer, admin: PooldClient
+) -> None:
+    """A release queued before a central grant rides on it (its bytes and quota free in
+    time); a local lease's ops do not: they free nothing a central grant can use, and
+    riding on every central grant made each a batch of a few ops in poold."""
+    with linked_agent(api.url, admin, emulated_device(256 * MiB), ["t"]) as linked:
+        service, link, client = linked.service, linked.link, linked.client
+        service.delegation.replace(delegation())
+        carried: list[list[tuple[str, str]]] = []
+        grant = client.grant
+
+        def granting(req: GrantRequest, **kw: Any) -> GrantReply:
+            carried.append([(op.op, op.lease_id) for op in req.pending])
+            return grant(req, **kw)
+
+        client.grant = granting  # type: ignore[method-assign]
+        local, _ = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+        big, _ = service.lease(PEER, p.LeaseArgs(size_bytes=96 * MiB, tenant="t"))
+        service.release(PEER, p.ReleaseArgs(lease_id=local.lease_id))
+        service.release(PEER, p.ReleaseArgs(lease_id=big.lease_id))
+        again, _ = service.lease(PEER, p.LeaseArgs(size_bytes=96 * MiB, tenant="t"))
+        assert carried == [[], [("release", big.lease_id)]]
+        assert admin.show_lease(big.lease_id).state == "released"
+        assert [(op.op, op.lease_id) for op in link._outbox] == [
+            ("local_grant", local.lease_id),
+            ("release", local.lease_id),
+        ]
+        assert admin.show_lease(again.lease_id).state == "active"
