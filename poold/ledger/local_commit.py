@@ -130,9 +130,9 @@ class BatchReads:
     the batch's releases.
 
     On PostgreSQL the batch takes its row locks first, in the ledger's one order
-    (`_lock_rows`): the leases its ops act on (by id, as the reaper's hold), the devices
-    they may free (by id), the tenants it grants to (by name, as a delegation sets
-    budgets; a central grant locks device, then tenant). Swapping each tenant at its
+    (`_lock_rows`): the leases its ops act on (by id, as the reaper's hold), then the
+    tenants it grants to (by name, as a delegation sets budgets; a central grant locks
+    device, then tenant). Swapping each tenant at its
     first grant and bumping the devices last locked them in lease id order, so two
     hosts' batches, or a batch and a central grant, each held a row the other wanted: a
     deadlock PostgreSQL breaks only after its deadlock_timeout, every lock held
@@ -202,27 +202,19 @@ class BatchReads:
         self.named = {name: found.get(name) for name in names}
 
     def _lock_rows(self, conn: Connection, ops: Sequence[LeaseOp], host_name: str) -> None:
-        """After the leases: the devices the batch's ops may free, then the tenants its
-        grants are for, by name (see the class docstring); a tenant changed since this
-        batch resolved it reruns the batch."""
-        reservation_of = {op.lease_id: op.grant.reservation_id for op in ops if op.grant}
-        devices = {lease.device_id for lease in self.held.values()}
+        """After the leases: the tenants its grants are for, by name (see the class
+        docstring); a tenant changed since this batch resolved it reruns the batch. No
+        device: freeing bytes moves no device generation (poold/ledger/transitions.py),
+        and a local grant writes none."""
         by_ids: dict[int, Any] = {}  # grants that name no tenant: resolved by uid, unlocked
         for op in ops:
-            if op.grant is None:
-                if op.lease_id in reservation_of:  # an op on a lease the batch grants
-                    res = self.reservation(conn, reservation_of[op.lease_id])
-                    if res is not None:
-                        devices.add(res.device_id)
-                continue
-            if op.grant.tenant is not None:
+            if op.grant is None or op.grant.tenant is not None:
                 continue
             try:
                 tenant = self.tenant(conn, op.grant, host_name)
             except PoolError:
                 continue  # refused in its turn
             by_ids[tenant.id] = tenant
-        transitions.lock_rows(conn, Device, devices)
         # Every tenant it grants to in one locking read, in name order: the named ones'
         # rows are read under their locks; one resolved by uid before must be unchanged.
         self._read_named(conn, _named(ops) | {t.name for t in by_ids.values()}, lock=True)

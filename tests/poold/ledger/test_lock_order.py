@@ -82,9 +82,10 @@ def test_local_commits_of_two_hosts_and_central_grants_take_one_lock_order(
 ) -> None:
     """Two hosts' op batches, each granting locally to the same tenants (in opposite lease
     id order) and releasing a central lease of its device, beside central grants to those
-    tenants on the same devices: the batches swap their tenants last, by name, after their
-    device bumps, as a grant locks device then tenant. No deadlock is even detected (and
-    retried) by PostgreSQL; every op and grant succeeds."""
+    tenants on the same devices: the batches lock their tenants by name after their
+    leases, and lock no device (freeing moves no generation), while a grant locks device
+    then tenant. No deadlock is even detected (and retried) by PostgreSQL; every op and
+    grant succeeds."""
     if ledger.is_sqlite:
         pytest.skip("SQLite runs one writer at a time: it cannot deadlock")
     seed(ledger, devices=[device(capacity_bytes=1 << 40)], tenant=None)
