@@ -24,11 +24,12 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, delete, insert, select, update
+from sqlalchemy import Connection, bindparam, delete, insert, select, update
 
 from poold.errors import NotOwner, UnknownTenant
 from poold.ledger import granting, transitions
 from poold.ledger.budgets import QuotaUse
+from poold.ledger.db import Prepared
 from poold.ledger.models import Budget, Tenant
 from poold.ledger.transitions import event_row
 
@@ -39,6 +40,40 @@ _TENANTS = select(
     Tenant.quota_leases,
     Tenant.allowed_hosts,
     Tenant.generation,
+)
+# `set_budgets`' statements, built once: building them per tenant and call cost more
+# Python than running them (a delegate call sets dozens).
+_LOCKED_TENANTS = (
+    _TENANTS.where(Tenant.name.in_(bindparam("names", expanding=True)))
+    .order_by(Tenant.name)
+    .with_for_update(key_share=True)
+)
+# (Bound names other than the columns': an UPDATE reserves those for its SET clause.)
+_THIS_BUDGET = (
+    Budget.tenant_id == bindparam("b_tenant_id"),
+    Budget.host_id == bindparam("b_host_id"),
+)
+_SET_BUDGET = Prepared(
+    update(Budget)
+    .where(*_THIS_BUDGET)
+    .values(
+        bytes=bindparam("new_bytes"),
+        leases=bindparam("new_leases"),
+        expires_at=bindparam("expires_at"),
+    )
+)
+_NEW_BUDGET = Prepared(
+    insert(Budget),
+    column_keys=("tenant_id", "host_id", "bytes", "leases", "created_at", "expires_at"),
+)
+_DROP_BUDGET = Prepared(delete(Budget).where(*_THIS_BUDGET))
+_RENEW_BUDGETS = (
+    update(Budget)
+    .where(
+        Budget.host_id == bindparam("b_host_id"),
+        Budget.tenant_id.in_(bindparam("tenant_ids", expanding=True)),
+    )
+    .values(expires_at=bindparam("expires_at"))
 )
 
 
@@ -90,8 +125,7 @@ def set_budgets(
     # Locked in name order (PostgreSQL), as an op batch locks the tenants it grants to:
     # a batch committing in between no longer makes a swap below fail and the whole
     # delegate run again (it waits for the lock instead).
-    locked = _TENANTS.where(Tenant.name.in_(sorted(by_name))).order_by(Tenant.name)
-    tenants = {t.name: t for t in conn.execute(locked.with_for_update(key_share=True)).all()}
+    tenants = {t.name: t for t in conn.execute(_LOCKED_TENANTS, {"names": sorted(by_name)})}
     for name in sorted(by_name):
         tenant = tenants.get(name)
         if tenant is None:
@@ -100,30 +134,30 @@ def set_budgets(
             raise NotOwner(f"tenant {name!r} may not lease on host {host_name!r}")
     uses = granting.quota_uses(conn, [t.id for t in tenants.values()])
     renew: list[int] = []
-    for name in sorted(by_name):  # tenants swapped in one order
+    swaps: dict[int, int] = {}  # tenant id -> generation read, in name order
+    dropped: list[dict[str, Any]] = []
+    changed: list[dict[str, Any]] = []
+    added: list[dict[str, Any]] = []
+    for name in sorted(by_name):
         tenant, want = tenants[name], by_name[name]
         new = _sized(tenant, uses[tenant.id], host_id, want)
         if new is None:
             renew.append(tenant.id)
             continue
-        transitions.swap_or_rerun(conn, Tenant, tenant.id, tenant.generation)
+        swaps[tenant.id] = int(tenant.generation)
         new_bytes, new_leases = new
+        key = {"b_tenant_id": tenant.id, "b_host_id": host_id}
         after = {h: b for h, b in uses[tenant.id].budgets.items() if h != host_id}
         if want.bytes == 0 and want.leases == 0:  # given back
-            conn.execute(
-                delete(Budget).where(Budget.tenant_id == tenant.id, Budget.host_id == host_id)
-            )
+            dropped.append(key)
         elif host_id in uses[tenant.id].budgets:
             after[host_id] = new
-            conn.execute(
-                update(Budget)
-                .where(Budget.tenant_id == tenant.id, Budget.host_id == host_id)
-                .values(bytes=new_bytes, leases=new_leases, expires_at=expires_at)
+            changed.append(
+                {**key, "new_bytes": new_bytes, "new_leases": new_leases, "expires_at": expires_at}
             )
         else:
             after[host_id] = new
-            conn.execute(
-                insert(Budget),
+            added.append(
                 {
                     "tenant_id": tenant.id,
                     "host_id": host_id,
@@ -131,14 +165,18 @@ def set_budgets(
                     "leases": new_leases,
                     "created_at": now,
                     "expires_at": expires_at,
-                },
+                }
             )
         uses[tenant.id] = dataclasses.replace(uses[tenant.id], budgets=after)
+    # Every changed tenant swapped, then its budget written: one executemany each.
+    transitions.swap_all_or_rerun(conn, Tenant, swaps)
+    for statement, rows in ((_DROP_BUDGET, dropped), (_SET_BUDGET, changed), (_NEW_BUDGET, added)):
+        if rows:
+            statement.write(conn, rows)
     if renew:
         conn.execute(
-            update(Budget)
-            .where(Budget.host_id == host_id, Budget.tenant_id.in_(sorted(renew)))
-            .values(expires_at=expires_at)
+            _RENEW_BUDGETS,
+            {"b_host_id": host_id, "tenant_ids": sorted(renew), "expires_at": expires_at},
         )
     return uses
 

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, and_, delete, insert, select, text, update
+from sqlalchemy import Connection, and_, bindparam, delete, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from poold import extents, placement
@@ -44,7 +44,7 @@ from poold.errors import (
 from poold.lease_states import LIVE_STATES_SQL
 from poold.ledger import agent_requests, budget_sizing, granting, leases, transitions
 from poold.ledger.budgets import QuotaUse
-from poold.ledger.db import Ledger
+from poold.ledger.db import Ledger, Prepared
 from poold.ledger.models import (
     Budget,
     Device,
@@ -96,11 +96,61 @@ _LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
 # --- the host's whole delegation ---------------------------------------------------------
 
 
+# What `host_delegation` reads, built once (every delegate call and heartbeat reply with
+# a delegation reads them).
+_HELD_RESERVATIONS = Prepared(
+    select(
+        Reservation.id,
+        Reservation.offset_bytes,
+        Reservation.length_bytes,
+        Reservation.epoch_base,
+        Reservation.expires_at,
+        Device.uid,
+        Device.kind,
+        Device.media,
+        Device.health,
+        Device.alignment_bytes,
+        DevicePath.local_name,
+        DevicePath.numa_node,
+        DevicePath.read_latency_ns,
+        DevicePath.distance,
+    )
+    .join(Device, Device.id == Reservation.device_id)
+    .outerjoin(
+        DevicePath,
+        and_(
+            DevicePath.device_id == Reservation.device_id,
+            DevicePath.host_id == Reservation.host_id,
+        ),
+    )
+    .where(Reservation.host_id == bindparam("host_id"), Reservation.state == HELD)
+    .order_by(Device.uid, Reservation.offset_bytes)
+)
+_HOST_BUDGETS = Prepared(
+    select(
+        Tenant.id,
+        Tenant.name,
+        Tenant.quota_bytes,
+        Tenant.quota_leases,
+        Budget.bytes,
+        Budget.leases,
+        Budget.expires_at,
+        Tenant.allowed_uids,
+        Tenant.allowed_gids,
+        Tenant.allowed_media,
+    )
+    .join(Tenant, Tenant.id == Budget.tenant_id)
+    .where(Budget.host_id == bindparam("host_id"))
+    .order_by(Tenant.name)
+)
+
+
 def host_delegation(
     conn: Connection, host_id: int, now: datetime, uses: Mapping[int, QuotaUse] | None = None
 ) -> Delegation:
     """What the host holds now: its held reservations and its budgets (``uses``: quota
     use of some tenants as this transaction left it, not read again)."""
+    params = {"host_id": host_id}
     reservations = [
         ReservationOut(
             id=r.id,
@@ -118,52 +168,9 @@ def host_delegation(
             read_latency_ns=r.read_latency_ns,
             distance=r.distance,
         )
-        for r in conn.execute(
-            select(
-                Reservation.id,
-                Reservation.offset_bytes,
-                Reservation.length_bytes,
-                Reservation.epoch_base,
-                Reservation.expires_at,
-                Device.uid,
-                Device.kind,
-                Device.media,
-                Device.health,
-                Device.alignment_bytes,
-                DevicePath.local_name,
-                DevicePath.numa_node,
-                DevicePath.read_latency_ns,
-                DevicePath.distance,
-            )
-            .join(Device, Device.id == Reservation.device_id)
-            .outerjoin(
-                DevicePath,
-                and_(
-                    DevicePath.device_id == Reservation.device_id,
-                    DevicePath.host_id == Reservation.host_id,
-                ),
-            )
-            .where(Reservation.host_id == host_id, Reservation.state == HELD)
-            .order_by(Device.uid, Reservation.offset_bytes)
-        )
+        for r in _HELD_RESERVATIONS.rows(conn, params)
     ]
-    rows = conn.execute(
-        select(
-            Tenant.id,
-            Tenant.name,
-            Tenant.quota_bytes,
-            Tenant.quota_leases,
-            Budget.bytes,
-            Budget.leases,
-            Budget.expires_at,
-            Tenant.allowed_uids,
-            Tenant.allowed_gids,
-            Tenant.allowed_media,
-        )
-        .join(Tenant, Tenant.id == Budget.tenant_id)
-        .where(Budget.host_id == host_id)
-        .order_by(Tenant.name)
-    ).all()
+    rows = _HOST_BUDGETS.rows(conn, params)
     shares = budget_sizing.shares(conn, host_id, rows, uses)
     budgets = [
         BudgetOut(

@@ -228,8 +228,7 @@ class BatchReads:
         """Swap the generation of every tenant the batch granted to (held since
         `_lock_rows` on PostgreSQL); a swap that fails (a budget or quota changed since the
         batch read it) reruns the batch."""
-        for tenant_id, seen in self.to_swap.items():
-            transitions.swap_or_rerun(conn, Tenant, tenant_id, seen)
+        transitions.swap_all_or_rerun(conn, Tenant, self.to_swap)
 
     def as_recorded(self, conn: Connection, lease_id: str) -> Any:
         if self.recorded is None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, TypeVar
@@ -260,6 +260,18 @@ def _rerun(cause: str, row: str = "") -> None:
 def swap_or_rerun(conn: Connection, model: Generational, row_id: int, seen: int) -> None:
     """`compare_and_bump`, or `LostRace` naming the row's table when the swap is lost."""
     if not compare_and_bump(conn, model, row_id, seen):
+        raise LostRace(model.__tablename__)
+
+
+def swap_all_or_rerun(conn: Connection, model: Generational, seen: Mapping[int, int]) -> None:
+    """`swap_or_rerun` of several rows (id -> the generation read) in one executemany, in
+    the mapping's order; any swap lost is `LostRace` (nothing of the transaction commits).
+    For a writer that locked the rows in the ledger's order first: its swaps then cannot
+    lose, and one round trip replaces one per row."""
+    if not seen:
+        return
+    params = [{"row_id": i, "seen": g, "next_generation": g + 1} for i, g in seen.items()]
+    if _SWAP[model].write(conn, params) != len(params):
         raise LostRace(model.__tablename__)
 
 
