@@ -7,7 +7,7 @@ from sqlalchemy import select
 
 from poold.ledger import transitions
 from poold.ledger.db import Ledger
-from poold.ledger.models import Device, Event
+from poold.ledger.models import Device, Event, Tenant
 from poold.ledger.transitions import event_row
 from tests.poold.conftest import seed
 
@@ -75,3 +75,23 @@ def test_reruns_are_counted_by_cause_and_the_row_whose_swap_was_lost(ledger: Led
     assert {k: v for k, v in after.items() if k != key} == {
         k: v for k, v in before.items() if k != key
     }
+
+
+def test_swapping_several_rows_at_once_loses_as_a_whole(ledger: Ledger) -> None:
+    """`swap_all_or_rerun`: one stale generation among them is a lost race, and the
+    transaction it ran in commits none of the swaps; all current, each moves by one."""
+    seed(ledger)
+    seed(ledger, host="h2", tenant="t2")
+    with ledger.read() as s:
+        seen = dict(s.execute(select(Tenant.id, Tenant.generation).order_by(Tenant.id)).all())
+    stale = {i: g - (1 if n == 0 else 0) for n, (i, g) in enumerate(seen.items())}
+    with pytest.raises(transitions.LostRace) as lost, ledger.write_conn() as conn:
+        transitions.swap_all_or_rerun(conn, Tenant, stale)
+    assert lost.value.row == "tenants"
+    with ledger.read() as s:
+        assert dict(s.execute(select(Tenant.id, Tenant.generation)).all()) == seen
+    with ledger.write_conn() as conn:
+        transitions.swap_all_or_rerun(conn, Tenant, seen)
+    with ledger.read() as s:
+        after = dict(s.execute(select(Tenant.id, Tenant.generation)).all())
+    assert after == {i: g + 1 for i, g in seen.items()}
