@@ -277,6 +277,11 @@ class DelegatedCapacity:
     def is_local(self, lease_id: str) -> bool:
         return lease_id in self._leases
 
+    def tenant_of(self, lease_id: str) -> str | None:
+        """The tenant of a local lease (None: not one)."""
+        lease = self._leases.get(lease_id)
+        return None if lease is None else lease.tenant
+
     def local_leases(self) -> list[LocalLease]:
         with self._lock:
             return [LocalLease(**vars(lease)) for lease in self._leases]

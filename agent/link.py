@@ -5,8 +5,8 @@ inventory when it changed). Releases go into an ordered outbox that rides on
 the next grant or is flushed within a few milliseconds by a background thread,
 so a tenant's release costs no poold round trip, yet a release just before a
 grant is applied before that grant (its bytes and quota are free in time). The ops
-of local leases (granted inside the delegation) ride on no grant: they go in a
-batch at most LOCAL_FLUSH_S after they were queued.
+of local leases (granted inside the delegation) ride only on a grant of their own
+tenant; the rest go in a batch at most LOCAL_FLUSH_S after they were queued.
 When poold is down, or answers with an error, the outbox, renewals and reports are
 kept and replayed in order; grants and op batches carry request ids so that a retry
 after a lost reply is not applied twice (DESIGN.md, "every request to poold is
@@ -119,6 +119,10 @@ class LocalOps(Protocol):
 
     def is_local(self, lease_id: str) -> bool:
         """The lease was granted inside the delegation (its ops are journalled)."""
+        ...
+
+    def tenant_of(self, lease_id: str) -> str | None:
+        """The tenant of a lease granted inside the delegation (None: not one)."""
         ...
 
     def on_enqueue(self, op: LeaseOp) -> None:
@@ -322,15 +326,16 @@ class PooldLink:
         """
         if req.request_id is None:
             req = req.model_copy(update={"request_id": new_request_id()})
-        # The queued ops of central leases ride on the grant (a release just before it
-        # frees its bytes and quota in time), except those of leases with an op still on
-        # its way. Local leases' ops wait for their flush (LOCAL_FLUSH_S): they free
-        # nothing a central grant can use (their bytes are the host's reservations, and
-        # the grant carries the host's local use itself), and riding on every central
-        # grant made each a batch transaction of a few ops in poold, the larger part of
-        # its CPU under delegation (bench/scale.py --delegation, py-spy).
+        # The queued ops ride on the grant (a release just before it frees its bytes and
+        # quota in time), except those of leases with an op still on its way, and those
+        # of other tenants' local leases: they free nothing this grant can use (their
+        # bytes are the host's reservations, and other tenants' quota is theirs), so
+        # they wait for their flush (LOCAL_FLUSH_S). Riding on every central grant made
+        # each a batch transaction of a few ops in poold, the larger part of its CPU
+        # under delegation (bench/scale.py --delegation, py-spy). The grant's own
+        # tenant's go: one at its quota frees it in time by releasing a local lease.
         with self._lock:
-            pending = self._take_ops(central_only=True)
+            pending = self._take_ops(for_tenant=req.tenant or "")
             token = next(self._grant_tokens)
             self._grants_in_flight.add(token)
         try:
@@ -417,10 +422,10 @@ class PooldLink:
                 ids.update(op.lease_id for op in batch.ops)
         return ids
 
-    def _take_ops(self, *, central_only: bool = False) -> list[LeaseOp]:
+    def _take_ops(self, *, for_tenant: str | None = None) -> list[LeaseOp]:
         """The queued ops that may go now, marked on their way (call under the lock);
-        ``central_only``: none of a local lease (one the delegation holds until poold has
-        applied its freeing op).
+        ``for_tenant``: none of a local lease (one the delegation holds until poold has
+        applied its freeing op) of another tenant ("": of any tenant).
 
         An op of a lease with an op on its way or in a failed batch stays queued, and so
         does every later op of that lease: each lease's ops keep their order.
@@ -428,14 +433,15 @@ class PooldLink:
         blocked = set(self._in_flight_ops)
         for batch in self._batches:
             blocked.update(op.lease_id for op in batch.ops)
-        local = self.local if central_only else None
+        local = self.local if for_tenant is not None else None
+        tenant = for_tenant or None  # "": a local lease of any tenant stays
         taken: list[LeaseOp] = []
         kept: list[LeaseOp] = []
         for op in self._outbox:
             if (
                 op.lease_id in blocked
                 or len(taken) >= MAX_BATCH_OPS
-                or (local is not None and (op.grant is not None or local.is_local(op.lease_id)))
+                or (local is not None and local.tenant_of(op.lease_id) not in (None, tenant))
             ):
                 blocked.add(op.lease_id)
                 kept.append(op)

@@ -136,6 +136,9 @@ class LocalGrants:
     def is_local(self, lease_id: str) -> bool:
         return self.capacity.is_local(lease_id)
 
+    def tenant_of(self, lease_id: str) -> str | None:
+        return self.capacity.tenant_of(lease_id)
+
     def on_enqueue(self, op: LeaseOp) -> None:
         journal = self.journal
         if journal is None or op.op == "local_grant" or id(op) in self._seq_of:

@@ -155,8 +155,8 @@ def test_a_local_grant_poold_refuses_at_commit_is_taken_back_and_the_tenant_told
 ) -> None:
     """A delegation poold does not know (its reservation gone: a restored ledger, a
     reaped host): every local grant in it is refused at commit. The ledger has no row of
-    such a lease, so no heartbeat would ever end it; the agent ends it at once, in the
-    answer of the batch that carried it (local leases' ops ride on no central grant)."""
+    such a lease, so no heartbeat would ever end it; the agent ends it at once, whether
+    the refusal comes in a batch's answer or riding on a central grant."""
     with linked_agent(api.url, admin, emulated_device(256 * MiB), ["t"]) as linked:
         service, link = linked.service, linked.link
         service.delegation.replace(delegation())
@@ -175,26 +175,26 @@ def test_a_local_grant_poold_refuses_at_commit_is_taken_back_and_the_tenant_told
                 service.renew(PEER, p.RenewArgs(lease_id=lease.lease_id))
         assert sorted(told) == sorted((x.lease_id, p.LOST_ENDED) for x in (first, second))
         assert service.delegation.capacity.budget_used("t") == (0, 0)
-        # A central grant (a lease the delegation cannot hold) in between changes nothing.
+        # Riding on a central grant of its tenant (a lease the delegation cannot hold).
         third, _ = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
         central, _ = service.lease(PEER, p.LeaseArgs(size_bytes=96 * MiB, tenant="t"))
+        assert service.held.get(third.lease_id) is None
         assert service.held.get(central.lease_id) is not None
         assert admin.show_lease(central.lease_id).state == "active"
-        assert [op.lease_id for op in link._outbox] == [third.lease_id]
-        link.flush()
-        assert service.held.get(third.lease_id) is None
         assert (third.lease_id, p.LOST_ENDED) in told
 
 
-def test_a_central_grant_carries_central_leases_ops_and_leaves_local_ones_to_the_flush(
+def test_a_central_grant_carries_its_tenants_ops_and_leaves_other_local_ones_to_the_flush(
     api: ThreadedServer, admin: PooldClient
 ) -> None:
     """A release queued before a central grant rides on it (its bytes and quota free in
-    time); a local lease's ops do not: they free nothing a central grant can use, and
-    riding on every central grant made each a batch of a few ops in poold."""
-    with linked_agent(api.url, admin, emulated_device(256 * MiB), ["t"]) as linked:
+    time): a central lease's, or a local lease's of the grant's own tenant (at its quota,
+    releasing a local lease is what makes room). Other tenants' local leases' ops do not:
+    they free nothing the grant can use, and riding on every central grant made each a
+    batch of a few ops in poold."""
+    with linked_agent(api.url, admin, emulated_device(256 * MiB), ["t", "u"]) as linked:
         service, link, client = linked.service, linked.link, linked.client
-        service.delegation.replace(delegation())
+        service.delegation.replace(delegation())  # a budget of t only: u's leases go central
         carried: list[list[tuple[str, str]]] = []
         grant = client.grant
 
@@ -204,14 +204,16 @@ def test_a_central_grant_carries_central_leases_ops_and_leaves_local_ones_to_the
 
         client.grant = granting  # type: ignore[method-assign]
         local, _ = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
-        big, _ = service.lease(PEER, p.LeaseArgs(size_bytes=96 * MiB, tenant="t"))
+        big, _ = service.lease(PEER, p.LeaseArgs(size_bytes=8 * MiB, tenant="u"))
         service.release(PEER, p.ReleaseArgs(lease_id=local.lease_id))
         service.release(PEER, p.ReleaseArgs(lease_id=big.lease_id))
-        again, _ = service.lease(PEER, p.LeaseArgs(size_bytes=96 * MiB, tenant="t"))
+        again, _ = service.lease(PEER, p.LeaseArgs(size_bytes=8 * MiB, tenant="u"))
         assert carried == [[], [("release", big.lease_id)]]
         assert admin.show_lease(big.lease_id).state == "released"
-        assert [(op.op, op.lease_id) for op in link._outbox] == [
-            ("local_grant", local.lease_id),
-            ("release", local.lease_id),
-        ]
         assert admin.show_lease(again.lease_id).state == "active"
+        t_ops = [("local_grant", local.lease_id), ("release", local.lease_id)]
+        assert [(op.op, op.lease_id) for op in link._outbox] == t_ops
+        # A central grant of t itself (larger than its reservation) takes them along.
+        service.lease(PEER, p.LeaseArgs(size_bytes=96 * MiB, tenant="t"))
+        assert carried[-1] == t_ops
+        assert link.outbox_size() == 0
