@@ -408,6 +408,7 @@ RERUN_SERIES = (
     ("lost_race", "tenants"),
     ("lost_race", "devices"),
     ("lost_race", "hosts"),
+    ("lost_race", "leases"),
     ("lost_race", "constraint"),
     ("contention", ""),
     ("stale_connection", ""),

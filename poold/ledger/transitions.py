@@ -324,10 +324,10 @@ def retrying(run: Callable[[], T], *, what: str, attempts: int = MAX_ATTEMPTS) -
         try:
             return run()
         except LostRace as race:
-            _rerun("lost_race", race.row)
             lost += 1
             if lost >= attempts:
                 raise GenerationConflict(f"{what} lost {attempts} races in a row; retry") from None
+            _rerun("lost_race", race.row)
             # Writers that lost the same race retry at once and collide again;
             # a short, growing, random pause spreads them out.
             time.sleep(random.uniform(0, RETRY_BACKOFF_S * lost))  # noqa: S311
@@ -340,7 +340,6 @@ def retrying(run: Callable[[], T], *, what: str, attempts: int = MAX_ATTEMPTS) -
                 continue
             if not is_contention(exc):
                 raise
-            _rerun("contention")
             contended += 1
             if contended >= CONTENTION_ATTEMPTS:
                 if isinstance(exc, LedgerUnavailable):
@@ -350,6 +349,7 @@ def retrying(run: Callable[[], T], *, what: str, attempts: int = MAX_ATTEMPTS) -
                     "(deadlock or serialisation failure); retry",
                     reason="contention",
                 ) from exc
+            _rerun("contention")
             pause = min(CONTENTION_BACKOFF_CAP_S, CONTENTION_BACKOFF_S * 2**contended)
             time.sleep(random.uniform(0, pause))  # noqa: S311
 
