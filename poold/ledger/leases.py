@@ -448,9 +448,9 @@ def _apply_batch(
                 results[i] = _apply_op(conn, host_id, host_name, op, now, actor, reads)
             except PoolError as err:
                 results[i] = LeaseOpResult(lease_id=op.lease_id, code=err.code, message=err.message)
-    # A swap per tenant it granted to: rows local_commit.BatchReads locked first, in the
-    # ledger's one order. The devices it freed bytes on keep their generations
-    # (poold/ledger/transitions.py).
+    # The tenants it granted to swapped at once: rows local_commit.BatchReads locked
+    # first, in the ledger's one order. The devices it freed bytes on keep their
+    # generations (poold/ledger/transitions.py).
     reads.swap_tenants(conn)
     return [r for r in results if r is not None]
 

@@ -132,8 +132,8 @@ class BatchReads:
     On PostgreSQL the batch takes its row locks first, in the ledger's one order
     (`_lock_rows`): the leases its ops act on (by id, as the reaper's hold), then the
     tenants it grants to (by name, as a delegation sets budgets; a central grant locks
-    device, then tenant). Swapping each tenant at its
-    first grant and bumping the devices last locked them in lease id order, so two
+    device, then tenant). Swapping each tenant at its first grant and bumping the
+    devices last (as batches once did) locked them in lease id order, so two
     hosts' batches, or a batch and a central grant, each held a row the other wanted: a
     deadlock PostgreSQL breaks only after its deadlock_timeout, every lock held
     meanwhile. Swapping them all at the end instead, unlocked until then, let the
