@@ -478,9 +478,10 @@ def read_frame(
     if len(body) < length:
         raise BadRequest("connection closed after a frame header")
     try:
-        # Decode first: json.loads on bytes would also accept UTF-16/32.
-        obj = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        # pydantic's parser (jiter): UTF-8 only, no lone surrogates, nesting bounded, and
+        # a few times faster than json.loads on a request's frame.
+        obj = pydantic_core.from_json(body)
+    except ValueError as err:
         raise BadRequest(f"frame is not valid UTF-8 JSON: {err}") from None
     if not isinstance(obj, dict):
         raise BadRequest(f"frame must hold a JSON object, got {type(obj).__name__}")
