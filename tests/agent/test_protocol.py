@@ -117,7 +117,21 @@ def _send_in_background(sock: socket.socket, data: bytes) -> Any:
     return thread
 
 
-@pytest.mark.parametrize("body", [b"[]", b"1", b"null", b"{bad", b"\xc3\x28", b'{"a":NaN'])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[]",
+        b"1",
+        b"null",
+        b"{bad",
+        b"\xc3\x28",
+        b'{"a":NaN',
+        b'{"a":"\\ud800"}',  # a lone surrogate escape
+        b'{"a":' + b"[" * 10_000 + b"]" * 10_000 + b"}",  # nesting past the parser's bound
+        b'\xff\xfe{\x00"\x00a\x00"\x00:\x001\x00}\x00',  # UTF-16, which json.loads on bytes took
+        b'{"a":1} trailing',
+    ],
+)
 def test_body_must_be_a_json_object(pair: tuple[socket.socket, socket.socket], body: bytes) -> None:
     writer, reader = pair
     writer.sendall(struct.pack(">I", len(body)) + body)
