@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Final
 
 from agent.local_leases import LocalLease, LocalLeases
 from agent.refill import (
@@ -123,6 +124,20 @@ class _Limit:
     local_use: tuple[int, int] = (0, 0)
 
 
+# Why a lease request took the path it did (``DelegatedCapacity.paths``): granted inside
+# the delegation, or sent to poold and why. A fixed set, so the metric's labels are bounded.
+LOCAL: Final = "local"
+CENTRAL_REASONS: Final = (
+    "disabled",  # delegation is off on this agent
+    "no_reservation",  # none held (not yet delegated, or all given back)
+    "no_budget",  # no budget for a tenant the caller may act for (or several match)
+    "budget_leases",  # the tenant's budget here has no lease left
+    "budget_bytes",  # ... or too few bytes for the extent placed
+    "no_room",  # no held reservation of an allowed media has room for it
+    "expired",  # it would fit, but the reservations or the budget are past their TTL
+)
+
+
 class DelegatedCapacity:
     """The host's reservations, budgets and local leases (thread-safe, one lock)."""
 
@@ -158,6 +173,8 @@ class DelegatedCapacity:
         # Reservations a pending request gives back: no local lease goes there meanwhile.
         self._giving: set[str] = set()
         self._asking: list[_Limit] = []  # caps of the request on its way
+        # Lease requests by path: LOCAL or a CENTRAL_REASONS entry (agent/metrics.py).
+        self._paths: dict[str, int] = dict.fromkeys((LOCAL, *CENTRAL_REASONS), 0)
         self._asked_give: set[str] = set()  # what it gives back
         self._gone: dict[str, float] = {}  # given back: reservation id -> settled at
         # Bytes central grants were refused (quota) per tenant this interval: demand too.
@@ -306,6 +323,14 @@ class DelegatedCapacity:
                 return None
             return max(h.deadline for h in self._reservations.values()) - now
 
+    def reserved_bytes(self) -> int:
+        """Bytes of the unexpired reservations held, leased locally or not."""
+        now = self._clock()
+        with self._lock:
+            return sum(
+                h.reservation.length_bytes for h in self._reservations.values() if h.deadline > now
+            )
+
     def free_reserved_bytes(self) -> int:
         """Bytes of unexpired reservations no local lease occupies."""
         now = self._clock()
@@ -340,15 +365,15 @@ class DelegatedCapacity:
         now = self._clock() if now is None else now
         with self._lock:
             if not self._reservations:
-                return None
+                return self._central("no_reservation")
             entry = self._resolve(req)
             if entry is None:
-                return None
+                return self._central("no_budget")
             budget = entry.budget
             used_bytes, used_leases = self._leases.used_by(budget.tenant)
             view_bytes, view_leases = self._view(budget)
             if used_leases + 1 > view_leases:
-                return None
+                return self._central("budget_leases")
             usable = [
                 h
                 for h in self._reservations.values()
@@ -368,13 +393,16 @@ class DelegatedCapacity:
             if choice is None:
                 expired = [h for h in usable if h.deadline <= now]
                 if expired and self._place(req, budget, expired) is not None:
+                    self._paths["expired"] += 1
                     raise _expired(req, "reservations")
-                return None
+                return self._central("no_room")
             held, extent = choice
             if used_bytes + extent.length > view_bytes:
-                return None
+                return self._central("budget_bytes")
             if entry.deadline <= now:
+                self._paths["expired"] += 1
                 raise _expired(req, f"budget of tenant {budget.tenant!r}")
+            self._paths[LOCAL] += 1
             res = held.reservation
             epoch = res.epoch_base + held.epochs_used
             held.epochs_used += 1
@@ -428,6 +456,22 @@ class DelegatedCapacity:
             labels=dict(req.labels),
         )
         return LocalPlan(lease, grant, res.media in PERSISTENT_MEDIA)
+
+    def _central(self, reason: str) -> LocalPlan | None:
+        """Count a request the delegation leaves to poold (under the lock): None, the
+        central path."""
+        self._paths[reason] += 1
+        return None
+
+    def note_central(self, reason: str) -> None:
+        """A request that never reached the delegation went to poold (``disabled``...)."""
+        with self._lock:
+            self._paths[reason] += 1
+
+    def paths(self) -> dict[str, int]:
+        """Lease requests so far by path: LOCAL, or why poold was asked instead."""
+        with self._lock:
+            return dict(self._paths)
 
     def _resolve(self, req: GrantRequest) -> _Budget | None:
         """The budget of the tenant the caller may act for, as poold resolves tenants

@@ -64,6 +64,7 @@ class LocalGrants:
     def grant(self, req: GrantRequest) -> LeaseOut | None:
         """A local grant for ``req`` (memory not made yet), or None: the central path."""
         if not self.enabled or not self.capacity.holds_any():
+            self.capacity.note_central("no_reservation" if self.enabled else "disabled")
             return None
         plan = self.capacity.grant_locally(req)
         if plan is None:

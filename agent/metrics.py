@@ -9,7 +9,8 @@ operator's choosing, from a daemon thread: a scrape never touches the socket
 server's threads or poold.
 
 Label sets are bounded: a backend is a device kind (emulated, devdax, numa), a
-result ok or failed. Delegation has no series yet: the agent has none to report.
+result ok or failed, a lease path local or one of the fixed reasons a request went to
+poold (agent/delegation.py CENTRAL_REASONS).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agent.delegation import LOCAL
 from agent.server import AgentServer
 from agent.service import AgentService
 from poold import __version__
@@ -117,6 +119,16 @@ class _AgentCollector(Collector):
         f["wanted"].add_metric([], service.admission.wanted_bytes())
         if self.server is not None:
             f["connections"].add_metric([], self.server.connection_count)
+        local = service.delegation
+        for reason, count in local.capacity.paths().items():
+            path = LOCAL if reason == LOCAL else "central"
+            f["paths"].add_metric([path, "" if reason == LOCAL else reason], count)
+        f["reserved"].add_metric([], local.capacity.reserved_bytes())
+        f["reserved_free"].add_metric([], local.capacity.free_reserved_bytes())
+        f["uncommitted"].add_metric([], local.uncommitted_count())
+        expires_in = local.capacity.expires_in()
+        if expires_in is not None:
+            f["expires_in"].add_metric([], expires_in)
         yield from (family for family in f.values() if family.samples)
 
 
@@ -124,7 +136,7 @@ def _gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFami
     return GaugeMetricFamily(name, doc, labels=list(labels))
 
 
-def _families() -> dict[str, GaugeMetricFamily]:
+def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
     return {
         "held": _gauge(
             "pool_agent_leases_held", "Leases this agent holds memory for, by backend", ("backend",)
@@ -155,6 +167,28 @@ def _families() -> dict[str, GaugeMetricFamily]:
         ),
         "connections": _gauge(
             "pool_agent_socket_connections", "Tenant connections open on the agent's socket"
+        ),
+        "paths": CounterMetricFamily(
+            "pool_agent_grant_attempts",
+            "Lease grant attempts by path: granted inside the delegation (local), or sent to "
+            "poold (central) and why; a request that waits for capacity may try again",
+            labels=["path", "reason"],
+        ),
+        "reserved": _gauge(
+            "pool_agent_reserved_bytes", "Bytes of the unexpired reservations this agent holds"
+        ),
+        "reserved_free": _gauge(
+            "pool_agent_reserved_free_bytes",
+            "Bytes of those reservations no local lease occupies (what local grants draw on)",
+        ),
+        "uncommitted": _gauge(
+            "pool_agent_local_leases_uncommitted",
+            "Leases granted locally whose grant poold has not applied yet",
+        ),
+        "expires_in": _gauge(
+            "pool_agent_delegation_expires_in_seconds",
+            "Seconds until the last held reservation's TTL ends unless poold renews it "
+            "(negative: past it; absent: none held)",
         ),
     }
 

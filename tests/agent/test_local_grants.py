@@ -1,7 +1,7 @@
 """The agent service granting inside its delegation with poold unreachable: the lease is
 journalled (the append-only grant log) and queued as a local_grant op before its fd
 leaves; a restarted agent queues again every op poold has not applied, in order; past
-the TTL local grants stop with delegation_expired."""
+the TTL local grants stop with delegation_expired; what the agent exports about it."""
 
 from __future__ import annotations
 
@@ -13,12 +13,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent import protocol as p
 from agent.backends.emulated import EmulatedBackend
 from agent.journal import Journal
 from agent.link import PooldLink
+from agent.metrics import start_metrics_server
 from agent.peer import Peer
 from agent.service import AgentService
 from poold.api.client import PooldClient
@@ -217,3 +220,50 @@ def test_a_central_grant_carries_its_tenants_ops_and_leaves_other_local_ones_to_
         service.lease(PEER, p.LeaseArgs(size_bytes=96 * MiB, tenant="t"))
         assert carried[-1] == t_ops
         assert link.outbox_size() == 0
+
+
+def test_grant_paths_reserved_bytes_and_uncommitted_leases_are_exported(make_service) -> None:  # type: ignore[no-untyped-def]
+    """What an operator reads to see why leases go to poold: the attempts by path and
+    reason, the reserved and free bytes, the local leases poold has not applied yet."""
+    service: AgentService = make_service()
+    service.adopt()
+    served = start_metrics_server(service, "127.0.0.1", 0)
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = httpx.get(f"{served.url}/metrics", timeout=10).text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def attempts(m: dict[tuple[str, tuple[tuple[str, str], ...]], float], reason: str) -> float:
+        path = "local" if reason == "" else "central"
+        return m[("pool_agent_grant_attempts_total", (("path", path), ("reason", reason)))]
+
+    try:
+        before = scrape()
+        # Exported from the start, every reason at zero; no reservation held, no TTL.
+        assert attempts(before, "") == 0 and attempts(before, "no_room") == 0
+        assert before[("pool_agent_reserved_bytes", ())] == 0
+        assert ("pool_agent_delegation_expires_in_seconds", ()) not in before
+        with pytest.raises(PoolError):  # nothing delegated yet, and poold is down
+            service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+        service.delegation.replace(delegation())
+        service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+        with pytest.raises(PoolError):  # no budget for u here: poold's to answer
+            service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="u"))
+        with pytest.raises(PoolError):  # larger than the reservation
+            service.lease(PEER, p.LeaseArgs(size_bytes=128 * MiB, tenant="t"))
+        after = scrape()
+        assert attempts(after, "no_reservation") == 1
+        assert attempts(after, "") == 1
+        assert attempts(after, "no_budget") == 1
+        assert attempts(after, "no_room") == 1
+        assert attempts(after, "budget_bytes") == 0
+        assert after[("pool_agent_reserved_bytes", ())] == 64 * MiB
+        assert after[("pool_agent_reserved_free_bytes", ())] == 62 * MiB
+        assert after[("pool_agent_local_leases_uncommitted", ())] == 1
+        assert 590 < after[("pool_agent_delegation_expires_in_seconds", ())] <= 600
+    finally:
+        served.close()
