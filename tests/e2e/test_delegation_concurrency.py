@@ -413,16 +413,6 @@ def _query(engine: Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
 
 @pytest.mark.postgres
 @pytest.mark.slow  # about 100 s: 20 processes for a 24 s run, and the checks after it
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "issue 12, open (delegation is off by default): after the lock-order and "
-        "refused-grant fixes (d662771, 326b130) 4 of the 5 runs since passed; the fifth's "
-        "`poolctl audit` right after the run listed 12 released leases as `leaked` (agents "
-        "still reporting them held; not diagnosed, logs not kept); see "
-        "docs/design-changes.md"
-    ),
-)
 def test_four_agents_two_poold_drain_cut_pressure_no_overlap_no_quota_excess(
     pool: Pool, ledger_engine: Engine
 ) -> None:
