@@ -457,6 +457,7 @@ class Cluster:
     urls: list[str] = field(default_factory=list)
     agents: list[procs.Child] = field(default_factory=list)
     sockets: list[str] = field(default_factory=list)
+    agent_metrics: list[str] = field(default_factory=list)  # each agent's /metrics base URL
     url_mode: str = "single"
 
     def stop(self) -> None:
@@ -500,6 +501,9 @@ def cluster(
                 first, extra = ",".join(mine), []
             else:
                 first, extra = c.urls[i % n_poolds], []
+            metrics_port = procs.free_port()
+            extra = [*extra, "--metrics-listen", f"127.0.0.1:{metrics_port}"]
+            c.agent_metrics.append(f"http://127.0.0.1:{metrics_port}")
             c.agents.append(
                 procs.start_agent(
                     work,
@@ -559,6 +563,23 @@ def poold_counts(urls: Sequence[str]) -> Counter[str]:
                 elif s.name == "poold_ledger_reruns_total":
                     row = s.labels["row"]
                     out["rerun " + s.labels["cause"] + (f" {row}" if row else "")] += int(s.value)
+    return out
+
+
+def agent_counts(urls: Sequence[str]) -> Counter[str]:
+    """The agents' lease grant attempts so far, summed, by path and why they went to poold
+    (`pool_agent_grant_attempts_total`; an agent too old to export it adds nothing)."""
+    out: Counter[str] = Counter()
+    for url in urls:
+        try:
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            continue
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "pool_agent_grant_attempts_total":
+                    reason = s.labels["reason"]
+                    out[s.labels["path"] + (f" {reason}" if reason else "")] += int(s.value)
     return out
 
 
@@ -695,6 +716,7 @@ def run_phase(
         poller = HealthPoller(c.urls)
         sampler = Sampler(engine)
         counts0 = poold_counts(c.urls)
+        tried0 = agent_counts(c.agent_metrics)
         each0 = cpu_each(c.poolds)
         cpu_p0, cpu_a0 = sum(each0), cpu_s(c.agents)
         t_start = time.monotonic()
@@ -707,6 +729,8 @@ def run_phase(
         cpu_p1, cpu_a1 = sum(each1), cpu_s(c.agents)
         counts = poold_counts(c.urls)
         counts.subtract(counts0)
+        tried = agent_counts(c.agent_metrics)
+        tried.subtract(tried0)
         poller.stop()
         sampler.stop()
     finally:
@@ -768,6 +792,8 @@ def run_phase(
         "other_errors": dict(sorted(other.items())),
         # Requests the poolds answered by route, and ledger transactions run again.
         "poold_counts": {k: v for k, v in sorted(counts.items()) if v},
+        # The agents' grant attempts: local, or central and why.
+        "agent_paths": {k: v for k, v in sorted(tried.items()) if v},
         "health_polls": len(h_ms),
         "health_failures": poller.failures,
         "health_p50_ms": rnd(median(h_ms)),
@@ -912,6 +938,8 @@ def print_phase(ph: dict[str, Any], backend: str) -> None:
     reruns = {k.removeprefix("rerun "): v for k, v in counted.items() if k.startswith("rerun")}
     per = f" ({sum(reruns.values()) / ph['grants']:.3f} per grant)" if ph["grants"] else ""
     print("ledger reruns: " + (", ".join(f"{k}={v}" for k, v in reruns.items()) or "none") + per)
+    paths = ph.get("agent_paths", {})
+    print("agent grant attempts: " + (", ".join(f"{k}={v}" for k, v in paths.items()) or "none"))
     if ph["other_errors"]:
         print("other errors: " + ", ".join(f"{k}={v}" for k, v in ph["other_errors"].items()))
     inv = ph["invariants"]
