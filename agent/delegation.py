@@ -587,12 +587,25 @@ class DelegatedCapacity:
             self._limits.append(limit)
             return limit
 
-    def settle(self, limit: _Limit, length_bytes: int | None, *, known: bool) -> None:
+    def settle(
+        self,
+        limit: _Limit,
+        length_bytes: int | None,
+        *,
+        known: bool,
+        spent: tuple[int, int] | None = None,
+    ) -> None:
         """The central grant of ``limit`` came back (``known``: with a verdict; its lease's
-        length if granted): later delegations may say it."""
+        length if granted): later delegations may say it. ``spent``: what poold says the
+        grant took from this host's budget (GrantReply.budget_spent): the debit becomes
+        exactly that, so a grant that spent nothing leaves the view as it was at once
+        instead of lowered until the next delegation (at its quota, a tenant's every
+        release-then-lease went central for that second, each spending the budget)."""
         now = self._clock()
         with self._lock:
-            if length_bytes is not None:
+            if spent is not None:
+                limit.bytes, limit.leases = spent
+            elif length_bytes is not None:
                 limit.bytes = max(limit.bytes, length_bytes)
             limit.settled_at = now if known else now + UNKNOWN_OUTCOME_S
 
@@ -633,6 +646,12 @@ class DelegatedCapacity:
             self._asked_give = set()
             self._giving = set()
             return given
+
+    def released(self, lease_id: str) -> None:
+        """A local lease's release is in the outbox: its tenant's budget is free of it
+        (its extent is not, until poold applies the release: :meth:`delivered`)."""
+        with self._lock:
+            self._leases.release(lease_id)
 
     def delivered(self, lease_id: str, op: str, length_bytes: int | None = None) -> None:
         """poold applied ``op`` of a local lease: a freeing op frees its extent; a shrink

@@ -40,6 +40,7 @@ from poold.errors import GenerationConflict, LedgerUnavailable, PooldUnreachable
 from poold.wire.agent import (
     AgentLease,
     AgentOps,
+    BudgetSpent,
     GrantReply,
     GrantRequest,
     Heartbeat,
@@ -127,6 +128,10 @@ class LocalOps(Protocol):
 
     def on_enqueue(self, op: LeaseOp) -> None:
         """An op is about to be queued: a local lease's is journalled first."""
+        ...
+
+    def on_queued(self, op: LeaseOp) -> None:
+        """A local lease's op is in the outbox now (a release frees its budget here)."""
         ...
 
     def on_delivered(self, ops: list[LeaseOp]) -> None:
@@ -316,7 +321,13 @@ class PooldLink:
         return reply
 
     def grant(self, req: GrantRequest) -> LeaseOut:
-        """Grant through poold, delivering the outbox with it, retried under one request id.
+        """:meth:`grant_spending`'s lease."""
+        return self.grant_spending(req)[0]
+
+    def grant_spending(self, req: GrantRequest) -> tuple[LeaseOut, BudgetSpent | None]:
+        """Grant through poold, delivering the outbox with it, retried under one request id;
+        the lease, and what poold says it took from this host's budget of the tenant
+        (None: it does not say).
 
         A grant that gets no answer (unreachable, timed out, reply lost) or
         ``ledger_unavailable`` is sent again with the same request id, a few times with
@@ -357,7 +368,10 @@ class PooldLink:
                 self._tell_delivered(pending)
                 self._refused(pending, lease.pending)
                 # The lease alone from here on (journalled, listed, re-read as a LeaseOut).
-                return LeaseOut.model_construct(**{k: v for k, v in lease if k != "pending"})
+                out = LeaseOut.model_construct(
+                    **{k: v for k, v in lease if k not in ("pending", "budget_spent")}
+                )
+                return out, lease.budget_spent
         finally:
             with self._lock:
                 self._grants_in_flight.discard(token)
@@ -428,22 +442,36 @@ class PooldLink:
         applied its freeing op) of another tenant ("": of any tenant).
 
         An op of a lease with an op on its way or in a failed batch stays queued, and so
-        does every later op of that lease: each lease's ops keep their order.
+        does every later op of that lease: each lease's ops keep their order. So does
+        every later op of the same tenant's local leases: a tenant's local ops reach poold
+        one request at a time, in the order they were queued, because a local grant may
+        spend the budget a release queued before it freed (agent/local_leases.py
+        `LocalLeases.release`).
         """
         blocked = set(self._in_flight_ops)
         for batch in self._batches:
             blocked.update(op.lease_id for op in batch.ops)
-        local = self.local if for_tenant is not None else None
+        delegated = self.local
+        chained: set[str] = set()  # tenants with a local op on its way or kept back
+        if delegated is not None:
+            for lease_id in blocked:
+                owner = delegated.tenant_of(lease_id)
+                if owner is not None:
+                    chained.add(owner)
+        only = for_tenant is not None
         tenant = for_tenant or None  # "": a local lease of any tenant stays
         taken: list[LeaseOp] = []
         kept: list[LeaseOp] = []
         for op in self._outbox:
+            owner = delegated.tenant_of(op.lease_id) if delegated is not None else None
             if (
                 op.lease_id in blocked
                 or len(taken) >= MAX_BATCH_OPS
-                or (local is not None and local.tenant_of(op.lease_id) not in (None, tenant))
+                or (owner is not None and (owner in chained or (only and owner != tenant)))
             ):
                 blocked.add(op.lease_id)
+                if owner is not None:
+                    chained.add(owner)
                 kept.append(op)
             else:
                 taken.append(op)
@@ -524,6 +552,9 @@ class PooldLink:
             self._outbox.append(op)
             self._renewals.pop(op.lease_id, None)
             crowded = len(self._outbox) >= MAX_BATCH_OPS // 10
+        if local:
+            assert self.local is not None
+            self.local.on_queued(op)  # in line now: what it frees may be spent after it
         if not local or crowded:
             self._wake.set()  # a local lease's op goes within LOCAL_FLUSH_S instead
 

@@ -20,12 +20,16 @@ from agent.held import HeldLease, HeldLeases, memfd_inode
 from agent.journal import Journal
 from agent.link import PooldLink
 from poold.errors import LedgerUnavailable, PooldUnreachable, PoolError, QuotaExceeded
-from poold.wire.agent import GrantRequest, LeaseOp, LocalUse
+from poold.wire.agent import BudgetSpent, GrantRequest, LeaseOp, LocalUse
 from poold.wire.common import LeaseOut
 from poold.wire.delegation import Delegation, DelegationRequest, LocalGrant
 
 # The logger this code has always logged under (operators filter on it).
 log = logging.getLogger("pool_agent.delegation")
+
+# poold's central grant (PooldLink.grant_spending): the lease, and what it took from this
+# host's budget of the tenant (None: poold does not say).
+Granting = Callable[[GrantRequest], tuple[LeaseOut, BudgetSpent | None]]
 
 
 class LocalGrants:
@@ -148,6 +152,13 @@ class LocalGrants:
         with self._lock:
             self._seq_of[id(op)] = (op, seq)
 
+    def on_queued(self, op: LeaseOp) -> None:
+        """A local lease's op is in the outbox now (after on_enqueue journalled it): a
+        release frees its tenant's budget only from here, so that any local grant that
+        spends it is queued after it."""
+        if op.op == "release":
+            self.capacity.released(op.lease_id)
+
     def on_delivered(self, ops: list[LeaseOp]) -> None:
         seqs: list[int] = []
         with self._lock:
@@ -173,14 +184,15 @@ class LocalGrants:
             return len(self._uncommitted)
 
     # --- the central path --------------------------------------------------------
-    def central(self, req: GrantRequest, grant: Callable[[GrantRequest], LeaseOut]) -> LeaseOut:
-        """poold's grant of ``req`` (``grant``: the link's), which poold may pay from this
-        host's budget of the tenant: the agent's view of that budget is lowered by the
-        request before it leaves (so no local grant meanwhile spends what poold takes),
-        and the request says the tenant's local use here as the agent counts it, local
-        grants poold has not heard of included (poold spends the budget only down to the
-        larger of that and what it has committed). So it need not wait for those to be
-        committed, however far behind the outbox is."""
+    def central(self, req: GrantRequest, grant: Granting) -> LeaseOut:
+        """poold's grant of ``req`` (``grant``: the link's `grant_spending`), which poold
+        may pay from this host's budget of the tenant: the agent's view of that budget is
+        lowered by the request before it leaves (so no local grant meanwhile spends what
+        poold takes), and the request says the tenant's local use here as the agent counts
+        it, local grants poold has not heard of included (poold spends the budget only
+        down to the larger of that and what it has committed). So it need not wait for
+        those to be committed, however far behind the outbox is. poold's answer says
+        what it spent: the debit becomes that (`DelegatedCapacity.settle`)."""
         limit = self.capacity.debit(req, self._alignment())
         if limit is None:
             return self._central(req, grant)
@@ -191,24 +203,26 @@ class LocalGrants:
             }
         )
         try:
-            lease = grant(req)
+            lease, said = grant(req)
         except PoolError as err:
             unknown = isinstance(err, (PooldUnreachable, LedgerUnavailable)) or (
                 err.http_status >= 500
             )
-            self.capacity.settle(limit, None, known=not unknown)
+            # A refusal (a verdict) spent nothing: its transaction wrote no budget.
+            self.capacity.settle(limit, None, known=not unknown, spent=None if unknown else (0, 0))
             if isinstance(err, QuotaExceeded):
                 self.capacity.note_refused(limit.tenant, req.size_bytes)
             raise
         except BaseException:
             self.capacity.settle(limit, None, known=False)
             raise
-        self.capacity.settle(limit, lease.length_bytes, known=True)
+        spent = None if said is None else (said.bytes, said.leases)
+        self.capacity.settle(limit, lease.length_bytes, known=True, spent=spent)
         return lease
 
-    def _central(self, req: GrantRequest, grant: Callable[[GrantRequest], LeaseOut]) -> LeaseOut:
+    def _central(self, req: GrantRequest, grant: Granting) -> LeaseOut:
         try:
-            return grant(req)
+            return grant(req)[0]
         except QuotaExceeded:
             if req.tenant is not None:
                 self.capacity.note_refused(req.tenant, req.size_bytes)

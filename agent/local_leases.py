@@ -32,6 +32,9 @@ class LocalLease:
     epoch: int
     # poold's last delegation does not list its reservation (flagged, reported).
     stray: bool = False
+    # Its release is queued for poold: its budget is spent no more, its extent stays
+    # occupied until poold has applied the release (see LocalLeases.release).
+    released: bool = False
 
 
 class LocalLeases:
@@ -101,12 +104,29 @@ class LocalLeases:
         if not inside:
             del self._in_res[rid]
             del self._res_used[rid]
+        if not lease.released:
+            self._unuse(lease)
+        return lease
+
+    def release(self, lease_id: str) -> None:
+        """The lease's release is queued for poold: the tenant's use here no longer counts
+        it, its extent still does. A later local grant may spend that budget at once, since
+        the outbox sends a tenant's local ops to poold in the order they were queued and
+        poold applies a batch's releases before its grants (agent/link.py `_take_ops`,
+        poold/ledger/leases.py `apply_ops`). The extent waits for poold: another tenant's
+        grant on it would be ordered after nothing."""
+        lease = self._by_id.get(lease_id)
+        if lease is None or lease.released:
+            return
+        lease.released = True
+        self._unuse(lease)
+
+    def _unuse(self, lease: LocalLease) -> None:
         use = self._use[lease.tenant]
         use[0] -= lease.length_bytes
         use[1] -= 1
         if not use[1]:
             del self._use[lease.tenant]
-        return lease
 
     def shrink(self, lease_id: str, length_bytes: int) -> None:
         """The lease's tail given back: it holds at most ``length_bytes`` now."""
@@ -118,7 +138,8 @@ class LocalLeases:
         self._holes.pop(lease.reservation_id, None)
         self._in_res[lease.reservation_id][lease_id] = Extent(lease.offset_bytes, length_bytes)
         self._res_used[lease.reservation_id] -= cut
-        self._use[lease.tenant][0] -= cut
+        if not lease.released:
+            self._use[lease.tenant][0] -= cut
 
     def occupied(self, reservation_id: str) -> list[Extent]:
         """The extents of the reservation local leases occupy."""
@@ -145,6 +166,7 @@ class LocalLeases:
         return reservation_id in self._in_res
 
     def used_by(self, tenant: str) -> tuple[int, int]:
-        """(bytes, leases) of the tenant's local leases."""
+        """(bytes, leases) of the tenant's local leases, those whose release is queued
+        left out."""
         use = self._use.get(tenant)
         return (0, 0) if use is None else (use[0], use[1])

@@ -280,14 +280,14 @@ class AgentService:
             if self.link.failing:
                 raise  # a central grant would only wait out its patience
             try:
-                lease = self.delegation.central(req, self.link.grant)
+                lease = self.delegation.central(req, self.link.grant_spending)
             except (PooldUnreachable, LedgerUnavailable) as err:
                 raise expired from err
         else:
             if local is not None:
                 return local
             # poold may pay it from this host's budget: the agent's view drops first.
-            lease = self.delegation.central(req, self.link.grant)
+            lease = self.delegation.central(req, self.link.grant_spending)
         self.delegation.capacity.note_demand(lease.tenant, lease.media, lease.length_bytes)
         return lease
 

@@ -277,6 +277,13 @@ class LeaseOpResult(Model):
     message: str | None = None
 
 
+class BudgetSpent(Model):
+    """Bytes and leases a central grant took from its host's budget of the tenant."""
+
+    bytes: int = Field(ge=0, lt=1 << 63)
+    leases: int = Field(ge=0, lt=1 << 31)
+
+
 class GrantReply(LeaseOut):
     """A central grant's answer: the lease, and what became of each op that rode on the
     request (`GrantRequest.pending`), in their order, as an op batch answers. A refused
@@ -284,6 +291,11 @@ class GrantReply(LeaseOut):
     and the ledger does not."""
 
     pending: list[LeaseOpResult] = Field(default_factory=list)
+    # What this grant took from its host's budget of the tenant (budgets.spend_for_central):
+    # [0, 0] when nothing. None when poold does not say (an older poold, or a retry answered
+    # from the stored first answer): the agent then keeps its debit of the budget until a
+    # delegation says the budget again.
+    budget_spent: BudgetSpent | None = None
 
 
 class AgentOps(Model):

@@ -148,3 +148,51 @@ def test_a_refused_final_flush_is_one_line_without_a_traceback(
     [line] = [r for r in caplog.records if "final outbox flush" in r.getMessage()]
     assert line.levelno == logging.WARNING and line.exc_info is None
     assert "unauthorized" in line.getMessage()
+
+
+class _LocalOf:
+    """The link's view of the agent's local leases (agent/local_grants.py), by tenant."""
+
+    def __init__(self, tenants: dict[str, str]) -> None:
+        self.tenants = tenants
+        self.queued: list[str] = []
+
+    def is_local(self, lease_id: str) -> bool:
+        return lease_id in self.tenants
+
+    def tenant_of(self, lease_id: str) -> str | None:
+        return self.tenants.get(lease_id)
+
+    def on_enqueue(self, op: LeaseOp) -> None:
+        pass
+
+    def on_queued(self, op: LeaseOp) -> None:
+        self.queued.append(op.lease_id)
+
+    def on_delivered(self, ops: list[LeaseOp]) -> None:
+        pass
+
+
+def test_a_tenants_local_ops_reach_poold_one_request_at_a_time_in_queue_order() -> None:
+    """A local grant may spend the budget a release queued before it freed: while that
+    release is on its way (riding on a central grant), the grant queued after it waits,
+    and other tenants' ops do not."""
+    with PooldClient("http://127.0.0.1:9", "x" * 32) as client:  # never asked here
+        link = PooldLink(client, "test")
+        local = _LocalOf({"a": "t", "b": "t", "c": "u"})
+        link.local = local  # type: ignore[assignment]
+        link.enqueue(LeaseOp(lease_id="a", op="release", reason="holder released"))
+        assert local.queued == ["a"]  # told once it is in line, not before
+        with link._lock:
+            riding = link._take_ops(for_tenant="t")  # a central grant of t takes it
+        assert [op.lease_id for op in riding] == ["a"]
+        link.enqueue(LeaseOp(lease_id="b", op="release", reason="holder released"))
+        link.enqueue(LeaseOp(lease_id="c", op="release", reason="holder released"))
+        with link._lock:
+            flushed = link._take_ops()
+        assert [op.lease_id for op in flushed] == ["c"]  # b waits for a's request
+        with link._lock:
+            link._delivered(riding)
+            link._delivered(flushed)
+            after = link._take_ops()
+        assert [op.lease_id for op in after] == ["b"]

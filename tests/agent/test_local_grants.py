@@ -110,8 +110,10 @@ def test_local_grants_are_journalled_queued_and_requeued_after_a_restart(make_se
     assert ops == [("local_grant", r.lease_id) for r in results] + [
         ("release", results[0].lease_id)
     ]
-    # The released extent stays taken until poold has applied the release.
-    assert service.delegation.capacity.budget_used("t") == (6 * MiB, 3)
+    # The released lease's budget is free once its release is queued (the outbox sends
+    # the tenant's ops in order); its extent stays taken until poold has applied it.
+    assert service.delegation.capacity.budget_used("t") == (4 * MiB, 2)
+    assert service.delegation.capacity.free_reserved_bytes() == 58 * MiB
     service.close()
 
     again: AgentService = make_service()
@@ -120,6 +122,9 @@ def test_local_grants_are_journalled_queued_and_requeued_after_a_restart(make_se
     replayed = [(op.op, op.lease_id) for op in again.link._outbox]
     assert replayed == ops  # everything poold has not applied, in the same order
     assert {r.id for r in again.delegation.capacity.reservations()} == {"r1"}
+    # The replayed release frees the budget again, not the extent.
+    assert again.delegation.capacity.budget_used("t") == (4 * MiB, 2)
+    assert again.delegation.capacity.free_reserved_bytes() == 58 * MiB
     # The journalled delegation is held again: a lease still fits, with a fresh epoch
     # on a free extent.
     result, fd = again.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))

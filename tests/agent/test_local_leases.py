@@ -1,5 +1,6 @@
 """agent/local_leases.py: the sums and the index always say what a pass over every
-local lease says, whatever sequence of adds, removals and shrinks came before."""
+local lease says, whatever sequence of adds, removals, shrinks and releases (queued,
+not yet applied by poold) came before."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ MiB = 1 << 20
 
 steps = st.lists(
     st.tuples(
-        st.sampled_from(["add", "pop", "shrink"]),
+        st.sampled_from(["add", "pop", "shrink", "release"]),
         st.integers(0, 12),  # lease id
         st.sampled_from(["r1", "r2"]),
         st.sampled_from(["kv", "other"]),
@@ -37,15 +38,21 @@ def test_sums_and_index_agree_with_the_leases(ops: list[tuple[str, int, str, str
             gone = table.pop(lease_id)
             assert (gone is None) == (lease_id not in model)
             model.pop(lease_id, None)
+        elif op == "release":
+            table.release(lease_id)
+            if lease_id in model:
+                model[lease_id].released = True
         else:
             table.shrink(lease_id, mib * MiB)
             if lease_id in model:
                 model[lease_id].length_bytes = min(model[lease_id].length_bytes, mib * MiB)
         assert {x.lease_id for x in table} == set(model)
         for name in ("kv", "other"):
-            mine = [x for x in model.values() if x.tenant == name]
+            # A lease whose release is queued spends its tenant's budget no more...
+            mine = [x for x in model.values() if x.tenant == name and not x.released]
             assert table.used_by(name) == (sum(x.length_bytes for x in mine), len(mine))
         for r in ("r1", "r2"):
+            # ... and occupies its extent until poold has applied the release (popped).
             inside = [x for x in model.values() if x.reservation_id == r]
             assert sorted(table.occupied(r)) == sorted(
                 (x.offset_bytes, x.length_bytes) for x in inside

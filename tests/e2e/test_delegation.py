@@ -485,3 +485,66 @@ def test_a_waiting_request_is_served_from_a_reservation_pressure_asks_back(
             filler.release()
         audit = _poolctl(pool, "audit")
         assert audit.returncode == 0, audit.stdout + audit.stderr
+
+
+@pytest.fixture
+def count_quota_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pool]:
+    """A tenant held by its lease count (40), whose budget holds all of it, on a device
+    with room in its reservations to spare."""
+    yield from _pool(
+        tmp_path,
+        monkeypatch,
+        quota_bytes=1024 * MiB,
+        quota_leases=40,
+        capacity_bytes=2048 * MiB,
+        min_reserve="256MiB",
+        min_leases=40,
+    )
+
+
+def test_at_its_quota_a_tenant_releasing_one_lease_gets_the_next_locally(
+    count_quota_pool: Pool,
+) -> None:
+    """A released local lease's budget is spent again at once (before poold has applied
+    the release): the next lease is granted locally, reaches poold after the release,
+    and is never refused there; at the quota, release-then-lease never fails."""
+    pool = count_quota_pool
+    with PoolClient(pool.sock, timeout_s=10) as client:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:  # the first lease is central: demand to refill
+            client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False).release()
+            time.sleep(0.3)
+            budget = pool.query("SELECT leases FROM budgets")
+            if budget and budget[0][0] >= 39:
+                break
+        assert pool.query("SELECT leases FROM budgets")[0][0] >= 39
+        held: list[Lease] = []
+        refused: list[str] = []
+        while len(held) < 41:
+            try:
+                held.append(client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False))
+            except PoolError as err:
+                refused.append(err.code)
+                break
+        assert refused == ["quota_exceeded"] and len(held) == 40, (refused, len(held))
+        cycled: list[str] = []
+        for _ in range(30):
+            held.pop(0).release()
+            lease = client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False)
+            held.append(lease)
+            cycled.append(lease.lease_id)
+        ids = {x.lease_id for x in held}
+        for lease in held:
+            lease.release()
+    _wait_committed(pool, set(cycled) | ids, timeout_s=10.0, local_only=False)
+    rows = pool.query(
+        "SELECT id FROM leases WHERE reservation_id IS NOT NULL AND id IN ("
+        + ",".join(f"'{i}'" for i in cycled)
+        + ")"
+    )
+    assert len(rows) >= 25, f"only {len(rows)} of 30 cycled leases were granted locally"
+    # None of them was refused on arrival (a refused local lease ends 'lost', not released).
+    [(lost,)] = pool.query("SELECT count(*) FROM events WHERE kind = 'lease.lost'")
+    assert lost == 0
+    audit = _poolctl(pool, "audit")
+    assert audit.returncode == 0, audit.stdout + audit.stderr

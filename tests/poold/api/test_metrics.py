@@ -245,7 +245,12 @@ def after_a_cycle(api: ThreadedServer, admin: PooldClient) -> Iterator[tuple[Sam
                     admin.audit()
                     during = scrape(api.url), scrape(served.url)
                 linked.link.flush()  # the release reaches poold
-            yield during
+            # Demand, then a delegation step: the agent holds a reservation, and the
+            # series that say so (the TTL left) are exported from then on.
+            linked.service.delegation.capacity.note_demand("alpha", "emulated", 2 * MiB)
+            linked.service.delegation.step()
+            assert linked.service.delegation.capacity.reservations()
+            yield during[0], {**during[1], **scrape(served.url)}
         finally:
             served.close()
             shutil.rmtree(directory, ignore_errors=True)

@@ -61,8 +61,11 @@ def test_a_central_grant_spends_its_own_hosts_budget_never_past_the_quota(ledger
     ] == [None]
     lease = leases.grant(ledger, "h1", _grant(4 * MiB), "agent:h1")
     assert lease.reservation_id is None
-    # Shrunk by what the grant needed: 2 MiB local + 4 MiB central + 10 MiB budget.
+    # Shrunk by what the grant needed: 2 MiB local + 4 MiB central + 10 MiB budget; the
+    # reply says what it spent, so the agent's debit of its view is exactly that.
     assert _budget(ledger) == (12 * MiB, 3)
+    assert lease.budget_spent is not None
+    assert (lease.budget_spent.bytes, lease.budget_spent.leases) == (4 * MiB, 1)
     assert _use(ledger) == (16 * MiB, 4)
     with ledger.read() as s:
         spent = s.execute(select(Event.detail).where(Event.kind == "budget.spend")).scalars().all()
@@ -100,6 +103,21 @@ def test_a_budget_spent_by_local_grants_is_not_spent_again(ledger: Ledger) -> No
     leases.grant(ledger, "h1", _grant(4 * MiB), "agent:h1")
     assert _budget(ledger) == (12 * MiB, 15)
     assert _use(ledger) == (16 * MiB, 16)
+
+
+def test_a_grant_says_it_spent_nothing_and_a_replay_says_the_same(ledger: Ledger) -> None:
+    """A central grant the quota had room for spent none of the host's budget: its reply
+    says [0, 0], so the agent lowers its view by nothing; a retry under the same request
+    id gets the first answer, that included."""
+    seed(ledger, quota_bytes=1 << 30, quota_leases=100)
+    _delegate(ledger, budgets=[BudgetWant(tenant="t1", bytes=64 * MiB, leases=16)])
+    req = _grant(4 * MiB).model_copy(update={"request_id": "r-0001"})
+    first = leases.grant(ledger, "h1", req, "agent:h1")
+    assert first.budget_spent is not None
+    assert (first.budget_spent.bytes, first.budget_spent.leases) == (0, 0)
+    assert _budget(ledger) == (64 * MiB, 16)
+    again = leases.grant(ledger, "h1", req, "agent:h1")
+    assert again == first
 
 
 def test_central_grants_racing_local_grants_never_exceed_the_quota(ledger: Ledger) -> None:
