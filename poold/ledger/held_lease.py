@@ -34,6 +34,7 @@ _HELD_COLUMNS = (
     Lease.ttl_s,
     Lease.offset_bytes,
     Lease.length_bytes,
+    Lease.reservation_id,
 )
 _LEASE_FOR_OP = Prepared(select(*_HELD_COLUMNS).where(Lease.id == bindparam("lease_id")))
 _LEASES = select(*_HELD_COLUMNS).where(Lease.id.in_(bindparam("lease_ids", expanding=True)))
@@ -54,6 +55,7 @@ class Held:
     ttl_s: int
     offset_bytes: int
     length_bytes: int
+    reservation_id: str | None = None  # None: granted centrally
     renewed: bool = False
 
 

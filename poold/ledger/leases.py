@@ -52,7 +52,7 @@ from poold.errors import (
     PoolError,
     UnknownLease,
 )
-from poold.lease_states import LeaseEvent, LeaseState, next_state
+from poold.lease_states import LIVE_STATES, LeaseEvent, LeaseState, next_state
 from poold.ledger import (
     agent_requests,
     budgets,
@@ -399,15 +399,25 @@ def apply_ops(
     in one order; each op reads and writes only its own lease, so the order of
     ops on different leases does not change what they do, except for local grants,
     which read the tenant's local use and the device's live leases: the leases this
-    batch grants go after all the others (then in id order), so a release queued before
-    them frees its bytes and budget first (in id order, a grant could meet the overlap
-    or budget of a lease released in the same batch). Results come back in the order
-    of `ops`.
+    batch grants go after all the others, and in the order the agent queued their ops,
+    so a release queued before a grant frees its bytes and budget first, whether of a
+    lease granted before this batch or in it (in id order, a grant could meet the
+    overlap or budget of a lease released in the same batch; the agent may spend a
+    released lease's budget at once, agent/local_leases.py). The rows those ops lock
+    are locked up front, in id order (`local_commit.BatchReads.for_batch`), so this
+    order is not a lock order. Results come back in the order of `ops`.
     """
     if not ops:
         return []
     granted = {op.lease_id for op in ops if op.op == "local_grant"}
-    order = sorted(range(len(ops)), key=lambda i: (ops[i].lease_id in granted, ops[i].lease_id))
+    # Stable: the granted group keeps the queue's order (its key ties), the rest id order.
+    order = sorted(
+        range(len(ops)),
+        key=lambda i: (
+            ops[i].lease_id in granted,
+            "" if ops[i].lease_id in granted else ops[i].lease_id,
+        ),
+    )
     attempts = 0
 
     def attempt() -> list[LeaseOpResult]:
@@ -488,12 +498,18 @@ def _apply_op(
         raise UnknownLease(f"no lease {op.lease_id!r}", lease_id=op.lease_id)
     held_lease.owned_by_host(lease, host_id, host_name)
     if op.op == "shrink":
+        old_length = lease.length_bytes
         _shrink(conn, op, lease, now, actor)
+        assert op.length_bytes is not None  # LeaseOp's validator
+        reads.local_use_fell(lease, old_length - op.length_bytes, 0)
         return LeaseOpResult(lease_id=op.lease_id, state=lease.state)
     event = _OP_EVENTS[op.op]
     event = held_lease.release_event(conn, lease, event, now, by_its_agent=True)
-    after = next_state(LeaseState(lease.state), event)
+    before = LeaseState(lease.state)
+    after = next_state(before, event)
     held_lease.move(conn, lease, event, actor, now, op.reason)
+    if before in LIVE_STATES and after not in LIVE_STATES:
+        reads.local_use_fell(lease, lease.length_bytes, 1)
     if event is LeaseEvent.SCRUB_FAILED:
         # Bytes that may still hold a tenant's data are never handed out again.
         conn.execute(

@@ -247,6 +247,17 @@ class BatchReads:
             )
         return self.tenants[key]
 
+    def local_use_fell(self, lease: Held, nbytes: int, leases: int) -> None:
+        """A local lease of the batch's host stopped counting, or shrank, within the batch:
+        its tenant's local use, if the batch has read it, says so. A release of a lease
+        granted earlier in the same batch comes after that grant read the use (grants go
+        last, `leases.apply_ops`): without this, a later grant of the tenant in the batch
+        was refused its budget by a lease already released."""
+        spent = self.spent.get(lease.tenant_id)
+        if spent is not None and lease.reservation_id is not None:
+            spent[0] -= nbytes
+            spent[1] -= leases
+
     def reservation(self, conn: Connection, reservation_id: str) -> Any:
         if reservation_id not in self.reservations:
             self.reservations[reservation_id] = _RESERVATION.one_or_none(
@@ -461,6 +472,7 @@ def commit(
         ttl_s=grant.ttl_s,
         offset_bytes=grant.offset_bytes,
         length_bytes=grant.length_bytes,
+        reservation_id=res.id,
     )
     common: dict[str, Any] = {
         "at": now,

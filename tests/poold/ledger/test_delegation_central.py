@@ -18,9 +18,9 @@ from sqlalchemy import select
 from poold.errors import QuotaExceeded
 from poold.ledger import budget_sizing, delegation, granting, heartbeat, leases, tenants
 from poold.ledger.db import Ledger
-from poold.ledger.models import Budget, Event
+from poold.ledger.models import Budget, Event, Lease
 from poold.wire.admin import TenantUpdate
-from poold.wire.agent import GrantRequest, Heartbeat, LocalUse
+from poold.wire.agent import GrantRequest, Heartbeat, LeaseOp, LocalUse
 from poold.wire.delegation import BudgetWant, Delegation, DelegationRequest, ReserveWant
 from tests.poold.conftest import UID, MiB, at_once, device, local_grant_op, seed
 
@@ -307,3 +307,31 @@ def test_a_quota_cut_leaves_each_host_its_fair_share_first(ledger: Ledger) -> No
     assert _budget(ledger, 1) == (4 * MiB, 2) and _budget(ledger, 2) == (4 * MiB, 2)
     [late] = leases.apply_ops(ledger, "h1", [local_grant_op(d1, "L1", 0, epoch=0)], "agent:h1")
     assert (late.code, late.state) == (None, "active")
+
+
+@pytest.mark.parametrize("second", ["L0", "L2"])  # sorting before and after the first
+def test_a_batch_grant_may_spend_the_budget_a_lease_released_in_it_freed(
+    ledger: Ledger, second: str
+) -> None:
+    """The agent spends a released local lease's budget at once (agent/local_leases.py):
+    one batch may hold a lease's grant and release and, after them, another grant of the
+    same tenant on that budget. Applied in the order queued, whatever the lease ids, and
+    the release counts: both grants are recorded, the quota never passed."""
+    seed(ledger, quota_bytes=4 * MiB, quota_leases=1)
+    d = _delegate(
+        ledger,
+        reserve=[ReserveWant(bytes=8 * MiB)],
+        budgets=[BudgetWant(tenant="t1", bytes=4 * MiB, leases=1)],
+    )
+    assert [(b.bytes, b.leases) for b in d.budgets] == [(4 * MiB, 1)]
+    ops = [
+        local_grant_op(d, "L1", 0, epoch=0),
+        LeaseOp(lease_id="L1", op="release", reason="holder released"),
+        local_grant_op(d, second, 2 * MiB, epoch=1),
+    ]
+    results = leases.apply_ops(ledger, "h1", ops, "agent:h1")
+    assert [(r.lease_id, r.code) for r in results] == [("L1", None), ("L1", None), (second, None)]
+    assert _use(ledger) == (4 * MiB, 1)  # the budget, which the live lease spends
+    with ledger.read() as s:
+        states = dict(s.execute(select(Lease.id, Lease.state)).all())
+    assert states == {"L1": "released", second: "active"}
