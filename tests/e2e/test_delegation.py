@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -343,6 +343,17 @@ def _quota_use(pool: Pool) -> int:
     return int(central) + max(int(budget), int(local))
 
 
+def _lease_until(client: PoolClient, ready: Callable[[], bool], *, pause_s: float) -> None:
+    """Lease and release one lease at a time, up to 15 s, until ``ready`` (the first lease
+    is central: the demand makes the agent ask for a reservation and a budget)."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False).release()
+        time.sleep(pause_s)
+        if ready():
+            return
+
+
 def test_a_budget_holding_the_whole_quota_leaves_its_host_central_grants(
     small_quota_pool: Pool,
 ) -> None:
@@ -352,17 +363,15 @@ def test_a_budget_holding_the_whole_quota_leaves_its_host_central_grants(
     the quota use sampled all along never passes the quota."""
     pool = small_quota_pool
     with PoolClient(pool.sock, timeout_s=10) as client:
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:  # the first lease is central: demand to refill
-            client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False).release()
-            time.sleep(0.5)
-            budget = pool.query("SELECT bytes, leases FROM budgets")
-            if (
-                budget
+        _lease_until(
+            client,
+            lambda: (
+                bool(budget := pool.query("SELECT bytes, leases FROM budgets"))
                 and budget[0][0] >= QUOTA - LEASE
                 and pool.query("SELECT count(*) FROM reservations") != [(0,)]
-            ):
-                break
+            ),
+            pause_s=0.5,
+        )
         # All of the quota (less the first, central, lease live when it was set): no room
         # for any other central grant of the tenant but what this budget gives up.
         [(budget_bytes, budget_leases)] = pool.query("SELECT bytes, leases FROM budgets")
@@ -510,13 +519,11 @@ def test_at_its_quota_a_tenant_releasing_one_lease_gets_the_next_locally(
     and is never refused there; at the quota, release-then-lease never fails."""
     pool = count_quota_pool
     with PoolClient(pool.sock, timeout_s=10) as client:
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:  # the first lease is central: demand to refill
-            client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False).release()
-            time.sleep(0.3)
-            budget = pool.query("SELECT leases FROM budgets")
-            if budget and budget[0][0] >= 39:
-                break
+        _lease_until(
+            client,
+            lambda: bool(budget := pool.query("SELECT leases FROM budgets")) and budget[0][0] >= 39,
+            pause_s=0.3,
+        )
         assert pool.query("SELECT leases FROM budgets")[0][0] >= 39
         held: list[Lease] = []
         refused: list[str] = []
