@@ -45,7 +45,7 @@ from poold import placement
 from poold.errors import DelegationExpired
 from poold.extents import Extent
 from poold.lease_states import LeaseState
-from poold.wire.agent import GrantRequest
+from poold.wire.agent import BudgetSpent, GrantRequest
 from poold.wire.common import LeaseOut
 from poold.wire.delegation import (
     EPOCH_BLOCK,
@@ -593,7 +593,7 @@ class DelegatedCapacity:
         length_bytes: int | None,
         *,
         known: bool,
-        spent: tuple[int, int] | None = None,
+        spent: BudgetSpent | None = None,
     ) -> None:
         """The central grant of ``limit`` came back (``known``: with a verdict; its lease's
         length if granted): later delegations may say it. ``spent``: what poold says the
@@ -604,7 +604,7 @@ class DelegatedCapacity:
         now = self._clock()
         with self._lock:
             if spent is not None:
-                limit.bytes, limit.leases = spent
+                limit.bytes, limit.leases = spent.bytes, spent.leases
             elif length_bytes is not None:
                 limit.bytes = max(limit.bytes, length_bytes)
             limit.settled_at = now if known else now + UNKNOWN_OUTCOME_S

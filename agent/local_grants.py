@@ -209,15 +209,15 @@ class LocalGrants:
                 err.http_status >= 500
             )
             # A refusal (a verdict) spent nothing: its transaction wrote no budget.
-            self.capacity.settle(limit, None, known=not unknown, spent=None if unknown else (0, 0))
+            nothing = None if unknown else BudgetSpent(bytes=0, leases=0)
+            self.capacity.settle(limit, None, known=not unknown, spent=nothing)
             if isinstance(err, QuotaExceeded):
                 self.capacity.note_refused(limit.tenant, req.size_bytes)
             raise
         except BaseException:
             self.capacity.settle(limit, None, known=False)
             raise
-        spent = None if said is None else (said.bytes, said.leases)
-        self.capacity.settle(limit, lease.length_bytes, known=True, spent=spent)
+        self.capacity.settle(limit, lease.length_bytes, known=True, spent=said)
         return lease
 
     def _central(self, req: GrantRequest, grant: Granting) -> LeaseOut:

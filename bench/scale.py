@@ -547,22 +547,25 @@ def cpu_s(children: Sequence[procs.Child]) -> float:
 # --- floors and probes ------------------------------------------------------------
 
 
+def scraped(url: str) -> Iterator[Any]:
+    """Every sample a process serves at `url`/metrics (its Prometheus text)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        yield from family.samples
+
+
 def poold_counts(urls: Sequence[str]) -> Counter[str]:
     """What the poolds did so far, summed over them, from their /metrics: requests by route
     (and status when not 200) and ledger transactions run again, by cause and row."""
     out: Counter[str] = Counter()
     for url in urls:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == "poold_http_requests_total" and s.labels["route"] != "health":
-                    status = s.labels["status"]
-                    out[s.labels["route"] + ("" if status == "200" else f" {status}")] += int(
-                        s.value
-                    )
-                elif s.name == "poold_ledger_reruns_total":
-                    row = s.labels["row"]
-                    out["rerun " + s.labels["cause"] + (f" {row}" if row else "")] += int(s.value)
+        for s in scraped(url):
+            if s.name == "poold_http_requests_total" and s.labels["route"] != "health":
+                status = s.labels["status"]
+                out[s.labels["route"] + ("" if status == "200" else f" {status}")] += int(s.value)
+            elif s.name == "poold_ledger_reruns_total":
+                row = s.labels["row"]
+                out["rerun " + s.labels["cause"] + (f" {row}" if row else "")] += int(s.value)
     return out
 
 
@@ -572,14 +575,13 @@ def agent_counts(urls: Sequence[str]) -> Counter[str]:
     out: Counter[str] = Counter()
     for url in urls:
         try:
-            text = httpx.get(f"{url}/metrics", timeout=10).text
+            samples = list(scraped(url))
         except httpx.HTTPError:
             continue
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == "pool_agent_grant_attempts_total":
-                    reason = s.labels["reason"]
-                    out[s.labels["path"] + (f" {reason}" if reason else "")] += int(s.value)
+        for s in samples:
+            if s.name == "pool_agent_grant_attempts_total":
+                reason = s.labels["reason"]
+                out[s.labels["path"] + (f" {reason}" if reason else "")] += int(s.value)
     return out
 
 

@@ -65,12 +65,13 @@ def spend_for_central(
     length_bytes: int,
     actor: str,
     reported: tuple[int, int] | None = None,
-) -> QuotaUse:
+) -> tuple[QuotaUse, tuple[int, int]]:
     """A central grant of `length_bytes` asked by host `host_id` that the tenant's quota
     refuses only because of the tenant's unspent budget on that same host: spend that
     budget on it (the budget shrinks by what the grant needs, never below the host's
-    local use, with a `budget.spend` event) and return the quota use after. Unchanged
-    when the budget cannot cover the excess: the caller refuses `quota_exceeded`.
+    local use, with a `budget.spend` event); the quota use after, and the (bytes, leases)
+    spent. Unchanged, (0, 0), when the budget cannot cover the excess: the caller
+    refuses `quota_exceeded`.
 
     The host's local use is the larger of what poold has committed and what the agent
     `reported` with the request (its own count, local grants not yet committed
@@ -82,7 +83,7 @@ def spend_for_central(
     """
     spend = spendable(use, host_id, quota_bytes, quota_leases, length_bytes, reported)
     if spend is None:
-        return use
+        return use, (0, 0)
     budget = use.budgets[host_id]
     give_bytes, give_leases = spend
     new = (budget[0] - give_bytes, budget[1] - give_leases)
@@ -108,7 +109,7 @@ def spend_for_central(
             },
         ),
     )
-    return dataclasses.replace(use, budgets={**use.budgets, host_id: new})
+    return dataclasses.replace(use, budgets={**use.budgets, host_id: new}), spend
 
 
 def spendable(

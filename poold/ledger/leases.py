@@ -251,10 +251,10 @@ def _grant_once(
             free_by_device={paths[k]["uid"]: v for k, v in choice.free_by_device.items()},
         )
     length = choice.extent.length
-    before = use.budgets.get(host_id)
+    spent = (0, 0)
     if host_id in use.budgets and budgets.over_quota(tenant, used_bytes, used_leases, length):
         # The quota is held by this host's own unspent budget: the grant spends it.
-        use = budgets.spend_for_central(
+        use, spent = budgets.spend_for_central(
             conn,
             tenant.id,
             host_id,
@@ -268,10 +268,6 @@ def _grant_once(
         used_bytes, used_leases = use.bytes(), use.leases()
     if budgets.over_quota(tenant, used_bytes, used_leases, length):
         budgets.refuse_over_quota(conn, tenant, use, used_bytes, used_leases, length)
-    after = use.budgets.get(host_id)
-    spent = BudgetSpent.model_construct(bytes=0, leases=0)
-    if before is not None and after is not None:
-        spent = BudgetSpent.model_construct(bytes=before[0] - after[0], leases=before[1] - after[1])
     dev = choice.candidate
     path = paths[dev.device_id]
     now = utcnow()
@@ -360,7 +356,7 @@ def _grant_once(
             "local_name": path["local_name"],
         }
     )
-    return out, spent
+    return out, BudgetSpent.model_construct(bytes=spent[0], leases=spent[1])
 
 
 def _refuse_if_host_draining(conn: Connection, host_id: int, host_name: str) -> int:
