@@ -18,6 +18,7 @@ is logged once when it starts and once when the ledger answers again.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 import time
 from collections import namedtuple
@@ -227,6 +228,22 @@ def is_stale_connection(exc: BaseException) -> bool:
     return bool(getattr(cause, "poold_stale_connection", False))
 
 
+def _journal_mode_wal(cur: Any) -> None:
+    """Put the database in WAL mode. Switching a new database to it takes an exclusive
+    lock, which SQLite refuses at once, without its busy wait, while other connections
+    are opening the same file (16 poold starting on an empty ledger: 2 of 150 rounds
+    failed `database is locked`); so it is tried again within the busy timeout."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005)
+
+
 def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -234,7 +251,7 @@ def _configure_sqlite(engine: Engine) -> None:
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
         if engine.url.database not in (None, "", ":memory:"):
-            cur.execute("PRAGMA journal_mode=WAL")
+            _journal_mode_wal(cur)
         # NORMAL is durable across application crashes in WAL mode; only an
         # OS crash can lose the last transactions, which the audit reconciles.
         cur.execute("PRAGMA synchronous=NORMAL")

@@ -102,6 +102,28 @@ def test_0006_gives_existing_hosts_a_generation_and_comes_off_cleanly(empty_url:
         engine.dispose()
 
 
+def test_sixteen_upgrades_at_once_on_a_new_sqlite_file_all_succeed(tmp_path: Path) -> None:
+    """A new SQLite file opened by 16 at once: each connection's switch to WAL may be
+    refused without a busy wait (db.py `_journal_mode_wal` tries again); 2 of 150 such
+    rounds failed `database is locked` before it did."""
+    for round_ in range(30):
+        url = f"sqlite:///{tmp_path / f'new-{round_}.db'}"
+        errors: list[BaseException] = []
+
+        def run(url: str = url, errors: list[BaseException] = errors) -> None:
+            try:
+                migrate.upgrade(url)
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, (round_, errors)
+
+
 def test_many_upgrades_at_once_all_succeed(empty_url: str) -> None:
     """Under the schema lock, racing upgrades queue; the later ones find nothing to do."""
     errors: list[BaseException] = []
