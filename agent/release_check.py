@@ -109,22 +109,60 @@ def punch(fd: int, length_bytes: int) -> None:
 _ZEROS = bytes(64 << 10)
 
 
-def zero(fd: int, length_bytes: int) -> bool:
-    """Overwrite every byte of the memfd with zeros in place, its pages kept: one syscall,
-    the GIL released, ~0.2 ms for 2 MiB here where freeing the pages and allocating fresh
-    ones costs ~1 ms. False when the kernel wrote less than all of it (the caller then
-    punches and closes the memfd, as for any other)."""
-    whole, tail = divmod(length_bytes, len(_ZEROS))
+def data_ranges(fd: int, length_bytes: int) -> list[tuple[int, int]]:
+    """The byte ranges of the memfd that may hold anything but zeros: what ``SEEK_DATA``
+    and ``SEEK_HOLE`` call data, the rest reading as zeros whatever happens.
+
+    A shmem page counts as data once it was read, written or faulted in (uptodate), or
+    swapped out; a page ``fallocate`` made and nobody touched since is a hole (mm/filemap.c
+    ``folio_seek_hole_data``, Linux 4.12+ for shmem's SEEK_DATA) and reads as zeros. So a
+    lease whose tenant never touched its memory has no data at all, and its memfd needs no
+    zeroing: ~20 us to ask instead of a 2 MiB write (~0.3 ms of the agent's CPU) that
+    would also make every page data for the next release. Where the file system cannot
+    say (EINVAL), the whole length is data.
+    """
+    ranges: list[tuple[int, int]] = []
     at = 0
-    while whole:
-        n = min(whole, 1024)
-        buffers = [_ZEROS] * n
-        written = os.pwritev(fd, buffers, at)
-        if written != n * len(_ZEROS):
+    while at < length_bytes:
+        try:
+            start = os.lseek(fd, at, os.SEEK_DATA)
+        except OSError as err:
+            if err.errno == errno.ENXIO:  # nothing but holes from here
+                break
+            if err.errno == errno.EINVAL and not ranges and at == 0:
+                return [(0, length_bytes)]
+            raise
+        if start >= length_bytes:
+            break
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), length_bytes)
+        ranges.append((start, end))
+        at = end
+    return ranges
+
+
+def _write_zeros(fd: int, start: int, end: int) -> bool:
+    at = start
+    while at < end:
+        n = min((end - at) // len(_ZEROS), 1024)
+        if n:
+            chunk = n * len(_ZEROS)
+            written = os.pwritev(fd, [_ZEROS] * n, at)
+        else:
+            chunk = end - at
+            written = os.pwrite(fd, _ZEROS[:chunk], at)
+        if written != chunk:
             return False
         at += written
-        whole -= n
-    return not tail or os.pwrite(fd, _ZEROS[:tail], at) == tail
+    return True
+
+
+def zero(fd: int, length_bytes: int) -> bool:
+    """Overwrite every byte of the memfd that may not be zero (:func:`data_ranges`) with
+    zeros in place, its pages kept: the GIL released, ~0.2 ms for 2 MiB of data here,
+    where freeing the pages and allocating fresh ones costs ~1 ms. False when the kernel
+    wrote less than asked (the caller then punches and closes the memfd, as for any
+    other)."""
+    return all(_write_zeros(fd, start, end) for start, end in data_ranges(fd, length_bytes))
 
 
 class Taker(Protocol):

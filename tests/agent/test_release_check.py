@@ -28,7 +28,7 @@ import pytest
 from agent.backends.emulated import EmulatedBackend, MemfdMaterialised
 from agent.client import PoolClient
 from agent.lease import Lease
-from agent.release_check import PUNCH, ReleaseCheck, recyclable, self_test, zero
+from agent.release_check import PUNCH, ReleaseCheck, data_ranges, recyclable, self_test, zero
 from agent.service import AgentService
 from agent.warm import MAX_PER_LENGTH, PER_LENGTH, WarmPool
 from poold.api.client import PooldClient
@@ -653,6 +653,56 @@ def test_zero_overwrites_every_byte_of_any_length() -> None:
             mm[:] = b"\xff" * length
             assert zero(fd, length) is True
             assert mm[:] == bytes(length)
+    finally:
+        os.close(fd)
+
+
+def test_zero_writes_only_the_pages_a_tenant_touched() -> None:
+    """fallocate'd pages nobody touched are holes (they read as zeros): zeroing leaves
+    them so, and overwrites exactly the pages that were written or faulted in."""
+    page = mmap.PAGESIZE
+    length = 2 * MIB
+    fd = os.memfd_create("test-zero-touched", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, length)
+        os.posix_fallocate(fd, 0, length)
+        assert data_ranges(fd, length) == []
+        with mmap.mmap(fd, length) as mm:
+            mm[3 * page : 5 * page] = b"\xff" * (2 * page)
+            assert mm[100 * page] == 0  # a read fault: data too (it cannot be told apart)
+            mm[length - 1] = 7
+            assert data_ranges(fd, length) == [
+                (3 * page, 5 * page),
+                (100 * page, 101 * page),
+                (length - page, length),
+            ]
+            assert zero(fd, length) is True
+            # pread serves a hole from the zero page, without making it data.
+            assert os.pread(fd, length, 0) == bytes(length)
+            assert data_ranges(fd, length) == [
+                (3 * page, 5 * page),
+                (100 * page, 101 * page),
+                (length - page, length),
+            ]
+            assert mm[:] == bytes(length)
+    finally:
+        os.close(fd)
+
+
+def test_an_untouched_memfd_is_zero_without_a_write() -> None:
+    """A lease whose tenant never touched its memory costs no zeroing, and stays all
+    holes, so its next release costs none either."""
+    length = 2 * MIB
+    fd = os.memfd_create("test-zero-untouched", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, length)
+        os.posix_fallocate(fd, 0, length)
+        blocks = os.fstat(fd).st_blocks
+        for _ in range(2):
+            assert zero(fd, length) is True
+            assert data_ranges(fd, length) == []
+        assert os.fstat(fd).st_blocks == blocks  # its pages kept
+        assert os.pread(fd, length, 0) == bytes(length)
     finally:
         os.close(fd)
 
