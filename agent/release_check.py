@@ -43,6 +43,7 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -53,6 +54,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from agent import after_reply
 from agent.backends import Materialised
 from agent.backends.emulated import F_GET_SEALS, LEASE_SEALS, MemfdMaterialised, OnceFd
 
@@ -215,6 +217,10 @@ class _Punch:
     read, write, map nor reopen (the permission check refuses mode 0 to all but root),
     whoever's memory it holds next.
 
+    A release served on the agent's socket does neither on this thread: its own thread
+    does it once the reply has left (agent/after_reply.py); the thread takes the rest
+    (revocations, expiries, a release past the bound below).
+
     While releases keep coming the thread stays awake and takes what queued every
     ``BATCH_S``, so a release wakes no thread (a wake-up per release cost the request
     thread more than the punch it saved); an idle one waits to be woken.
@@ -273,6 +279,8 @@ class _Punch:
                 take.cancel()
             self._punch(fd, probe, length_bytes, None)
             return
+        if after_reply.defer(functools.partial(self._punch, fd, probe, length_bytes, take)):
+            return  # a release served on the socket: its own thread, once the reply left
         self._todo.append((fd, probe, length_bytes, take))
         if not self._awake:  # read after the append: see _run
             self._wake.set()

@@ -59,6 +59,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Final
 
+from agent import after_reply
 from agent.connection import Connection, dispatch, send_reply, write_events
 from agent.event_writer import Outbox
 from agent.handler import AgentHandler as AgentHandler
@@ -507,16 +508,18 @@ class AgentServer:
                 return
             if sock.gettimeout() is not None:  # the frame was waited for: no timeout again
                 sock.settimeout(None)
-            reply, fd = dispatch(self._methods, connection, frame)
-            with connection.send_lock:
-                if connection.wants_events and connection.outbox is None:
-                    # Events may queue from now; its writer waits for this lock, so the
-                    # hello's reply is the first frame the session sees.
-                    self._start_session(connection)
-                # A peer that never reads pins nothing: bounded by the reply timeout.
-                sent = send_reply(sock, reply, fd, limits.reply_timeout_s)
-                if fd is not None and self._fd_sent is not None:
-                    self._fd_sent(peer, fd)  # the kernel has its own reference now
+            # What the handler left until after its reply runs as this block ends.
+            with after_reply.serving():
+                reply, fd = dispatch(self._methods, connection, frame)
+                with connection.send_lock:
+                    if connection.wants_events and connection.outbox is None:
+                        # Events may queue from now; its writer waits for this lock, so the
+                        # hello's reply is the first frame the session sees.
+                        self._start_session(connection)
+                    # A peer that never reads pins nothing: bounded by the reply timeout.
+                    sent = send_reply(sock, reply, fd, limits.reply_timeout_s)
+                    if fd is not None and self._fd_sent is not None:
+                        self._fd_sent(peer, fd)  # the kernel has its own reference now
                 if not sent:
                     return
             self._end(connection)
