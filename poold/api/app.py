@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy.pool import QueuePool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from poold import __version__, pressure
 from poold.api import openapi
@@ -131,12 +132,33 @@ def _host_of(p: Principal) -> str:
     return p.host
 
 
+class PooldApp(FastAPI):
+    """FastAPI, with the agents' hot routes served before any of its layers.
+
+    `Gate` is a middleware inside FastAPI's own layers (its body limit, its telemetry,
+    Starlette's error middleware), which every request crossed, the hot routes the gate
+    serves itself (`DIRECT_ROUTES`) too: ~10 % of poold's CPU per central grant. Those
+    now go straight to a gate of their own (the same authenticator, limits, refusals
+    and metrics); every other request takes the whole way, as before, so that a crash
+    in a FastAPI handler is still answered by the gate inside the error middleware.
+    """
+
+    front: Gate | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        front = self.front
+        if front is not None and front.serves_directly(scope):
+            await front(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
 def create_app(
     ledger: Ledger, admin_token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-) -> FastAPI:
+) -> PooldApp:
     # /docs and /redoc are FastAPI's pages: they load Swagger UI and ReDoc from a CDN, so
     # they render only where the browser reaches it; /openapi.json is whole without it.
-    app = FastAPI(
+    app = PooldApp(
         title="poold",
         version=__version__,
         description="The far-memory pool's ledger: leases, tenants, hosts, devices.",
@@ -155,8 +177,7 @@ def create_app(
     ledger.listen_for_news()  # other poolds' news for the agents waiting here (PostgreSQL)
     app.state.limiter = limiter
     bind = Binder(app, limiter, refusals.outage)
-    app.add_middleware(
-        Gate,
+    gate = dict(
         router=app.router,
         authenticate=Authenticator(ledger, admin_token, app.state.auth_cache),
         refusals=refusals,
@@ -165,6 +186,8 @@ def create_app(
         metrics=pool_metrics,
         direct=bind.direct,  # filled as the handlers below are bound
     )
+    app.add_middleware(Gate, **gate)  # type: ignore[arg-type]
+    app.front = Gate(super(PooldApp, app).__call__, **gate)  # type: ignore[arg-type]
 
     @app.exception_handler(PoolError)
     async def _pool_error(req: Request, err: PoolError) -> JSONResponse:

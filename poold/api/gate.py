@@ -347,13 +347,15 @@ def _content_length(scope: Scope) -> int | None:
 class Gate:
     """What every request passes before FastAPI reads a byte of its body, and the net under it.
 
-    Pure ASGI, just inside Starlette's ServerErrorMiddleware: (1) for a route whose
-    table `auth` is not "none", the bearer token is checked from the headers alone,
-    so an unauthenticated body is never read (uvicorn discards what the client still
-    sends, 64 KiB at a time); (2) a Content-Length past the cap is a 413 unread, and
-    a chunked body is counted and stopped at the cap; (3) an unexpected exception is
-    answered 500 here, without re-raising: ServerErrorMiddleware would re-raise it
-    after answering, and uvicorn would then drop the keep-alive connection.
+    Pure ASGI, just inside Starlette's ServerErrorMiddleware, and in front of all of
+    FastAPI for the routes it serves itself (poold/api/app.py `PooldApp`): (1) for a
+    route whose table `auth` is not "none", the bearer token is checked from the
+    headers alone, so an unauthenticated body is never read (uvicorn discards what the
+    client still sends, 64 KiB at a time); (2) a Content-Length past the cap is a 413
+    unread, and a chunked body is counted and stopped at the cap; (3) an unexpected
+    exception is answered 500 here, without re-raising: Starlette's
+    ServerErrorMiddleware would re-raise it after answering, and uvicorn would then
+    drop the keep-alive connection.
     """
 
     def __init__(
@@ -379,6 +381,13 @@ class Gate:
         # (method, path) -> the route it matched, for routes without path parameters:
         # for those the match depends on nothing else, and it costs a scan of every route.
         self._static: dict[tuple[str, str], Route[Any]] = {}
+
+    def serves_directly(self, scope: Scope) -> bool:
+        """Whether this request is for a route the gate serves itself (no FastAPI)."""
+        if scope["type"] != "http":
+            return False
+        route = self._route_of(scope)
+        return route is not None and route.name in self.direct
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

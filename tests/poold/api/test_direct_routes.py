@@ -56,6 +56,24 @@ def test_the_hot_routes_are_served_by_the_gate(
     assert {"grant", "apply_ops"} == binding.DIRECT_ROUTES
 
 
+def test_the_hot_routes_never_enter_fastapis_layers(
+    agent: Agent, api: ThreadedServer, http: httpx.Client
+) -> None:
+    """Served in front of FastAPI (its body limit, telemetry, error middleware and the
+    gate inside them): with FastAPI's whole stack broken, they still answer, and
+    nothing else does."""
+    app = api.server.config.app
+    app.middleware_stack = None  # built at the next request that reaches FastAPI
+
+    def broken() -> Any:
+        raise RuntimeError("FastAPI's stack was entered")
+
+    app.build_middleware_stack = broken
+    assert _post(http, agent, "/v1/leases", GRANT).status_code == 201
+    assert _post(http, agent, "/v1/agent/ops", {"ops": []}).status_code == 200
+    assert http.get("/v1/health").status_code == 500  # uvicorn's answer to the raise
+
+
 def test_grant_and_release_answer_as_before(agent: Agent, http: httpx.Client) -> None:
     resp = _post(http, agent, "/v1/leases", {**GRANT, "request_id": "r-1", "activate": True})
     assert resp.status_code == 201, resp.text
