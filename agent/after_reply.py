@@ -1,11 +1,13 @@
 """What may a request's handler leave until its reply has left?
 
-Work the tenant need not wait for (a released memfd zeroed and put back in the warm
-pool, or punched), done by the thread that served the request, once the reply is sent
-and before it reads the next frame. Handing it to another thread instead made the two
-contend for the GIL while the next request was served: with the punch thread doing it,
-an agent serving one tenant spent 0.75 ms of CPU per lease+release, and 0.60 ms with the
-work on the request's own thread (the handoffs gone, and the futex wake-ups with them).
+Short work the tenant need not wait for (a released memfd with nothing to zero, put
+back in the warm pool), done by the thread that served the request, once the reply is
+sent and before it reads the next frame. Handing it to another thread instead made the
+two contend for the GIL while the next request was served: with the punch thread doing
+it, an agent serving one tenant spent 0.75 ms of CPU per lease+release, and 0.60 ms with
+the work on the request's own thread (the handoffs gone, and the futex wake-ups with
+them). Long work (2 MiB of pages to zero) is no candidate: the next request on the
+connection would wait for it.
 
 :func:`defer` returns False outside a request (a revocation from the heartbeat thread,
 a test calling the service directly): the caller then does the work its own way.

@@ -142,6 +142,14 @@ def data_ranges(fd: int, length_bytes: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def _has_data(fd: int, length_bytes: int) -> bool:
+    """Whether :func:`zero` would write anything (True when it cannot tell)."""
+    try:
+        return bool(data_ranges(fd, length_bytes))
+    except OSError:
+        return True
+
+
 def _write_zeros(fd: int, start: int, end: int) -> bool:
     at = start
     while at < end:
@@ -217,9 +225,11 @@ class _Punch:
     read, write, map nor reopen (the permission check refuses mode 0 to all but root),
     whoever's memory it holds next.
 
-    A release served on the agent's socket does neither on this thread: its own thread
-    does it once the reply has left (agent/after_reply.py); the thread takes the rest
-    (revocations, expiries, a release past the bound below).
+    A release served on the agent's socket whose memfd the pool takes and that has
+    nothing to zero (its tenant never touched it) does not come here: the thread that
+    served it gives it back once the reply has left (agent/after_reply.py), which is
+    cheaper than waking this one; this thread takes the rest (pages to zero or punch,
+    revocations, expiries).
 
     While releases keep coming the thread stays awake and takes what queued every
     ``BATCH_S``, so a release wakes no thread (a wake-up per release cost the request
@@ -279,8 +289,15 @@ class _Punch:
                 take.cancel()
             self._punch(fd, probe, length_bytes, None)
             return
-        if after_reply.defer(functools.partial(self._punch, fd, probe, length_bytes, take)):
-            return  # a release served on the socket: its own thread, once the reply left
+        if (
+            take is not None
+            and not _has_data(fd, length_bytes)
+            and after_reply.defer(functools.partial(self._punch, fd, probe, length_bytes, take))
+        ):
+            # Nothing to zero: taken back into the pool by the thread that served the
+            # release, once its reply left. A memfd with pages to zero (or to punch)
+            # stays this thread's: the write runs beside the next request, not before it.
+            return
         self._todo.append((fd, probe, length_bytes, take))
         if not self._awake:  # read after the append: see _run
             self._wake.set()

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from agent.backends.emulated import EmulatedBackend, MemfdMaterialised
+from agent import after_reply
+from agent.backends.emulated import EmulatedBackend, MemfdMaterialised, OnceFd
 from agent.client import PoolClient
 from agent.lease import Lease
 from agent.release_check import PUNCH, ReleaseCheck, data_ranges, recyclable, self_test, zero
@@ -833,3 +834,45 @@ def test_misses_deepen_a_lengths_pool_up_to_its_cap() -> None:
         assert PER_LENGTH + room == MAX_PER_LENGTH
     finally:
         pool.stop()
+
+
+class _Taker:
+    """A warm pool's taker that records which thread took the memfd."""
+
+    def __init__(self) -> None:
+        self.took_on: int | None = None
+        self.done = threading.Event()
+
+    def __call__(self, fd: int) -> bool:
+        self.took_on = threading.get_ident()
+        self.done.set()
+        return False  # not kept: punched and closed, as for any other
+
+    def cancel(self) -> None:
+        self.done.set()
+
+
+@pytest.mark.parametrize("touched", [False, True])
+def test_a_release_with_nothing_to_zero_is_taken_back_after_its_reply(touched: bool) -> None:
+    """Served on the socket (after_reply.serving): an untouched memfd goes back to the
+    pool on the serving thread once the reply left; one with pages to zero goes to the
+    punch thread, so that the next request does not wait for the write."""
+    length = 2 * MIB
+    made = EmulatedBackend().materialise(length, "test-after-reply")  # as the pool makes them
+    fd = made.fd
+    os.fchmod(fd, 0)  # as the release check leaves it
+    if touched:
+        os.pwrite(fd, b"x", 4096)
+    probe = OnceFd(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC))
+    taker = _Taker()
+    assert recyclable(fd, length)
+    with after_reply.serving():
+        PUNCH.put(fd, probe, length, taker)
+        assert taker.took_on is None  # never before the reply
+    assert taker.done.wait(10)
+    PUNCH.settle()
+    if touched:
+        assert taker.took_on is not None and taker.took_on != threading.get_ident()
+    else:
+        assert taker.took_on == threading.get_ident()
+    assert probe.fd is None  # closed either way
