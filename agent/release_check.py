@@ -292,7 +292,9 @@ class _Punch:
         if (
             take is not None
             and not _has_data(fd, length_bytes)
-            and after_reply.defer(functools.partial(self._punch, fd, probe, length_bytes, take))
+            and after_reply.defer(
+                functools.partial(self._punch, fd, probe, length_bytes, take, clean=True)
+            )
         ):
             # Nothing to zero: taken back into the pool by the thread that served the
             # release, once its reply left. A memfd with pages to zero (or to punch)
@@ -337,10 +339,16 @@ class _Punch:
                 self._behind = False
                 log.info("the punch thread caught up")
 
-    def _punch(self, fd: int, probe: OnceFd, length_bytes: int, take: Taker | None) -> None:
+    def _punch(
+        self, fd: int, probe: OnceFd, length_bytes: int, take: Taker | None, clean: bool = False
+    ) -> None:
+        """``clean``: found with nothing to zero already (no file of it is open anywhere
+        but the agent's, which write nothing, so it stays so)."""
         if take is not None:
             try:
-                kept = recyclable(fd, length_bytes) and zero(fd, length_bytes) and take(fd)
+                kept = (
+                    recyclable(fd, length_bytes) and (clean or zero(fd, length_bytes)) and take(fd)
+                )
             except Exception:
                 log.exception("recycling a released memfd: its pages are punched instead")
                 kept = False
