@@ -766,18 +766,24 @@ def test_a_promised_recycle_holds_its_room_and_stops_fresh_refills() -> None:
 
 
 class _Counting:
-    """A taker that records how it was settled."""
+    """A taker that records how it was settled, and on which thread it took the memfd
+    (it never keeps it: the memfd is punched and closed, as for any other)."""
 
     def __init__(self) -> None:
         self.called: list[int] = []
         self.cancelled = 0
+        self.took_on: int | None = None
+        self.done = threading.Event()
 
     def __call__(self, fd: int) -> bool:
         self.called.append(fd)
+        self.took_on = threading.get_ident()
+        self.done.set()
         return False
 
     def cancel(self) -> None:
         self.cancelled += 1
+        self.done.set()
 
 
 @needs_check
@@ -836,22 +842,6 @@ def test_misses_deepen_a_lengths_pool_up_to_its_cap() -> None:
         pool.stop()
 
 
-class _Taker:
-    """A warm pool's taker that records which thread took the memfd."""
-
-    def __init__(self) -> None:
-        self.took_on: int | None = None
-        self.done = threading.Event()
-
-    def __call__(self, fd: int) -> bool:
-        self.took_on = threading.get_ident()
-        self.done.set()
-        return False  # not kept: punched and closed, as for any other
-
-    def cancel(self) -> None:
-        self.done.set()
-
-
 @pytest.mark.parametrize("touched", [False, True])
 def test_a_release_with_nothing_to_zero_is_taken_back_after_its_reply(touched: bool) -> None:
     """Served on the socket (after_reply.serving): an untouched memfd goes back to the
@@ -864,7 +854,7 @@ def test_a_release_with_nothing_to_zero_is_taken_back_after_its_reply(touched: b
     if touched:
         os.pwrite(fd, b"x", 4096)
     probe = OnceFd(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC))
-    taker = _Taker()
+    taker = _Counting()
     assert recyclable(fd, length)
     with after_reply.serving():
         PUNCH.put(fd, probe, length, taker)
