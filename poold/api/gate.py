@@ -344,6 +344,12 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
+# The table's routes without path parameters, by (method, path).
+_STATIC_ROUTES: dict[tuple[str, str], Route[Any]] = {
+    (route.method, route.path): route for route in ROUTES.values() if "{" not in route.path
+}
+
+
 class Gate:
     """What every request passes before FastAPI reads a byte of its body, and the net under it.
 
@@ -383,10 +389,12 @@ class Gate:
         self._static: dict[tuple[str, str], Route[Any]] = {}
 
     def serves_directly(self, scope: Scope) -> bool:
-        """Whether this request is for a route the gate serves itself (no FastAPI)."""
+        """Whether this request is for a route the gate serves itself (no FastAPI). Those
+        have no path parameters, so the table answers by method and path alone: no
+        request pays a scan of the routes for this question."""
         if scope["type"] != "http":
             return False
-        route = self._route_of(scope)
+        route = _STATIC_ROUTES.get((scope.get("method", ""), scope["path"]))
         return route is not None and route.name in self.direct
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
