@@ -131,7 +131,7 @@ def data_ranges(fd: int, length_bytes: int) -> list[tuple[int, int]]:
         except OSError as err:
             if err.errno == errno.ENXIO:  # nothing but holes from here
                 break
-            if err.errno == errno.EINVAL and not ranges and at == 0:
+            if err.errno == errno.EINVAL and at == 0:
                 return [(0, length_bytes)]
             raise
         if start >= length_bytes:

@@ -9,6 +9,7 @@ failure leaves as `{"code", "message"}` with the status its `PoolError` class ca
 
 from __future__ import annotations
 
+import functools
 import logging
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
@@ -151,7 +152,11 @@ class PooldApp(FastAPI):
         if front is not None and front.serves_directly(scope):
             await front(scope, receive, send)
         else:
-            await super().__call__(scope, receive, send)
+            await self.behind_front(scope, receive, send)
+
+    async def behind_front(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """FastAPI itself, with its layers and the gate inside them."""
+        await super().__call__(scope, receive, send)
 
 
 def create_app(
@@ -178,7 +183,10 @@ def create_app(
     ledger.listen_for_news()  # other poolds' news for the agents waiting here (PostgreSQL)
     app.state.limiter = limiter
     bind = Binder(app, limiter, refusals.outage)
-    gate = dict(
+    # One gate's settings, two places: inside FastAPI's layers, and in front of them for
+    # the hot routes (PooldApp).
+    gate = functools.partial(
+        Gate,
         router=app.router,
         authenticate=Authenticator(ledger, admin_token, app.state.auth_cache),
         refusals=refusals,
@@ -187,8 +195,8 @@ def create_app(
         metrics=pool_metrics,
         direct=bind.direct,  # filled as the handlers below are bound
     )
-    app.add_middleware(Gate, **gate)  # type: ignore[arg-type]
-    app.front = Gate(super(PooldApp, app).__call__, **gate)  # type: ignore[arg-type]
+    app.add_middleware(gate)
+    app.front = gate(app.behind_front)
 
     @app.exception_handler(PoolError)
     async def _pool_error(req: Request, err: PoolError) -> JSONResponse:

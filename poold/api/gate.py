@@ -384,9 +384,6 @@ class Gate:
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
         self.direct = direct
-        # (method, path) -> the route it matched, for routes without path parameters:
-        # for those the match depends on nothing else, and it costs a scan of every route.
-        self._static: dict[tuple[str, str], Route[Any]] = {}
 
     def serves_directly(self, scope: Scope) -> bool:
         """Whether this request is for a route the gate serves itself (no FastAPI). Those
@@ -490,18 +487,17 @@ class Gate:
             return invalid_response(self.refusals, err)
 
     def _route_of(self, scope: Scope) -> Route[Any] | None:
-        """The table's route a request is for; None for a 404 or 405 (nothing reads its body)."""
-        key = (scope.get("method", ""), scope["path"])
-        known = self._static.get(key)
-        if known is not None:
-            return known
+        """The table's route a request is for; None for a 404 or 405 (nothing reads its body).
+
+        A route without path parameters is found by method and path (`_STATIC_ROUTES`);
+        only the others cost a scan of every route."""
+        found = _STATIC_ROUTES.get((scope.get("method", ""), scope["path"]))
+        if found is not None:
+            return found
         for route in self.router.routes:
             match, _child = route.matches(scope)
             if match is Match.FULL:
-                found = ROUTES.get(getattr(route, "name", ""))
-                if found is not None and "{" not in found.path:
-                    self._static[key] = found
-                return found
+                return ROUTES.get(getattr(route, "name", ""))
         return None
 
     def _counted(self, receive: Receive) -> Receive:
