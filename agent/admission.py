@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
+from agent import hand_off
 from poold.errors import InFlightLimit, NoCapacity
 from poold.wire.agent import GrantRequest
 from poold.wire.common import LeaseOut
@@ -83,6 +84,7 @@ class Admission:
                         remaining = deadline - time.monotonic()
                         if remaining <= 0 or self._closed.is_set():
                             raise self._still_no_capacity(req, wait_s, last)
+                        hand_off.ahead()
                         self._changed.wait(remaining)
                     epoch = self._capacity_epoch
                 try:
@@ -98,6 +100,7 @@ class Admission:
                     if remaining <= 0 or self._closed.is_set():
                         raise last
                     if self._capacity_epoch == epoch and not self._closed.is_set():
+                        hand_off.ahead()
                         self._changed.wait(min(remaining, ADMISSION_RETRY_S))
         finally:
             with self._changed:
@@ -272,6 +275,7 @@ class InFlight:
                 if remaining <= 0:
                     raise refusal()
                 # Re-checked at least every second: `available` is not notified.
+                hand_off.ahead()
                 self._changed.wait(min(remaining, ADMISSION_RETRY_S))
             if take is not None:
                 take()

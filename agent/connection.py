@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from agent import hand_off
 from agent.event_writer import Outbox, send_within
 from agent.peer import Peer
 from agent.protocol import HelloArgs, Model, encode_error, encode_result, parse_request
@@ -37,7 +38,7 @@ class Connection:
         self.sock = sock
         self.peer = peer
         self.connection_id = peer.connection_id
-        self.thread: threading.Thread | None = None
+        self.fd = sock.fileno()  # kept: the server's poll set is keyed by it
         self.busy = False
         self.shed = False
         self.last_active = time.monotonic()
@@ -50,7 +51,7 @@ class Connection:
         self.writer: threading.Thread | None = None
 
     def interrupt(self) -> None:
-        """Wake the connection's thread out of a blocking recv (it sees EOF)."""
+        """Wake whoever reads the connection out of a blocking recv (it sees EOF)."""
         with self._lock:
             if not self._closed:
                 with contextlib.suppress(OSError):
@@ -135,6 +136,7 @@ def send_reply(
             sent = 0
         if sent == len(frame):
             return True
+        hand_off.ahead()  # the peer is slow to read: the agent's socket loop goes on
         sock.settimeout(timeout_s)
         try:
             if not sent:  # nothing left yet: the fd rides on the first byte that does

@@ -87,7 +87,7 @@ class Outbox:
 def send_within(sock: socket.socket, frame: bytes, timeout_s: float) -> bool:
     """Send all of ``frame`` by ``timeout_s`` from now without blocking past it.
 
-    Its own poll and MSG_DONTWAIT: the socket's timeout is the connection thread's to
+    Its own poll and MSG_DONTWAIT: the socket's timeout is the reader's to
     set (it changes with every frame it reads), never the writer's.
     """
     deadline = time.monotonic() + timeout_s

@@ -42,6 +42,7 @@ from pydantic import (
     model_validator,
 )
 
+from agent import hand_off
 from poold.errors import (
     AgentProtocolError,
     BadRequest,
@@ -410,6 +411,7 @@ def _recv_exact(
             else:
                 remaining = 0  # EOF
         while remaining:
+            hand_off.ahead()  # the agent's socket loop goes on while this frame trickles
             _until(sock, deadline)
             chunk = sock.recv(remaining)
             if not chunk:

@@ -2,7 +2,7 @@
 
 Under systemd (Type=notify) it says READY=1 once the tenant socket listens, and feeds
 the watchdog (WatchdogSec=) only while a real ``hello`` through that socket is answered:
-the accept loop, a connection thread and the service all have to turn for a ping.
+the socket loop and the service both have to turn for a ping.
 """
 
 from __future__ import annotations

@@ -7,9 +7,15 @@ turns frames into calls on a handler object that implements :class:`AgentHandler
 construction). Replies to operations that carry memory pass the handler's fd with
 SCM_RIGHTS.
 
-Threads, not asyncio: one per connection, so that a handler may block (on poold, on a
-backend) without stalling other tenants, and fds cross with plain ``sendmsg``. A bad
-client costs at most its own connection: errors become error frames.
+One thread serves every connection, in turn (epoll, each connection armed once per
+request): a lease+release passes the GIL to no other thread, where a thread per
+connection handed it over at each of its syscalls (at 8 tenants the agent's CPU per
+cycle doubled). A request about to wait (a central grant, a frame not all there, a
+peer not reading) passes the loop to a new thread first (:mod:`agent.hand_off`) and
+finishes on its own; a request slow for a reason nobody marked is caught by a watchdog
+within ``_WATCH_INTERVAL_S`` or two. Threads, not asyncio: a handler may block (on
+poold, on a backend), and fds cross with plain ``sendmsg``. A bad client costs at most
+its own connection: errors become error frames.
 
 Anyone in the socket's group can connect, so everything a connection can pin is
 bounded (:class:`SocketLimits`): connections per uid well below the global cap; a
@@ -59,7 +65,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Final
 
-from agent import after_reply
+from agent import after_reply, hand_off
 from agent.connection import Connection, dispatch, send_reply, write_events
 from agent.event_writer import Outbox
 from agent.handler import AgentHandler as AgentHandler
@@ -79,6 +85,11 @@ DEFAULT_IDLE_TIMEOUT_S: Final = 300.0
 DEFAULT_REPLY_TIMEOUT_S: Final = 30.0
 DEFAULT_MAX_QUEUED_EVENTS: Final = 256
 _JOIN_TIMEOUT_S: Final = 5.0
+# A request the loop has served this long without passing the loop on (an unmarked
+# wait) loses it to a new thread; the watchdog looks this often.
+_WATCH_INTERVAL_S: Final = 0.05
+_ARMED: Final = select.EPOLLIN | select.EPOLLONESHOT
+_ACCEPTS_PER_ROUND: Final = 64  # a flood of connects does not starve the requests
 _REFUSAL_LOG_INTERVAL_S: Final = 10.0
 _REFUSAL_LOG_UIDS: Final = 4096  # uids remembered for that; past it, the table starts over
 
@@ -100,8 +111,18 @@ def _holds_none(peer: Peer) -> bool:
     return False
 
 
+class _Lead:
+    """The loop's turn: the thread holding the current one polls; ``since`` is when the
+    request it is serving began (0: none)."""
+
+    __slots__ = ("since",)
+
+    def __init__(self) -> None:
+        self.since = 0.0
+
+
 class AgentServer:
-    """Serves the agent protocol on a Unix stream socket, one thread per connection.
+    """Serves the agent protocol on a Unix stream socket, one loop for every connection.
 
     Binding happens in the constructor, so a bad path, a live agent already on it or an
     incomplete handler fails at start. ``serve_forever`` runs the accept loop;
@@ -151,6 +172,10 @@ class AgentServer:
         self._connection_ids = itertools.count(1)
         self._refusals: dict[int, tuple[float, int]] = {}  # uid -> (logged at, refused since)
         self._stopping = threading.Event()
+        self._epoll = select.epoll()
+        self._by_fd: dict[int, Connection] = {}  # armed or being served; under the lock
+        self._lead: _Lead | None = None  # the loop's current turn
+        self._threads: set[threading.Thread] = set()  # loop threads but serve_forever's
         self._serving_ident: int | None = None  # thread running serve_forever, if any
         self._served = threading.Event()  # serve_forever has returned and cleaned up
         self._closed = False
@@ -163,34 +188,99 @@ class AgentServer:
     # --- lifecycle --------------------------------------------------------
 
     def serve_forever(self) -> None:
-        """Accept connections until :meth:`stop` or :meth:`shutdown`; then close everything."""
+        """Accept and serve connections until :meth:`stop` or :meth:`shutdown`; then close
+        everything. The loop runs in threads of its own, one at a time (a signal handler
+        calling :meth:`stop` needs this thread free); this one waits for the stop."""
         with self._lock:
             if self._closed or self._serving_ident is not None:
                 return
             self._serving_ident = threading.get_ident()
+            self._lead = lead = _Lead()
         try:
-            poller = select.poll()
-            poller.register(self._listener, select.POLLIN)
-            poller.register(self._wake_r, select.POLLIN)
-            while not self._stopping.is_set():
-                events = poller.poll()
-                if any(fd == self._wake_r for fd, _ in events):
-                    break
-                try:
-                    sock, _ = self._listener.accept()
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError as err:
-                    if self._stopping.is_set():
-                        break
-                    log.error("accept on %s failed: %s", self.socket_path, err)
-                    if err.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                        time.sleep(0.1)  # out of fds: let connections close rather than spin
-                    continue
-                self._admit(sock)
+            self._epoll.register(self._listener.fileno(), select.EPOLLIN)
+            self._epoll.register(self._wake_r, select.EPOLLIN)
+            threading.Thread(target=self._watch, name="agent-loop-watch", daemon=True).start()
+            self._start(lead)
+            self._stopping.wait()
         finally:
             self._close_all()
             self._served.set()
+
+    def _run(self, lead: _Lead) -> None:
+        """Poll and serve while this thread has the turn ``lead``."""
+        listener_fd = self._listener.fileno()
+        sweep_every = min(1.0, max(_WATCH_INTERVAL_S, self.limits.idle_timeout_s / 4))
+        sweep_at = time.monotonic() + sweep_every
+        while self._lead is lead and not self._stopping.is_set():
+            try:
+                # One event a poll: a request that hands the loop on mid-way leaves no
+                # other connection disarmed behind it (each is armed for one event).
+                events = self._epoll.poll(max(0.0, sweep_at - time.monotonic()), 1)
+            except (OSError, ValueError):  # closed under us: shutting down
+                return
+            for fd, _ in events:
+                if fd == self._wake_r:
+                    return
+                if fd == listener_fd:
+                    self._accept()
+                    continue
+                connection = self._by_fd.get(fd)
+                if connection is not None and not self._serve(connection, lead):
+                    return
+            if time.monotonic() >= sweep_at:
+                self._sweep()
+                sweep_at = time.monotonic() + sweep_every
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPTS_PER_ROUND):
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:
+                if self._stopping.is_set():
+                    return
+                log.error("accept on %s failed: %s", self.socket_path, err)
+                if err.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    time.sleep(0.1)  # out of fds: let connections close rather than spin
+                return
+            self._admit(sock)
+
+    def _hand_off(self, lead: _Lead) -> None:
+        """Turn ``lead`` is over: a new thread polls from now. Its holder finishes the
+        request it is serving and retires."""
+        with self._lock:
+            if self._lead is not lead or self._closed or self._stopping.is_set():
+                return
+            self._lead = following = _Lead()
+        self._start(following)
+
+    def _start(self, lead: _Lead) -> None:
+        thread = threading.Thread(target=self._follow, args=(lead,), name="agent-loop", daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
+
+    def _follow(self, lead: _Lead) -> None:
+        try:
+            self._run(lead)
+        except Exception:  # the loop must not die with one thread: pass it on
+            log.exception("the agent's socket loop failed; going on in a new thread")
+            self._hand_off(lead)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _watch(self) -> None:
+        """Pass the loop on when one request has held it for a whole interval."""
+        while not self._stopping.wait(_WATCH_INTERVAL_S):
+            lead = self._lead
+            if lead is None:
+                continue
+            since = lead.since
+            if since and time.monotonic() - since >= _WATCH_INTERVAL_S:
+                log.debug("a request held the socket loop for %.3f s", time.monotonic() - since)
+                self._hand_off(lead)
 
     def start_in_thread(self) -> threading.Thread:
         """Run :meth:`serve_forever` on a daemon thread (tests, embedding)."""
@@ -226,17 +316,22 @@ class AgentServer:
                 return
             self._closed = True
             connections = list(self._connections.values())
+            threads = [t for t in self._threads if t is not threading.current_thread()]
         self._listener.close()
         # Only the file we bound: a newer agent may have replaced it since.
         unlink_listener(self.socket_path, self._bound_inode)
         for connection in connections:
             connection.interrupt()
         deadline = time.monotonic() + _JOIN_TIMEOUT_S
-        for connection in connections:
-            if connection.thread is not None:
-                connection.thread.join(max(0.0, deadline - time.monotonic()))
-                if connection.thread.is_alive():
-                    log.warning("connection %d is still busy at shutdown", connection.connection_id)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning("a request was still being served at shutdown (%s)", thread.name)
+        with self._lock:
+            left = list(self._by_fd.values())
+        for connection in left:
+            self._drop(connection)
+        self._epoll.close()
         wake_r, wake_w = self._wake_r, self._wake_w
         self._wake_r = self._wake_w = -1
         os.close(wake_r)
@@ -333,54 +428,84 @@ class AgentServer:
             return
         sock.setblocking(True)
         connection = Connection(sock, peer)
-        limits = self.limits
-        refusal: AgentBusy | None = None
-        victim: Connection | None = None
-        with self._lock:
-            mine = sum(1 for c in self._connections.values() if c.peer.uid == peer.uid)
-            if self._closed:
-                refusal = AgentBusy("the agent is shutting down")
-            elif mine >= limits.max_connections_per_uid:
-                refusal = AgentBusy(
-                    f"uid {peer.uid} already has {mine} connections to the agent; "
-                    "close one or reuse a connection",
-                    limit="connections_per_uid",
-                    max_connections=limits.max_connections_per_uid,
-                )
-            elif len(self._connections) >= limits.max_connections:
-                victim = self._victim(mine)
-                if victim is None:
-                    refusal = AgentBusy(
-                        f"the agent already serves {limits.max_connections} connections; "
-                        "retry later",
-                        limit="connections",
-                        max_connections=limits.max_connections,
-                    )
-                else:
-                    victim.shed = True
-                    del self._connections[victim.connection_id]
-            if refusal is None:
-                self._connections[connection.connection_id] = connection
+        refusal, victim = self._place(connection)
+        if refusal is not None and not self._closed and self._reap_hung_up():
+            # Connections already closed by their peers (a burst, opened and dropped
+            # before the loop read their EOF) count for nobody.
+            refusal, victim = self._place(connection)
         if refusal is not None:
             self._refuse(connection, refusal)
             return
         if victim is not None:
             log.warning(
                 "connection cap %d reached: closing idle connection %d of uid %d for uid %d",
-                limits.max_connections,
+                self.limits.max_connections,
                 victim.connection_id,
                 victim.peer.uid,
                 peer.uid,
             )
             victim.interrupt()
-        thread = threading.Thread(
-            target=self._serve_connection,
-            args=(connection,),
-            name=f"agent-conn-{connection.connection_id}",
-            daemon=True,
+        log.debug(
+            "connection %d: pid %d uid %d gid %d", peer.connection_id, peer.pid, peer.uid, peer.gid
         )
-        connection.thread = thread
-        thread.start()
+        with self._lock:
+            self._by_fd[connection.fd] = connection
+        self._epoll.register(connection.fd, _ARMED)
+
+    def _place(self, connection: Connection) -> tuple[AgentBusy | None, Connection | None]:
+        """Take ``connection`` in, or say why not; the connection it displaces, if any."""
+        limits = self.limits
+        uid = connection.peer.uid
+        with self._lock:
+            mine = sum(1 for c in self._connections.values() if c.peer.uid == uid)
+            if self._closed:
+                return AgentBusy("the agent is shutting down"), None
+            if mine >= limits.max_connections_per_uid:
+                return AgentBusy(
+                    f"uid {uid} already has {mine} connections to the agent; "
+                    "close one or reuse a connection",
+                    limit="connections_per_uid",
+                    max_connections=limits.max_connections_per_uid,
+                ), None
+            victim: Connection | None = None
+            if len(self._connections) >= limits.max_connections:
+                victim = self._victim(mine)
+                if victim is None:
+                    return AgentBusy(
+                        f"the agent already serves {limits.max_connections} connections; "
+                        "retry later",
+                        limit="connections",
+                        max_connections=limits.max_connections,
+                    ), None
+                victim.shed = True
+                del self._connections[victim.connection_id]
+            self._connections[connection.connection_id] = connection
+            return None, victim
+
+    def _reap_hung_up(self) -> bool:
+        """Close the idle connections whose peers have hung up; True if there were any."""
+        with self._lock:
+            idle = [c for c in self._by_fd.values() if not c.busy and not c.shed]
+        hangups = select.poll()
+        for connection in idle:
+            hangups.register(connection.fd, 0)  # POLLHUP and POLLERR are always reported
+        gone = {fd for fd, _ in hangups.poll(0)}
+        reaped = False
+        for connection in idle:
+            if connection.fd not in gone:
+                continue
+            with self._lock:
+                if connection.busy or connection.shed:
+                    continue
+                connection.shed = True
+            self._drop(connection)
+            reaped = True
+        return reaped
+
+    def _arm(self, fd: int) -> None:
+        """Poll ``fd`` again (for one request)."""
+        with contextlib.suppress(OSError, ValueError):  # gone, or shutting down
+            self._epoll.modify(fd, _ARMED)
 
     def _victim(self, newcomer_count: int) -> Connection | None:
         """The connection to shed for a newcomer whose uid has ``newcomer_count`` (under
@@ -417,36 +542,78 @@ class AgentServer:
             connection.sock.send(encode_error(busy), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
         connection.close()
 
-    def _serve_connection(self, connection: Connection) -> None:
-        peer = connection.peer
+    def _serve(self, connection: Connection, lead: _Lead) -> bool:
+        """One request on ``connection``; True while this thread still has the loop."""
+        lead.since = time.monotonic()
         try:
-            log.debug(
-                "connection %d: pid %d uid %d gid %d",
+            with hand_off.serving(lambda: self._hand_off(lead)):
+                keep = False
+                try:
+                    keep = self._converse_once(connection)
+                except OSError as err:
+                    log.debug("connection %d ended: %s", connection.connection_id, err)
+                except Exception:
+                    log.exception("connection %d failed", connection.connection_id)
+                if keep:
+                    self._arm(connection.fd)
+                else:
+                    self._drop(connection)
+        finally:
+            lead.since = 0.0
+        return self._lead is lead
+
+    def _drop(self, connection: Connection) -> None:
+        """Close ``connection`` and tell the handler; once, whichever thread asks."""
+        with self._lock:
+            if self._by_fd.get(connection.fd) is not connection:
+                return
+            del self._by_fd[connection.fd]
+            self._connections.pop(connection.connection_id, None)
+        # Out of the poll set before the fd is closed (its number may be reused at once).
+        with contextlib.suppress(OSError, ValueError):
+            self._epoll.unregister(connection.fd)
+        if connection.outbox is not None:
+            # The writer must be done with the socket before it closes (its fd number
+            # could be reused by another connection).
+            connection.interrupt()
+            connection.outbox.close()
+            if connection.writer is not None and connection.writer.is_alive():
+                hand_off.ahead()
+                connection.writer.join(_JOIN_TIMEOUT_S)
+        connection.close()
+        try:
+            self._disconnected(connection.peer)
+        except Exception:
+            log.exception("handler.disconnected failed for connection %d", connection.connection_id)
+
+    def _sweep(self) -> None:
+        """Close the connections idle for ``idle_timeout_s`` whose process holds no lease
+        (a tenant session stays as long as it holds leases)."""
+        idle_s = self.limits.idle_timeout_s
+        now = time.monotonic()
+        with self._lock:
+            idle = [
+                c
+                for c in self._connections.values()
+                if not c.busy and not c.shed and now - c.last_active >= idle_s
+            ]
+        for connection in idle:
+            peer = connection.peer
+            if self._holds_leases(peer):
+                connection.last_active = now  # asked again after another idle period
+                continue
+            with self._lock:
+                if connection.busy:  # a request began meanwhile
+                    continue
+                connection.shed = True
+            log.info(
+                "connection %d (pid %d uid %d): idle for %.0f s without leases; closing",
                 peer.connection_id,
                 peer.pid,
                 peer.uid,
-                peer.gid,
+                idle_s,
             )
-            self._converse(connection, peer)
-        except OSError as err:
-            log.debug("connection %d ended: %s", connection.connection_id, err)
-        except Exception:
-            log.exception("connection %d failed", connection.connection_id)
-        finally:
-            with self._lock:
-                self._connections.pop(connection.connection_id, None)
-            if connection.outbox is not None:
-                # The writer must be done with the socket before it closes (its fd
-                # number could be reused by another connection).
-                connection.interrupt()
-                connection.outbox.close()
-                if connection.writer is not None:
-                    connection.writer.join(_JOIN_TIMEOUT_S)
-            connection.close()
-            try:
-                self._disconnected(peer)
-            except Exception:
-                log.exception("handler.disconnected failed for connection %d", peer.connection_id)
+            self._drop(connection)
 
     def _begin(self, connection: Connection) -> bool:
         """A frame has begun: the connection may no longer be shed (False: it was)."""
@@ -461,68 +628,59 @@ class AgentServer:
             connection.busy = False
             connection.last_active = time.monotonic()
 
-    def _converse(self, connection: Connection, peer: Peer) -> None:
+    def _converse_once(self, connection: Connection) -> bool:
+        """Read one request, answer it; False when the connection is to close."""
         sock = connection.sock
+        peer = connection.peer
         limits = self.limits
-        waiting = select.poll()
-        waiting.register(sock, select.POLLIN)
-        # No timeout on the socket between frames: reads and replies take what is there
-        # without a poll first, and set a deadline only when they must wait (protocol.py).
-        sock.settimeout(None)
-        while not self._stopping.is_set():
-            if not waiting.poll(limits.idle_timeout_s * 1000):
-                if self._holds_leases(peer):
-                    continue  # a tenant session: it stays as long as it holds leases
-                log.info(
-                    "connection %d (pid %d uid %d): idle for %.0f s without leases; closing",
-                    peer.connection_id,
-                    peer.pid,
-                    peer.uid,
-                    limits.idle_timeout_s,
-                )
-                return
-            if not self._begin(connection):
-                return
+        if not self._begin(connection):
+            return False
+        try:
+            frame = read_frame(
+                sock,
+                max_frame_bytes=limits.max_frame_bytes,
+                deadline=time.monotonic() + limits.frame_timeout_s,
+            )
+        except TimeoutError:
+            self._hang_up(
+                connection,
+                peer,
+                FrameTimeout(
+                    f"a frame was begun and not finished within {limits.frame_timeout_s:g} s",
+                    timeout_s=limits.frame_timeout_s,
+                ),
+            )
+            return False
+        except PoolError as err:
+            # Oversized or undecodable: the stream can no longer be trusted to be at a
+            # frame boundary, so say why and hang up.
+            self._hang_up(connection, peer, err)
+            return False
+        if frame is None:
+            return False
+        if sock.gettimeout() is not None:  # the frame was waited for: no timeout again
+            sock.settimeout(None)
+        # What the handler left until after its reply runs as this block ends.
+        with after_reply.serving():
+            reply, fd = dispatch(self._methods, connection, frame)
+            if not connection.send_lock.acquire(blocking=False):
+                hand_off.ahead()  # the session's writer is sending an event: wait for it
+                connection.send_lock.acquire()
             try:
-                frame = read_frame(
-                    sock,
-                    max_frame_bytes=limits.max_frame_bytes,
-                    deadline=time.monotonic() + limits.frame_timeout_s,
-                )
-            except TimeoutError:
-                self._hang_up(
-                    connection,
-                    peer,
-                    FrameTimeout(
-                        f"a frame was begun and not finished within {limits.frame_timeout_s:g} s",
-                        timeout_s=limits.frame_timeout_s,
-                    ),
-                )
-                return
-            except PoolError as err:
-                # Oversized or undecodable: the stream can no longer be trusted to be
-                # at a frame boundary, so say why and hang up.
-                self._hang_up(connection, peer, err)
-                return
-            if frame is None:
-                return
-            if sock.gettimeout() is not None:  # the frame was waited for: no timeout again
-                sock.settimeout(None)
-            # What the handler left until after its reply runs as this block ends.
-            with after_reply.serving():
-                reply, fd = dispatch(self._methods, connection, frame)
-                with connection.send_lock:
-                    if connection.wants_events and connection.outbox is None:
-                        # Events may queue from now; its writer waits for this lock, so the
-                        # hello's reply is the first frame the session sees.
-                        self._start_session(connection)
-                    # A peer that never reads pins nothing: bounded by the reply timeout.
-                    sent = send_reply(sock, reply, fd, limits.reply_timeout_s)
-                    if fd is not None and self._fd_sent is not None:
-                        self._fd_sent(peer, fd)  # the kernel has its own reference now
-                if not sent:
-                    return
-            self._end(connection)
+                if connection.wants_events and connection.outbox is None:
+                    # Events may queue from now; its writer waits for this lock, so the
+                    # hello's reply is the first frame the session sees.
+                    self._start_session(connection)
+                # A peer that never reads pins nothing: bounded by the reply timeout.
+                sent = send_reply(sock, reply, fd, limits.reply_timeout_s)
+                if fd is not None and self._fd_sent is not None:
+                    self._fd_sent(peer, fd)  # the kernel has its own reference now
+            finally:
+                connection.send_lock.release()
+            if not sent:
+                return False
+        self._end(connection)
+        return not self._stopping.is_set()
 
     def _hang_up(self, connection: Connection, peer: Peer, err: PoolError) -> None:
         log.warning(

@@ -22,9 +22,10 @@ import os
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import Final
 
+from agent import hand_off, restart
 from agent import protocol as p
-from agent import restart
 from agent.admission import Admission, InFlight, InFlightLimits
 from agent.backends import Backend, Materialised
 from agent.backends.emulated import available_bytes
@@ -56,6 +57,11 @@ from poold.wire.agent import GrantRequest, LeaseOp, LeaseReport
 from poold.wire.common import LeaseOut
 
 log = logging.getLogger("pool_agent")
+
+# Memory larger than this (or populated, or a dax sub-device) is made off the socket's
+# loop (agent/hand_off.py): a memfd of a few MiB from the warm pool is quicker than a
+# thread switch; 1 GiB of fallocated pages is not.
+_MADE_INLINE_BYTES: Final = 16 << 20
 
 
 class AgentService:
@@ -231,6 +237,12 @@ class AgentService:
         local grant inside a delegation will authorise here instead of poold.)
         """
         lease = self._authorise(peer, args)
+        if (
+            lease.length_bytes > _MADE_INLINE_BYTES
+            or args.populate
+            or lease.device_kind == "devdax"
+        ):
+            hand_off.ahead()  # long to make: other tenants are served meanwhile
         making = False
         try:
             # RAM-backed memory also waits while what others are making would not fit
@@ -279,6 +291,7 @@ class AgentService:
         except DelegationExpired as expired:
             if self.link.failing:
                 raise  # a central grant would only wait out its patience
+            hand_off.ahead()  # poold's answer is a network round trip away
             try:
                 lease = self.delegation.central(req, self.link.grant_spending)
             except (PooldUnreachable, LedgerUnavailable) as err:
@@ -287,6 +300,7 @@ class AgentService:
             if local is not None:
                 return local
             # poold may pay it from this host's budget: the agent's view drops first.
+            hand_off.ahead()  # poold's answer is a network round trip away
             lease = self.delegation.central(req, self.link.grant_spending)
         self.delegation.capacity.note_demand(lease.tenant, lease.media, lease.length_bytes)
         return lease
@@ -499,4 +513,5 @@ class AgentService:
         self._holders.pop(peer.connection_id, None)
         mine = self.held.of_pid(peer.pid)
         if mine:
+            hand_off.ahead()  # a look at the holders' processes
             self.revocations.check_holders(mine)

@@ -35,7 +35,7 @@ from agent.protocol import (
     encode_frame,
     read_frame,
 )
-from agent.server import AgentServer
+from agent.server import AgentServer, SocketLimits
 from tests.agent.conftest import NOBODY, EmulatedHandler
 
 
@@ -401,3 +401,23 @@ def test_shutdown_from_a_signal_handler_on_the_serving_thread(
         signal.signal(signal.SIGUSR1, previous)
     assert not server.socket_path.exists()
     server.shutdown()
+
+
+def test_connections_their_peers_closed_do_not_count_against_the_cap(
+    sock_dir: Path, handler: EmulatedHandler
+) -> None:
+    """A burst opened and dropped at once is not held against the next connection of its
+    uid, however many of its hang-ups the server has yet to read."""
+    limits = SocketLimits(max_connections_per_uid=4)
+    with AgentServer(sock_dir / "agent.sock", handler, limits=limits) as server:
+        server.start_in_thread()
+        for _ in range(20):
+            burst = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(8)]
+            for sock in burst:
+                with contextlib.suppress(OSError):
+                    sock.connect(str(server.socket_path))
+            for sock in burst:
+                sock.close()
+            with connect(server.socket_path) as sock:
+                reply = call(sock, "hello", {"client_name": "after the burst"})
+            assert reply["ok"] is True, reply
