@@ -59,7 +59,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -663,10 +663,7 @@ class AgentServer:
         # What the handler left until after its reply runs as this block ends.
         with after_reply.serving():
             reply, fd = dispatch(self._methods, connection, frame)
-            if not connection.send_lock.acquire(blocking=False):
-                hand_off.ahead()  # the session's writer is sending an event: wait for it
-                connection.send_lock.acquire()
-            try:
+            with _sending(connection):
                 if connection.wants_events and connection.outbox is None:
                     # Events may queue from now; its writer waits for this lock, so the
                     # hello's reply is the first frame the session sees.
@@ -675,8 +672,6 @@ class AgentServer:
                 sent = send_reply(sock, reply, fd, limits.reply_timeout_s)
                 if fd is not None and self._fd_sent is not None:
                     self._fd_sent(peer, fd)  # the kernel has its own reference now
-            finally:
-                connection.send_lock.release()
             if not sent:
                 return False
         self._end(connection)
@@ -690,5 +685,18 @@ class AgentServer:
             peer.uid,
             err.message,
         )
-        with connection.send_lock:
+        with _sending(connection):
             send_reply(connection.sock, encode_error(err), None, self.limits.reply_timeout_s)
+
+
+@contextlib.contextmanager
+def _sending(connection: Connection) -> Iterator[None]:
+    """Hold the connection's send lock; when its session's writer has it (an event to a
+    slow reader), the loop goes on without this thread first."""
+    if not connection.send_lock.acquire(blocking=False):
+        hand_off.ahead()
+        connection.send_lock.acquire()
+    try:
+        yield
+    finally:
+        connection.send_lock.release()
