@@ -257,9 +257,9 @@ class AgentServer:
 
     def _start(self, lead: _Lead) -> None:
         thread = threading.Thread(target=self._follow, args=(lead,), name="agent-loop", daemon=True)
-        with self._lock:
+        with self._lock:  # started under it: _close_all joins only started threads
             self._threads.add(thread)
-        thread.start()
+            thread.start()
 
     def _follow(self, lead: _Lead) -> None:
         try:
