@@ -21,7 +21,7 @@ from agent.backends.devdax import carved_changes, carved_sub_devices
 from agent.config import AgentConfig
 from agent.discovery.annotations import AnnotationError, Annotations, from_agent_config
 from agent.discovery.hotplug import EventSource, RescanScheduler, udev_source
-from agent.journal import Journal
+from agent.journal import Journal, journalled_sub_devices
 from agent.link import PooldLink, inventory_digest
 from poold.extents import align_down
 from poold.wire.agent import InventoryDevice
@@ -73,25 +73,28 @@ def journal_path(config: AgentConfig) -> Path:
     return config.state_dir / "journal.db"
 
 
-def own_sub_devices(config: AgentConfig) -> set[str]:
+def own_sub_devices(config: AgentConfig, journal: Journal | None = None) -> set[str]:
     """Dax sub-devices this agent made for leases: its journal's and its backend's.
 
     Every other dax device with bytes in a region is someone else's (the kernel's dax0.0,
     an administrator's daxctl device) and goes to poold as reserved. A journalled
     sub-device whose lease is over (teardown failed, or the agent died before it) is a
     leftover for the audit (agent/leftovers.py), not a reserved range.
+
+    ``journal`` is the running agent's own; without it the journal's files are read and
+    never written (opening a second :class:`Journal` would compact the grant log under
+    the running agent, whose appends would then go to the replaced file).
     Raises (sqlite3.Error) when the journal exists but cannot be read: reporting the
     agent's own leases as reserved would be worse than skipping one rescan.
     """
     own = carved_sub_devices(config.sysfs_root)
+    if journal is not None:
+        own.update(e.sub_device for e in journal.entries() if e.sub_device)
+        own.update(s.sub_device for s in journal.sub_devices())  # leftovers included
+        return own
     path = journal_path(config)
     if path.exists():  # never create it here: the agent service opens it (agent/run.py)
-        journal = Journal(path)
-        try:
-            own.update(e.sub_device for e in journal.entries() if e.sub_device)
-            own.update(s.sub_device for s in journal.sub_devices())  # leftovers included
-        finally:
-            journal.close()
+        own.update(journalled_sub_devices(path))
     return own
 
 
@@ -109,7 +112,7 @@ class ScanRaced(RuntimeError):
     """The agent's sub-devices kept changing while discovery read sysfs."""
 
 
-def scan(config: AgentConfig, kinds: set[str]) -> Scan:
+def scan(config: AgentConfig, kinds: set[str], journal: Journal | None = None) -> Scan:
     """Discover far memory under the sysfs root, annotated; raises if discovery breaks.
 
     Sysfs is read over a span of time, and the agent's own sub-devices are named after it:
@@ -128,7 +131,7 @@ def scan(config: AgentConfig, kinds: set[str]) -> Scan:
             annotations=config_annotations(config),
             numa_reserve_bytes=numa_reserve_bytes(config),
         )
-        own = own_sub_devices(config)
+        own = own_sub_devices(config, journal)
         if carved_changes() == changes:
             break
     else:
@@ -209,11 +212,13 @@ class InventoryWatcher:
         backend_kinds: set[str],
         link: PooldLink,
         source: EventSource | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self.config = config
         self.kinds = backend_kinds - {"emulated"}
         self.link = link
         self.source = source
+        self.journal = journal  # the running agent's: its sub-devices, without a file read
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._skipped: set[str] = set()
@@ -224,7 +229,7 @@ class InventoryWatcher:
         if self._stop.is_set():
             return False
         try:
-            found = scan(self.config, self.kinds)
+            found = scan(self.config, self.kinds, self.journal)
         except Exception:
             log.exception("rescan failed; keeping the last inventory")
             return False

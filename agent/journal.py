@@ -308,6 +308,30 @@ class Journal:
             self._db.close()
 
 
+def journalled_sub_devices(path: Path) -> set[str]:
+    """The dax sub-devices the journal at ``path`` names (its leases', its leftovers', its
+    local leases'), read without writing anything: the running agent may have it open.
+
+    Raises sqlite3.Error when the database cannot be read.
+    """
+    db = sqlite3.connect(str(path), isolation_level=None)
+    try:
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
+        names: set[str] = set()
+        if "leases" in tables:
+            names.update(
+                row[0]
+                for row in db.execute("SELECT sub_device FROM leases WHERE sub_device IS NOT NULL")
+            )
+        if "sub_devices" in tables:
+            names.update(row[0] for row in db.execute("SELECT sub_device FROM sub_devices"))
+    finally:
+        db.close()
+    local, _ = replay_grant_log(path.parent / GRANT_LOG_NAME)
+    names.update(e.sub_device for e in local.entries.values() if e.sub_device)
+    return names
+
+
 # --- local grants: an append-only log ----------------------------------------------------
 # Grants made inside the delegation (agent/delegation.py) are journalled by appending one
 # line to a file instead of a SQLite transaction: measured here, an os.write of a ~1 KiB
@@ -340,58 +364,62 @@ class GrantLogState:
     delegation: tuple[str, float] | None = None
 
 
+def replay_grant_log(path: Path) -> tuple[GrantLogState, int]:
+    """What the log at ``path`` says, and the highest sequence number in it; reads only.
+
+    Only the :class:`GrantLog` of the agent that journals may write the file (it appends
+    to the inode it opened, and compacts by renaming a new file over it): anyone else
+    reads it through this.
+    """
+    state = GrantLogState({}, {}, [], {})
+    pending: dict[int, str] = {}
+    seq = 0
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        data = b""
+    for line in data.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line torn by a crash mid-write: nothing after it was acked
+        kind = rec.get("k")
+        if kind == "g":
+            state.entries[rec["id"]] = Entry(**rec["e"])
+            state.grants[rec["id"]] = rec["g"]
+            pending[rec["s"]] = _local_grant_op(rec["id"], rec["g"])
+            res, epoch = rec["r"], rec["n"]
+            state.epochs[res] = max(state.epochs.get(res, 0), epoch)
+        elif kind == "u" and rec["id"] in state.entries:
+            state.entries[rec["id"]] = Entry(**rec["e"])
+        elif kind == "o":
+            pending[rec["s"]] = rec["op"]
+        elif kind == "x":
+            state.entries.pop(rec["id"], None)
+        elif kind == "a":
+            for acked in rec["s"]:
+                pending.pop(acked, None)
+        elif kind == "n":
+            state.epochs[rec["r"]] = max(state.epochs.get(rec["r"], 0), rec["n"])
+        elif kind == "d":
+            state.delegation = (rec["d"], rec["w"])
+        seq = max(seq, int(rec.get("s", 0)) if kind in ("g", "o") else 0)
+    state.pending = sorted(pending.items())
+    # A lease ended with nothing pending is done; its grant is kept while ops wait.
+    waiting = {_op_lease(op) for _, op in state.pending}
+    state.grants = {k: v for k, v in state.grants.items() if k in state.entries or k in waiting}
+    return state, seq
+
+
 class GrantLog:
     """The append-only journal of local grants (thread-safe; one write per record)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._seq = 0
-        self.state = self._replay()
+        self.state, self._seq = replay_grant_log(path)
         self._fd = -1
         self._compact_locked()
-
-    # --- reading back -------------------------------------------------------------------
-    def _replay(self) -> GrantLogState:
-        state = GrantLogState({}, {}, [], {})
-        pending: dict[int, str] = {}
-        ended: set[str] = set()
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            data = b""
-        for line in data.splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a line torn by a crash mid-write: nothing after it was acked
-            kind = rec.get("k")
-            if kind == "g":
-                state.entries[rec["id"]] = Entry(**rec["e"])
-                state.grants[rec["id"]] = rec["g"]
-                pending[rec["s"]] = _local_grant_op(rec["id"], rec["g"])
-                res, epoch = rec["r"], rec["n"]
-                state.epochs[res] = max(state.epochs.get(res, 0), epoch)
-            elif kind == "u" and rec["id"] in state.entries:
-                state.entries[rec["id"]] = Entry(**rec["e"])
-            elif kind == "o":
-                pending[rec["s"]] = rec["op"]
-            elif kind == "x":
-                ended.add(rec["id"])
-                state.entries.pop(rec["id"], None)
-            elif kind == "a":
-                for seq in rec["s"]:
-                    pending.pop(seq, None)
-            elif kind == "n":
-                state.epochs[rec["r"]] = max(state.epochs.get(rec["r"], 0), rec["n"])
-            elif kind == "d":
-                state.delegation = (rec["d"], rec["w"])
-            self._seq = max(self._seq, int(rec.get("s", 0)) if kind in ("g", "o") else 0)
-        state.pending = sorted(pending.items())
-        # A lease ended with nothing pending is done; its grant is kept while ops wait.
-        waiting = {_op_lease(op) for _, op in state.pending}
-        state.grants = {k: v for k, v in state.grants.items() if k in state.entries or k in waiting}
-        return state
 
     def _compact_locked(self) -> None:
         """Rewrite the log with what replay needs (atomically: a new file renamed over)."""

@@ -150,7 +150,7 @@ def run(config: AgentConfig) -> int:
         log.info("metrics on %s", metrics.url)
     link.start(config.heartbeat_interval_s)
     service.start_holder_watch(config.holder_check_interval_s)
-    watcher = InventoryWatcher(config, set(backends), link)
+    watcher = InventoryWatcher(config, set(backends), link, journal=service.journal)
     watcher.start()
     stop = threading.Event()
 

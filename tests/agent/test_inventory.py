@@ -3,6 +3,7 @@ and hotplug rescans that reach poold through the next heartbeat (real poold API)
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ from agent.config import AgentConfig
 from agent.discovery.annotations import AnnotationError, from_agent_config
 from agent.discovery.hotplug import EventSource
 from agent.inventory import InventoryWatcher, host_inventory
+from agent.journal import GRANT_LOG_NAME, Entry, Journal
 from agent.link import PooldLink
 from poold.api.client import PooldClient
 from poold.wire.admin import DeviceStatus
@@ -335,3 +337,47 @@ def test_watcher_stops_promptly_while_polling(machines: Callable[[str], Path]) -
         assert watcher._thread is not None and not watcher._thread.is_alive()
     finally:
         link.client.close()
+
+
+# --- the journal, read beside the running agent -----------------------------------------
+
+
+def _local_entry(lease_id: str, sub_device: str | None = None) -> Entry:
+    return Entry(lease_id, "dev-1", "devdax", 0, 2 << 20, 1, 1, 0, None, 60, sub_device, 0, "{}")
+
+
+def _grant(lease_id: str, epoch: int) -> str:
+    return json.dumps({"lease_id": lease_id, "reservation_id": "res-1", "epoch": epoch})
+
+
+def test_a_rescan_reads_the_running_agents_journal_and_never_rewrites_it(
+    machines: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A rescan, or any process reading the journal beside the running agent, names its
+    sub-devices without writing a byte: the agent's later appends still land in the
+    file a restart replays. (A reader that opened a second Journal compacted the grant
+    log by renaming a new file over it, and the agent went on appending to the old one:
+    after a crash every local lease granted since that rescan was lost.)"""
+    cfg = config(machines("qemu-full-06-interleave"), state_dir=tmp_path / "state")
+    path = agent_inventory.journal_path(cfg)
+    journal = Journal(path)
+    try:
+        first = _local_entry("local-1", "dax0.1")
+        journal.add_local(first, _grant("local-1", 1), "res-1", 1, False)
+        log_file = path.parent / GRANT_LOG_NAME
+        inode = log_file.stat().st_ino
+        size = log_file.stat().st_size
+
+        assert "dax0.1" in agent_inventory.own_sub_devices(cfg)  # read from the files
+        assert "dax0.1" in agent_inventory.own_sub_devices(cfg, journal)  # the live one's
+        agent_inventory.scan(cfg, {"devdax"})
+        assert (log_file.stat().st_ino, log_file.stat().st_size) == (inode, size)
+
+        journal.add_local(_local_entry("local-2"), _grant("local-2", 2), "res-1", 2, False)
+    finally:
+        journal.close()
+    again = Journal(path)  # the restart
+    try:
+        assert set(again.local.state.entries) == {"local-1", "local-2"}
+    finally:
+        again.close()
