@@ -57,6 +57,7 @@ from poold.ledger import (
     hosts,
     lease_views,
     leases,
+    op_batches,
     tenants,
 )
 from poold.ledger import audit as ledger_audit
@@ -318,14 +319,16 @@ def create_app(
         host_id = ledger.host_ids.get(host)
         if host_id is None:
             host_id = await anyio.to_thread.run_sync(
-                lambda: leases.host_id_of(ledger, host), limiter=limiter
+                lambda: hosts.host_id_of(ledger, host), limiter=limiter
             )
         news, token = await ledger.news.wait(host_id, body.since, body.timeout_s)
         return News(news=news, token=token)
 
     @bind
     def apply_ops(body: AgentOps, p: Caller) -> list[LeaseOpResult]:
-        return leases.apply_ops(ledger, _host_of(p), body.ops, p.actor, request_id=body.request_id)
+        return op_batches.apply_ops(
+            ledger, _host_of(p), body.ops, p.actor, request_id=body.request_id
+        )
 
     @bind
     def confirm_revoked(body: RevokedConfirm, p: Caller) -> list[LeaseOpResult]:

@@ -42,7 +42,7 @@ from poold.errors import (
     UnknownReservation,
 )
 from poold.lease_states import LIVE_STATES_SQL
-from poold.ledger import agent_requests, budget_sizing, granting, leases, transitions
+from poold.ledger import agent_requests, budget_sizing, granting, hosts, transitions
 from poold.ledger.budgets import QuotaUse
 from poold.ledger.db import Ledger, Prepared
 from poold.ledger.models import (
@@ -216,7 +216,7 @@ def delegate(
     def attempt() -> Delegation:
         try:
             with ledger.write_conn() as conn:
-                host_id = leases._host_id(ledger, conn, host_name)
+                host_id = hosts.host_id(ledger, conn, host_name)
                 if request_id is not None:
                     stored = agent_requests.recall(conn, host_id, request_id, REQUEST_KIND)
                     if stored is not None:

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, delete, select
 from sqlalchemy.orm import Session
 
-from poold.errors import AlreadyExists, Unauthorized, UnknownHost
+from poold.errors import AlreadyExists, NotOwner, Unauthorized, UnknownHost
 from poold.ledger import transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import Base, Host, Lease
@@ -151,3 +151,30 @@ def authenticate(ledger: Ledger, credential_digest: str) -> str:
     """The host name behind an agent credential's digest, or `unauthorized`."""
     with ledger.read() as session:
         return authenticate_name(session.connection(), credential_digest)
+
+
+# --- a host's id, on the lease path ----------------------------------------------------
+
+_HOST_ID = select(Host.id).where(Host.name == bindparam("host_name"))
+
+
+def host_id(ledger: Ledger, conn: Connection, host_name: str) -> int:
+    """A registered host's id, in ``conn``'s transaction (cached: hosts are looked up on
+    every lease call); ``not_owner`` for a name no host has."""
+    cached = ledger.host_ids.get(host_name)
+    if cached is not None:
+        return cached
+    found = conn.execute(_HOST_ID, {"host_name": host_name}).scalar()
+    if found is None:
+        raise NotOwner(f"host {host_name!r} is not registered")
+    ledger.host_ids[host_name] = int(found)
+    return int(found)
+
+
+def host_id_of(ledger: Ledger, host_name: str) -> int:
+    """A registered host's id (cached: hosts are looked up on every lease call)."""
+    cached = ledger.host_ids.get(host_name)
+    if cached is not None:
+        return cached
+    with ledger.read() as s:
+        return host_id(ledger, s.connection(), host_name)

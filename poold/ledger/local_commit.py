@@ -5,7 +5,7 @@ Its own module because the checks are their own question: an ordinary op moves a
 poold already holds from one state to the next (poold/ledger/leases.py), while a local
 grant arrives as a lease poold has never seen, made within a delegation
 (poold/ledger/delegation.py) whose reservation, epoch block and budget it must fit.
-`leases.apply_ops` dispatches to it, so it runs in the batch's transaction.
+`op_batches.apply_ops` dispatches to it, so it runs in the batch's transaction.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class BatchReads:
     the tenant's generation, and the batch swaps each of its tenants' generations from
     the one it read, before it commits (`swap_tenants`): a change committed since fails
     the swap and reruns the batch with fresh reads; a batch's grants go after its other
-    ops (`leases.apply_ops`), so the local use read at its first grant already counts
+    ops (`op_batches.apply_ops`), so the local use read at its first grant already counts
     the batch's releases.
 
     On PostgreSQL the batch takes its row locks first, in the ledger's one order
@@ -162,7 +162,7 @@ class BatchReads:
     # PostgreSQL's exclusion constraint (ex_leases_no_overlap, over the same live states)
     # refuses an overlapping insert by itself: the batch's first attempt leaves the
     # overlap check to it, and a batch it refused runs again checking each grant, which
-    # refuses the overlapping one alone (`leases.apply_ops`). SQLite has no such
+    # refuses the overlapping one alone (`op_batches.apply_ops`). SQLite has no such
     # constraint: every grant is checked.
     overlap_by_constraint: bool = False
 
@@ -251,7 +251,7 @@ class BatchReads:
         """A local lease of the batch's host stopped counting, or shrank, within the batch:
         its tenant's local use, if the batch has read it, says so. A release of a lease
         granted earlier in the same batch comes after that grant read the use (grants go
-        last, `leases.apply_ops`): without this, a later grant of the tenant in the batch
+        last, `op_batches.apply_ops`): without this, a later grant of the tenant in the batch
         was refused its budget by a lease already released."""
         spent = self.spent.get(lease.tenant_id)
         if spent is not None and lease.reservation_id is not None:
@@ -271,7 +271,7 @@ class BatchReads:
         """The tenant's budget row on this host (None: none) and its local use there,
         kept up to date by the batch's grants. Read at the batch's first grant for every
         tenant it grants to, in one statement each: its other ops have gone before
-        (`leases.apply_ops`), and what goes between one tenant's first grant and another's
+        (`op_batches.apply_ops`), and what goes between one tenant's first grant and another's
         acts on leases the batch granted, never on the other tenant's use."""
         if tenant_id not in self.spent:
             ids = {tenant_id} | {t.id for t in self.tenants.values()}

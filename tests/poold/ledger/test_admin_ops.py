@@ -30,6 +30,7 @@ from poold.ledger import (
     hosts,
     lease_views,
     leases,
+    op_batches,
 )
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, DevicePath, Event, Host, Quarantine
@@ -54,7 +55,9 @@ def grant(ledger: Ledger, host: str = "h1", *, activate: bool = True, mib: int =
 
 
 def op(ledger: Ledger, lease_id: str, name: str, host: str = "h1") -> None:
-    [result] = leases.apply_ops(ledger, host, [LeaseOp(lease_id=lease_id, op=name)], "agent:test")  # type: ignore[arg-type]
+    [result] = op_batches.apply_ops(
+        ledger, host, [LeaseOp(lease_id=lease_id, op=name)], "agent:test"
+    )  # type: ignore[arg-type]
     assert result.code is None, result
 
 

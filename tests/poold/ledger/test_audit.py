@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from poold.api.client import PooldClient
-from poold.ledger import audit, lease_views, leases, transitions
+from poold.ledger import audit, lease_views, leases, op_batches, transitions
 from poold.ledger.db import Ledger
 from poold.ledger.models import AuditRun, Device, Lease, Quarantine, Tenant
 from poold.ledger.reaper import ReaperPolicy
@@ -167,12 +167,12 @@ def test_agent_reports_reveal_stale_and_leaked_leases(ledger: Ledger) -> None:
     """The ledger against what the agent says it holds: stale is orphaned, leaked revoked."""
     from datetime import timedelta
 
-    from poold.ledger import heartbeat, hosts, leases
+    from poold.ledger import heartbeat, hosts
     from poold.wire.agent import Heartbeat, LeaseOp
 
     seed(ledger)
     kept, lost, ended = grant(ledger), grant(ledger), grant(ledger)
-    leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=ended.id, op="release")], "agent:h1")
+    op_batches.apply_ops(ledger, "h1", [LeaseOp(lease_id=ended.id, op="release")], "agent:h1")
     later = utcnow() + timedelta(seconds=10)  # the grants are well before the report
     with ledger.write() as s:
         host = hosts.get_by_name(s, "h1")
@@ -199,12 +199,12 @@ def test_a_lease_ended_just_before_the_report_is_not_leaked_yet(ledger: Ledger) 
     flight, not a leak (as a lease granted just before a report is not stale)."""
     from datetime import timedelta
 
-    from poold.ledger import audit_agents, heartbeat, hosts, leases
+    from poold.ledger import audit_agents, heartbeat, hosts
     from poold.wire.agent import Heartbeat, LeaseOp
 
     seed(ledger)
     just = grant(ledger)
-    leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=just.id, op="release")], "agent:h1")
+    op_batches.apply_ops(ledger, "h1", [LeaseOp(lease_id=just.id, op="release")], "agent:h1")
     for offset_s, leaked in ((1.0, []), (audit_agents.STALE_MARGIN_S + 5, [just.id])):
         at = utcnow() + timedelta(seconds=offset_s)
         with ledger.write() as s:

@@ -14,7 +14,16 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
 
-from poold.ledger import agent_reports, audit, audit_agents, heartbeat, hosts, lease_views, leases
+from poold.ledger import (
+    agent_reports,
+    audit,
+    audit_agents,
+    heartbeat,
+    hosts,
+    lease_views,
+    leases,
+    op_batches,
+)
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Host
 from poold.ledger.reaper import ReaperPolicy
@@ -126,7 +135,7 @@ def test_holder_mismatch_is_reported(ledger: Ledger) -> None:
 def test_leftover_sub_devices_are_leaked_and_deleted_on_reclaim(ledger: Ledger) -> None:
     devdax(ledger)
     kept, ended, live = grant(ledger), grant(ledger), grant(ledger)
-    leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=ended.id, op="release")], "agent:h1")
+    op_batches.apply_ops(ledger, "h1", [LeaseOp(lease_id=ended.id, op="release")], "agent:h1")
     unknown = str(uuid.uuid4())
     leftovers = [
         LeftoverSubDevice(sub_device="dax0.3", region_id=0, size_bytes=4 * MiB, lease_id=ended.id),
@@ -177,7 +186,7 @@ def scrubbing_lease(ledger: Ledger) -> tuple[LeaseOut, datetime]:
     """A devdax lease released dirty (now scrubbing), and when it became so."""
     devdax(ledger)
     lease = grant(ledger)
-    leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=lease.id, op="release_dirty")], "agent:h1")
+    op_batches.apply_ops(ledger, "h1", [LeaseOp(lease_id=lease.id, op="release_dirty")], "agent:h1")
     with ledger.read() as s:
         since = s.scalar(
             select(Event.at).where(Event.lease_id == lease.id).order_by(Event.id.desc())
@@ -225,7 +234,7 @@ def test_unfinished_scrub_is_reissued_with_reclaim(ledger: Ledger) -> None:
     after = reissue.at + timedelta(seconds=20)
     assert audit.run_audit(ledger, POLICY, now=after).agents.unfinished_scrubs == []
     # The agent's verdict ends it.
-    leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=lease.id, op="scrubbed")], "agent:h1")
+    op_batches.apply_ops(ledger, "h1", [LeaseOp(lease_id=lease.id, op="scrubbed")], "agent:h1")
     assert lease_views.show(ledger, lease.id).state == "reclaimed"
 
 

@@ -36,6 +36,7 @@ from poold.ledger import (
     heartbeat,
     hosts,
     leases,
+    op_batches,
     tenants,
 )
 from poold.ledger.db import Ledger
@@ -65,7 +66,9 @@ def _grant(size_bytes: int = 2 * MiB, tenant: str = "t1") -> GrantRequest:
 
 
 def _ops(ledger: Ledger, *ops: LeaseOp, host: str = "h1") -> list[tuple[str | None, str | None]]:
-    return [(r.state, r.code) for r in leases.apply_ops(ledger, host, list(ops), f"agent:{host}")]
+    return [
+        (r.state, r.code) for r in op_batches.apply_ops(ledger, host, list(ops), f"agent:{host}")
+    ]
 
 
 def _extents(ledger: Ledger) -> list[Extent]:

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import select
 
 from poold.errors import QuotaExceeded
-from poold.ledger import budget_sizing, delegation, granting, heartbeat, leases, tenants
+from poold.ledger import budget_sizing, delegation, granting, heartbeat, leases, op_batches, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Budget, Event, Lease
 from poold.wire.admin import TenantUpdate
@@ -57,7 +57,8 @@ def test_a_central_grant_spends_its_own_hosts_budget_never_past_the_quota(ledger
     assert [(b.bytes, b.leases) for b in d.budgets] == [(16 * MiB, 4)]
     # The reservation is spent by one local lease; the next request goes central.
     assert [
-        r.code for r in leases.apply_ops(ledger, "h1", [local_grant_op(d, "L1", 0, epoch=0)], "a")
+        r.code
+        for r in op_batches.apply_ops(ledger, "h1", [local_grant_op(d, "L1", 0, epoch=0)], "a")
     ] == [None]
     lease = leases.grant(ledger, "h1", _grant(4 * MiB), "agent:h1")
     assert lease.reservation_id is None
@@ -95,7 +96,7 @@ def test_a_budget_spent_by_local_grants_is_not_spent_again(ledger: Ledger) -> No
         budgets=[BudgetWant(tenant="t1", bytes=16 * MiB, leases=16)],
     )
     ops = [local_grant_op(d, f"L{i}", i * 2 * MiB, epoch=i) for i in range(6)]
-    assert all(r.code is None for r in leases.apply_ops(ledger, "h1", ops, "agent:h1"))
+    assert all(r.code is None for r in op_batches.apply_ops(ledger, "h1", ops, "agent:h1"))
     # 12 MiB granted locally: a central 6 MiB would need 2 MiB more than the budget has.
     with pytest.raises(QuotaExceeded):
         leases.grant(ledger, "h1", _grant(6 * MiB), "agent:h1")
@@ -138,7 +139,7 @@ def test_central_grants_racing_local_grants_never_exceed_the_quota(ledger: Ledge
 
     def local() -> object:
         for i in range(12):
-            leases.apply_ops(
+            op_batches.apply_ops(
                 ledger, "h1", [local_grant_op(d, f"L{i}", i * 2 * MiB, epoch=i)], "agent:h1"
             )
         return None
@@ -231,7 +232,7 @@ def test_a_central_grant_spends_only_past_the_local_use_the_agent_reports(
     assert _budget(ledger) == (8 * MiB, 3)
     # Both commits later: inside the budget left.
     ops = [local_grant_op(d, "L1", 0, epoch=0), local_grant_op(d, "L2", 2 * MiB, epoch=1)]
-    assert [r.code for r in leases.apply_ops(ledger, "h1", ops, "agent:h1")] == [None, None]
+    assert [r.code for r in op_batches.apply_ops(ledger, "h1", ops, "agent:h1")] == [None, None]
     assert _use(ledger) == (16 * MiB, 4)
     # Another tenant's count says nothing of this one.
     other = LocalUse(tenant="t2", bytes=4 * MiB, leases=2)
@@ -251,7 +252,7 @@ def test_a_local_grant_past_a_lowered_budget_is_kept_while_the_quota_has_room(
     # The agent granted three before hearing that its budget is 2 leases: the third
     # fits the quota, so it is kept.
     ops = [local_grant_op(d, f"L{i}", 2 * MiB * i, epoch=i) for i in range(3)]
-    assert [r.code for r in leases.apply_ops(ledger, "h1", ops, "agent:h1")] == [None] * 3
+    assert [r.code for r in op_batches.apply_ops(ledger, "h1", ops, "agent:h1")] == [None] * 3
     assert _budget(ledger) == (4 * MiB, 2)  # left as it is: the lease counts itself
     assert _use(ledger) == (6 * MiB, 3)
     with ledger.read() as s:
@@ -263,7 +264,7 @@ def test_a_local_grant_past_a_lowered_budget_is_kept_while_the_quota_has_room(
     leases.grant(ledger, "h1", _grant(8 * MiB), "agent:h1")
     leases.grant(ledger, "h1", _grant(2 * MiB), "agent:h1")
     assert _use(ledger) == (16 * MiB, 5)
-    [result] = leases.apply_ops(
+    [result] = op_batches.apply_ops(
         ledger, "h1", [local_grant_op(d, "L3", 6 * MiB, epoch=3)], "agent:h1"
     )
     assert result.code == "budget_exceeded"
@@ -277,13 +278,15 @@ def test_a_heartbeat_does_not_call_a_lease_it_has_not_heard_of_ended(ledger: Led
         reserve=[ReserveWant(bytes=4 * MiB)],
         budgets=[BudgetWant(tenant="t1", bytes=4 * MiB, leases=2)],
     )
-    [ok] = leases.apply_ops(ledger, "h1", [local_grant_op(d, "L1", 0, epoch=0)], "agent:h1")
+    [ok] = op_batches.apply_ops(ledger, "h1", [local_grant_op(d, "L1", 0, epoch=0)], "agent:h1")
     assert ok.code is None
     leases.end(ledger, "L1", leases.LeaseEvent.RELEASE, "agent:h1", host_name="h1")
     # L2 is a local grant whose local_grant is still queued: not ended. L1 is.
     reply = heartbeat.receive_heartbeat(ledger, "h1", Heartbeat(held=["L1", "L2"]), "agent:h1")
     assert [r.lease_id for r in reply.revocations] == ["L1"]
-    [late] = leases.apply_ops(ledger, "h1", [local_grant_op(d, "L2", 2 * MiB, epoch=1)], "agent:h1")
+    [late] = op_batches.apply_ops(
+        ledger, "h1", [local_grant_op(d, "L2", 2 * MiB, epoch=1)], "agent:h1"
+    )
     assert (late.code, late.state) == (None, "active")
 
 
@@ -305,7 +308,7 @@ def test_a_quota_cut_leaves_each_host_its_fair_share_first(ledger: Ledger) -> No
         budget_sizing.claw_back,
     )
     assert _budget(ledger, 1) == (4 * MiB, 2) and _budget(ledger, 2) == (4 * MiB, 2)
-    [late] = leases.apply_ops(ledger, "h1", [local_grant_op(d1, "L1", 0, epoch=0)], "agent:h1")
+    [late] = op_batches.apply_ops(ledger, "h1", [local_grant_op(d1, "L1", 0, epoch=0)], "agent:h1")
     assert (late.code, late.state) == (None, "active")
 
 
@@ -329,7 +332,7 @@ def test_a_batch_grant_may_spend_the_budget_a_lease_released_in_it_freed(
         LeaseOp(lease_id="L1", op="release", reason="holder released"),
         local_grant_op(d, second, 2 * MiB, epoch=1),
     ]
-    results = leases.apply_ops(ledger, "h1", ops, "agent:h1")
+    results = op_batches.apply_ops(ledger, "h1", ops, "agent:h1")
     assert [(r.lease_id, r.code) for r in results] == [("L1", None), ("L1", None), (second, None)]
     assert _use(ledger) == (4 * MiB, 1)  # the budget, which the live lease spends
     with ledger.read() as s:

@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import select
 
 from poold.errors import NoCapacity
-from poold.ledger import delegation, heartbeat, leases
+from poold.ledger import delegation, heartbeat, leases, op_batches
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Reservation
 from poold.wire.agent import GrantRequest, Heartbeat, LeaseReport
@@ -98,7 +98,7 @@ def test_a_reservation_with_a_lease_inside_is_not_recalled(ledger: Ledger) -> No
     lease_id, rid = _setup(ledger)
     d = delegation.delegate(ledger, "h1", DelegationRequest(), "agent:h1")
     op = local_grant_op(d, "L1", 0, epoch=0)
-    assert [r.code for r in leases.apply_ops(ledger, "h1", [op], "agent:h1")] == [None]
+    assert [r.code for r in op_batches.apply_ops(ledger, "h1", [op], "agent:h1")] == [None]
     reply = heartbeat.receive_heartbeat(
         ledger, "h1", Heartbeat(admission_wanted_bytes=56 * MiB), "agent:h1"
     )

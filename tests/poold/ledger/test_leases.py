@@ -24,7 +24,7 @@ from poold.errors import (
 )
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATES, LeaseEvent
-from poold.ledger import lease_views, leases, tenants
+from poold.ledger import lease_views, leases, op_batches, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Event, Lease, Tenant
 from poold.ledger.types import utcnow
@@ -249,7 +249,7 @@ def test_freeing_bytes_moves_no_device_generation_and_epochs_still_grow(
                 if how == "batch"
                 else LeaseOp(lease_id=lease.id, op="shrink", length_bytes=2 * MiB)
             )
-            [done] = leases.apply_ops(ledger, "h1", [op], "agent:h1")
+            [done] = op_batches.apply_ops(ledger, "h1", [op], "agent:h1")
             assert done.code is None, done
             if how == "shrink":
                 release(ledger, lease.id)
@@ -412,7 +412,7 @@ def test_lazy_expiry_on_release_then_the_agents_release_is_the_reclaim(ledger: L
     # The same through an op batch; an admin's release of an expired lease is refused.
     other = grant(ledger, MiB, activate=True)
     _backdate(ledger, other.id)
-    results = leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=other.id, op="release")], "a")
+    results = op_batches.apply_ops(ledger, "h1", [LeaseOp(lease_id=other.id, op="release")], "a")
     assert (results[0].state, results[0].code) == ("reclaimed", None)
     third = grant(ledger, MiB, activate=True)
     _backdate(ledger, third.id)
@@ -427,7 +427,7 @@ def test_apply_ops_each_op_on_its_own(ledger: Ledger) -> None:
     seed(ledger, host="h2", devices=[device("dev-1")], tenant=None)
     a = grant(ledger, MiB, activate=True)
     b = grant(ledger, MiB)
-    results = leases.apply_ops(
+    results = op_batches.apply_ops(
         ledger,
         "h1",
         [
@@ -445,7 +445,7 @@ def test_apply_ops_each_op_on_its_own(ledger: Ledger) -> None:
         ("aborted", None),
     ]
     c = grant(ledger, MiB)
-    foreign = leases.apply_ops(ledger, "h2", [LeaseOp(lease_id=c.id, op="release")], "agent:h2")
+    foreign = op_batches.apply_ops(ledger, "h2", [LeaseOp(lease_id=c.id, op="release")], "agent:h2")
     assert foreign[0].code == "not_owner"
     assert lease_views.show(ledger, c.id).state == "granted"
 
@@ -461,7 +461,7 @@ def test_an_op_batch_journals_each_applied_op_once_in_the_order_applied(
     a, b, c = sorted((grant(ledger, MiB, activate=True) for _ in range(3)), key=lambda x: x.id)
     with ledger.read() as s:
         before = s.scalar(select(func.max(Event.id)))
-    results = leases.apply_ops(
+    results = op_batches.apply_ops(
         ledger,
         "h1",
         [

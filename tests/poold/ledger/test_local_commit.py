@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from sqlalchemy import func, select
 
-from poold.ledger import budget_sizing, delegation, leases, tenants
+from poold.ledger import budget_sizing, delegation, op_batches, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Budget, Event, Lease, Tenant
 from poold.wire.admin import TenantUpdate
@@ -16,7 +16,7 @@ from tests.poold.conftest import MiB, at_once, device, local_grant_op, seed
 
 
 def _ops(ledger: Ledger, ops: list[LeaseOp]) -> list[tuple[str | None, str | None]]:
-    return [(r.state, r.code) for r in leases.apply_ops(ledger, "h1", ops, "agent:h1")]
+    return [(r.state, r.code) for r in op_batches.apply_ops(ledger, "h1", ops, "agent:h1")]
 
 
 def _generation(ledger: Ledger) -> int:

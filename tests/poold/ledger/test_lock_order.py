@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select, text
 
-from poold.ledger import delegation, leases, tenants
+from poold.ledger import delegation, leases, op_batches, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Budget, Host, Lease
 from poold.ledger.reaper import Reaper, ReaperPolicy
@@ -49,7 +49,7 @@ def test_hold_and_release_batch_never_fail(ledger: Ledger) -> None:
         try:
             _, released = at_once(
                 lambda: reaper.hold_host(host_id, utcnow() + timedelta(hours=1)),
-                functools.partial(leases.apply_ops, ledger, "h1", ops, "agent:h1"),
+                functools.partial(op_batches.apply_ops, ledger, "h1", ops, "agent:h1"),
             )
         except AssertionError as exc:
             raise AssertionError(f"iteration {iteration}: {exc}") from None
@@ -132,8 +132,8 @@ def test_local_commits_of_two_hosts_and_central_grants_take_one_lock_order(
             freed = LeaseOp(lease_id=central(host, order[0]), op="release")
             batches[host] = [freed, *grants]
         results = at_once(
-            functools.partial(leases.apply_ops, ledger, "h1", batches["h1"], "agent:h1"),
-            functools.partial(leases.apply_ops, ledger, "h2", batches["h2"], "agent:h2"),
+            functools.partial(op_batches.apply_ops, ledger, "h1", batches["h1"], "agent:h1"),
+            functools.partial(op_batches.apply_ops, ledger, "h2", batches["h2"], "agent:h2"),
             functools.partial(central, "h1", "t3"),
             functools.partial(central, "h2", "t1"),
         )
@@ -179,7 +179,7 @@ def test_a_long_batch_is_not_starved_by_central_grants_of_its_tenant(ledger: Led
                     )
                     for k in range(60)
                 ]
-                answered = leases.apply_ops(ledger, "h2", ops, "agent:h2")
+                answered = op_batches.apply_ops(ledger, "h2", ops, "agent:h2")
                 assert [r.code for r in answered] == [None] * len(ops)
         finally:
             stop.set()

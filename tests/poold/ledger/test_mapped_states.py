@@ -10,7 +10,7 @@ from sqlalchemy import func, select, text, update
 
 from poold.errors import QuotaExceeded
 from poold.lease_states import LIVE_STATE_VALUES, LeaseEvent, LeaseState
-from poold.ledger import heartbeat, lease_views, leases, migrate, transitions
+from poold.ledger import heartbeat, lease_views, leases, migrate, op_batches, transitions
 from poold.ledger.db import Ledger, make_engine
 from poold.ledger.models import Device, Event, Host, Lease, Tenant
 from poold.ledger.reaper import Reaper, ReaperPolicy, reclaim_event_seen
@@ -35,7 +35,7 @@ def grant(ledger: Ledger, size: int = 16 * MiB) -> LeaseOut:
 
 
 def op(ledger: Ledger, lease_id: str, name: str) -> str | None:
-    (result,) = leases.apply_ops(
+    (result,) = op_batches.apply_ops(
         ledger, "h1", [LeaseOp.model_validate({"lease_id": lease_id, "op": name})], "agent:h1"
     )
     return result.code or result.state

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import bindparam, select, text
 from sqlalchemy.exc import IntegrityError
 
-from poold.ledger import agent_requests, db, leases, transitions
+from poold.ledger import agent_requests, db, hosts, leases, op_batches, transitions
 from poold.ledger.db import Ledger, Prepared, classify
 from poold.ledger.models import Lease
 from poold.wire.agent import GrantRequest, LeaseOp
@@ -44,7 +44,7 @@ def _grant(ledger: Ledger, request_id: str | None = None) -> str:
 def test_prepared_rows_equal_core_rows(ledger: Ledger) -> None:
     seed(ledger)
     lease_id = _grant(ledger, str(uuid.uuid4()))
-    leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=lease_id, op="release")], "agent:h1")
+    op_batches.apply_ops(ledger, "h1", [LeaseOp(lease_id=lease_id, op="release")], "agent:h1")
     fast = Prepared(_LEASE_ROW)
     with ledger.read() as s:
         conn = s.connection()
@@ -60,7 +60,7 @@ def test_prepared_rows_equal_core_rows(ledger: Ledger) -> None:
 
 def test_prepared_errors_are_sqlalchemy_errors(ledger: Ledger) -> None:
     seed(ledger)
-    host_id = leases.host_id_of(ledger, "h1")
+    host_id = hosts.host_id_of(ledger, "h1")
 
     def twice() -> None:
         with ledger.write_conn() as conn:

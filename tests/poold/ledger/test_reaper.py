@@ -23,6 +23,7 @@ from poold.ledger import (
     hosts,
     lease_views,
     leases,
+    op_batches,
     transitions,
 )
 from poold.ledger.db import Ledger
@@ -388,7 +389,7 @@ def test_devdax_ranges_are_scrubbed_before_they_are_free(ledger: Ledger) -> None
     assert reclaim_event("numa") is LeaseEvent.RECLAIM
     seed(ledger, devices=[device(kind="devdax", local_name="dax_region0")])
     out = grant(ledger, 4 * MiB)
-    leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=out.id, op="release_dirty")], "agent:h1")
+    op_batches.apply_ops(ledger, "h1", [LeaseOp(lease_id=out.id, op="release_dirty")], "agent:h1")
     with ledger.write() as s:
         reply = heartbeat.heartbeat(s, hosts.get_by_name(s, "h1"), Heartbeat())
     (order,) = reply.scrub
@@ -396,5 +397,5 @@ def test_devdax_ranges_are_scrubbed_before_they_are_free(ledger: Ledger) -> None
     # Still taken: a second grant cannot land on the dirty range.
     again = grant(ledger, 4 * MiB)
     assert again.offset_bytes != 0
-    leases.apply_ops(ledger, "h1", [LeaseOp(lease_id=out.id, op="scrubbed")], "agent:h1")
+    op_batches.apply_ops(ledger, "h1", [LeaseOp(lease_id=out.id, op="scrubbed")], "agent:h1")
     assert lease_views.show(ledger, out.id).state == "reclaimed"

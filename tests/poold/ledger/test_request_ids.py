@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import func, select, update
 
 from poold.errors import BadRequest, QuotaExceeded
-from poold.ledger import leases
+from poold.ledger import leases, op_batches
 from poold.ledger.db import Ledger
 from poold.ledger.models import AgentRequest, Event, Lease
 from poold.ledger.reaper import Reaper, ReaperPolicy
@@ -83,15 +83,15 @@ def test_a_retried_op_batch_gets_the_first_answer(ledger: Ledger) -> None:
     a = leases.grant(ledger, "h1", _grant(), "agent:h1")
     b = leases.grant(ledger, "h1", _grant(), "agent:h1")
     ops = [LeaseOp(lease_id=b.id, op="release"), LeaseOp(lease_id=a.id, op="release")]
-    first = leases.apply_ops(ledger, "h1", ops, "agent:h1", request_id="batch-1")
+    first = op_batches.apply_ops(ledger, "h1", ops, "agent:h1", request_id="batch-1")
     assert [(r.lease_id, r.state, r.code) for r in first] == [
         (b.id, "released", None),
         (a.id, "released", None),
     ]
-    again = leases.apply_ops(ledger, "h1", ops, "agent:h1", request_id="batch-1")
+    again = op_batches.apply_ops(ledger, "h1", ops, "agent:h1", request_id="batch-1")
     assert again == first
     # Without the id the replay is refused op by op (and still changes nothing).
-    replay = leases.apply_ops(ledger, "h1", ops, "agent:h1")
+    replay = op_batches.apply_ops(ledger, "h1", ops, "agent:h1")
     assert {r.code for r in replay} == {"lease_not_active"}
     with ledger.read() as s:
         releases = s.scalar(select(func.count()).where(Event.kind == "lease.release"))
@@ -108,7 +108,7 @@ def test_ops_of_one_lease_keep_their_order(ledger: Ledger) -> None:
         LeaseOp(lease_id=lo, op="release"),
         LeaseOp(lease_id=hi, op="release"),
     ]
-    results = leases.apply_ops(ledger, "h1", ops, "agent:h1")
+    results = op_batches.apply_ops(ledger, "h1", ops, "agent:h1")
     assert [(r.lease_id, r.state, r.code) for r in results] == [
         (hi, "active", None),
         (lo, "released", None),
@@ -120,7 +120,7 @@ def test_an_id_reused_for_another_kind_is_refused(ledger: Ledger) -> None:
     seed(ledger)
     a = leases.grant(ledger, "h1", _grant("x"), "agent:h1")
     with pytest.raises(BadRequest) as refused:
-        leases.apply_ops(
+        op_batches.apply_ops(
             ledger, "h1", [LeaseOp(lease_id=a.id, op="release")], "agent:h1", request_id="x"
         )
     assert refused.value.code == "bad_request"
@@ -161,8 +161,8 @@ def test_concurrent_duplicates_make_one_lease(ledger: Ledger) -> None:
         ids = sorted(s.scalars(select(Lease.id)))
     ops = [LeaseOp(lease_id=x, op="release") for x in ids]
     answers = at_once(
-        lambda: leases.apply_ops(ledger, "h1", ops, "agent:h1", request_id="batch"),
-        lambda: leases.apply_ops(ledger, "h1", ops, "agent:h1", request_id="batch"),
+        lambda: op_batches.apply_ops(ledger, "h1", ops, "agent:h1", request_id="batch"),
+        lambda: op_batches.apply_ops(ledger, "h1", ops, "agent:h1", request_id="batch"),
     )
     assert answers[0] == answers[1]
     assert {r.state for r in answers[0]} == {"released"}

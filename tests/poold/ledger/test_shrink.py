@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import select, update
 
-from poold.ledger import lease_views, leases
+from poold.ledger import lease_views, op_batches
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Lease
 from poold.ledger.types import utcnow
@@ -20,7 +20,7 @@ from tests.poold.ledger.test_leases import grant, release
 def shrink(
     ledger: Ledger, lease_id: str, length: int, host: str = "h1"
 ) -> tuple[str | None, str | None]:
-    [result] = leases.apply_ops(
+    [result] = op_batches.apply_ops(
         ledger,
         host,
         [LeaseOp(lease_id=lease_id, op="shrink", length_bytes=length)],
