@@ -35,6 +35,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Protocol
 
+from agent import hand_off
 from poold.api.client import PooldClient
 from poold.errors import GenerationConflict, LedgerUnavailable, PooldUnreachable, PoolError
 from poold.wire.agent import (
@@ -327,7 +328,8 @@ class PooldLink:
     def grant_spending(self, req: GrantRequest) -> tuple[LeaseOut, BudgetSpent | None]:
         """Grant through poold, delivering the outbox with it, retried under one request id;
         the lease, and what poold says it took from this host's budget of the tenant
-        (None: it does not say).
+        (None: it does not say). The tenant's request waits for poold here: the socket loop
+        goes on without it (agent/hand_off.py).
 
         A grant that gets no answer (unreachable, timed out, reply lost) or
         ``ledger_unavailable`` is sent again with the same request id, a few times with
@@ -335,6 +337,7 @@ class PooldLink:
         first attempt made. Past that the tenant gets the retryable error, and the next
         resync ends any lease the lost attempts left.
         """
+        hand_off.ahead()
         if req.request_id is None:
             req = req.model_copy(update={"request_id": new_request_id()})
         # The queued ops ride on the grant (a release just before it frees its bytes and
@@ -514,6 +517,7 @@ class PooldLink:
     def abort_now(self, lease_id: str, reason: str) -> None:
         if self.local is not None and self.local.abandon(lease_id):
             return  # granted locally and never reported: poold has nothing to abort
+        hand_off.ahead()
         try:
             self.client.abort(lease_id, reason)
         except PoolError as err:
@@ -533,6 +537,7 @@ class PooldLink:
         if self.local is not None and self.local.abandon(lease.id):
             return  # granted locally and never reported: poold has nothing to end
         op = LeaseOp(lease_id=lease.id, op="release", reason=reason)
+        hand_off.ahead()
         try:
             self.client.apply_ops([op], request_id=new_request_id())
         except PoolError as err:
@@ -540,6 +545,7 @@ class PooldLink:
                 self.enqueue(op)
 
     def activate(self, lease_id: str) -> LeaseOut:
+        hand_off.ahead()
         return self.client.activate(lease_id)
 
     # --- batched ------------------------------------------------------------

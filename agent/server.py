@@ -13,7 +13,7 @@ connection handed it over at each of its syscalls (at 8 tenants the agent's CPU 
 cycle doubled). A request about to wait (a central grant, a frame not all there, a
 peer not reading) passes the loop to a new thread first (:mod:`agent.hand_off`) and
 finishes on its own; a request slow for a reason nobody marked is caught by a watchdog
-within ``_WATCH_INTERVAL_S`` or two. Threads, not asyncio: a handler may block (on
+within ``hand_off.WATCH_INTERVAL_S`` or two. Threads, not asyncio: a handler may block (on
 poold, on a backend), and fds cross with plain ``sendmsg``. A bad client costs at most
 its own connection: errors become error frames.
 
@@ -85,9 +85,6 @@ DEFAULT_IDLE_TIMEOUT_S: Final = 300.0
 DEFAULT_REPLY_TIMEOUT_S: Final = 30.0
 DEFAULT_MAX_QUEUED_EVENTS: Final = 256
 _JOIN_TIMEOUT_S: Final = 5.0
-# A request the loop has served this long without passing the loop on (an unmarked
-# wait) loses it to a new thread; the watchdog looks this often.
-_WATCH_INTERVAL_S: Final = 0.05
 _ARMED: Final = select.EPOLLIN | select.EPOLLONESHOT
 _ACCEPTS_PER_ROUND: Final = 64  # a flood of connects does not starve the requests
 _REFUSAL_LOG_INTERVAL_S: Final = 10.0
@@ -109,16 +106,6 @@ class SocketLimits:
 
 def _holds_none(peer: Peer) -> bool:
     return False
-
-
-class _Lead:
-    """The loop's turn: the thread holding the current one polls; ``since`` is when the
-    request it is serving began (0: none)."""
-
-    __slots__ = ("since",)
-
-    def __init__(self) -> None:
-        self.since = 0.0
 
 
 class AgentServer:
@@ -174,8 +161,7 @@ class AgentServer:
         self._stopping = threading.Event()
         self._epoll = select.epoll()
         self._by_fd: dict[int, Connection] = {}  # armed or being served; under the lock
-        self._lead: _Lead | None = None  # the loop's current turn
-        self._threads: set[threading.Thread] = set()  # loop threads but serve_forever's
+        self._turns = hand_off.Turns(self._run, self._stopping)  # who runs the loop now
         self._serving_ident: int | None = None  # thread running serve_forever, if any
         self._served = threading.Event()  # serve_forever has returned and cleaned up
         self._closed = False
@@ -195,37 +181,36 @@ class AgentServer:
             if self._closed or self._serving_ident is not None:
                 return
             self._serving_ident = threading.get_ident()
-            self._lead = lead = _Lead()
         try:
             self._epoll.register(self._listener.fileno(), select.EPOLLIN)
             self._epoll.register(self._wake_r, select.EPOLLIN)
-            threading.Thread(target=self._watch, name="agent-loop-watch", daemon=True).start()
-            self._start(lead)
+            self._turns.begin()
             self._stopping.wait()
         finally:
             self._close_all()
             self._served.set()
 
-    def _run(self, lead: _Lead) -> None:
-        """Poll and serve while this thread has the turn ``lead``."""
+    def _run(self, turn: hand_off.Turn) -> None:
+        """Poll and serve while this thread has ``turn``."""
         listener_fd = self._listener.fileno()
-        sweep_every = min(1.0, max(_WATCH_INTERVAL_S, self.limits.idle_timeout_s / 4))
+        sweep_every = min(1.0, max(hand_off.WATCH_INTERVAL_S, self.limits.idle_timeout_s / 4))
         sweep_at = time.monotonic() + sweep_every
-        while self._lead is lead and not self._stopping.is_set():
+        while self._turns.current is turn and not self._stopping.is_set():
             try:
                 # One event a poll: a request that hands the loop on mid-way leaves no
                 # other connection disarmed behind it (each is armed for one event).
                 events = self._epoll.poll(max(0.0, sweep_at - time.monotonic()), 1)
             except (OSError, ValueError):  # closed under us: shutting down
                 return
-            for fd, _ in events:
+            if events:
+                ((fd, _),) = events
                 if fd == self._wake_r:
                     return
                 if fd == listener_fd:
                     self._accept()
-                    continue
-                connection = self._by_fd.get(fd)
-                if connection is not None and not self._serve(connection, lead):
+                elif (connection := self._by_fd.get(fd)) is not None and not self._serve(
+                    connection, turn
+                ):
                     return
             if time.monotonic() >= sweep_at:
                 self._sweep()
@@ -245,42 +230,6 @@ class AgentServer:
                     time.sleep(0.1)  # out of fds: let connections close rather than spin
                 return
             self._admit(sock)
-
-    def _hand_off(self, lead: _Lead) -> None:
-        """Turn ``lead`` is over: a new thread polls from now. Its holder finishes the
-        request it is serving and retires."""
-        with self._lock:
-            if self._lead is not lead or self._closed or self._stopping.is_set():
-                return
-            self._lead = following = _Lead()
-        self._start(following)
-
-    def _start(self, lead: _Lead) -> None:
-        thread = threading.Thread(target=self._follow, args=(lead,), name="agent-loop", daemon=True)
-        with self._lock:  # started under it: _close_all joins only started threads
-            self._threads.add(thread)
-            thread.start()
-
-    def _follow(self, lead: _Lead) -> None:
-        try:
-            self._run(lead)
-        except Exception:  # the loop must not die with one thread: pass it on
-            log.exception("the agent's socket loop failed; going on in a new thread")
-            self._hand_off(lead)
-        finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
-
-    def _watch(self) -> None:
-        """Pass the loop on when one request has held it for a whole interval."""
-        while not self._stopping.wait(_WATCH_INTERVAL_S):
-            lead = self._lead
-            if lead is None:
-                continue
-            since = lead.since
-            if since and time.monotonic() - since >= _WATCH_INTERVAL_S:
-                log.debug("a request held the socket loop for %.3f s", time.monotonic() - since)
-                self._hand_off(lead)
 
     def start_in_thread(self) -> threading.Thread:
         """Run :meth:`serve_forever` on a daemon thread (tests, embedding)."""
@@ -316,7 +265,7 @@ class AgentServer:
                 return
             self._closed = True
             connections = list(self._connections.values())
-            threads = [t for t in self._threads if t is not threading.current_thread()]
+        threads = self._turns.close()
         self._listener.close()
         # Only the file we bound: a newer agent may have replaced it since.
         unlink_listener(self.socket_path, self._bound_inode)
@@ -492,15 +441,19 @@ class AgentServer:
         gone = {fd for fd, _ in hangups.poll(0)}
         reaped = False
         for connection in idle:
-            if connection.fd not in gone:
-                continue
-            with self._lock:
-                if connection.busy or connection.shed:
-                    continue
-                connection.shed = True
-            self._drop(connection)
-            reaped = True
+            if connection.fd in gone and self._shed(connection):
+                self._drop(connection)
+                reaped = True
         return reaped
+
+    def _shed(self, connection: Connection) -> bool:
+        """Mark an idle connection for closing; False when a request began on it meanwhile
+        (or another thread shed it first)."""
+        with self._lock:
+            if connection.busy or connection.shed:
+                return False
+            connection.shed = True
+            return True
 
     def _arm(self, fd: int) -> None:
         """Poll ``fd`` again (for one request)."""
@@ -542,11 +495,11 @@ class AgentServer:
             connection.sock.send(encode_error(busy), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
         connection.close()
 
-    def _serve(self, connection: Connection, lead: _Lead) -> bool:
+    def _serve(self, connection: Connection, turn: hand_off.Turn) -> bool:
         """One request on ``connection``; True while this thread still has the loop."""
-        lead.since = time.monotonic()
+        turn.since = time.monotonic()
         try:
-            with hand_off.serving(lambda: self._hand_off(lead)):
+            with hand_off.serving(lambda: self._turns.hand_off(turn)):
                 keep = False
                 try:
                     keep = self._converse_once(connection)
@@ -559,8 +512,8 @@ class AgentServer:
                 else:
                     self._drop(connection)
         finally:
-            lead.since = 0.0
-        return self._lead is lead
+            turn.since = 0.0
+        return self._turns.current is turn
 
     def _drop(self, connection: Connection) -> None:
         """Close ``connection`` and tell the handler; once, whichever thread asks."""
@@ -602,10 +555,8 @@ class AgentServer:
             if self._holds_leases(peer):
                 connection.last_active = now  # asked again after another idle period
                 continue
-            with self._lock:
-                if connection.busy:  # a request began meanwhile
-                    continue
-                connection.shed = True
+            if not self._shed(connection):
+                continue
             log.info(
                 "connection %d (pid %d uid %d): idle for %.0f s without leases; closing",
                 peer.connection_id,

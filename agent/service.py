@@ -291,7 +291,6 @@ class AgentService:
         except DelegationExpired as expired:
             if self.link.failing:
                 raise  # a central grant would only wait out its patience
-            hand_off.ahead()  # poold's answer is a network round trip away
             try:
                 lease = self.delegation.central(req, self.link.grant_spending)
             except (PooldUnreachable, LedgerUnavailable) as err:
@@ -300,7 +299,6 @@ class AgentService:
             if local is not None:
                 return local
             # poold may pay it from this host's budget: the agent's view drops first.
-            hand_off.ahead()  # poold's answer is a network round trip away
             lease = self.delegation.central(req, self.link.grant_spending)
         self.delegation.capacity.note_demand(lease.tenant, lease.media, lease.length_bytes)
         return lease
