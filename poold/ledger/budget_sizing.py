@@ -29,7 +29,7 @@ from sqlalchemy import Connection, bindparam, delete, insert, select, update
 from poold.errors import NotOwner, UnknownTenant
 from poold.ledger import granting, transitions
 from poold.ledger.budgets import QuotaUse
-from poold.ledger.db import Prepared
+from poold.ledger.db import Prepared, PreparedIn
 from poold.ledger.models import Budget, Tenant
 from poold.ledger.transitions import event_row
 
@@ -43,10 +43,12 @@ _TENANTS = select(
 )
 # `set_budgets`' statements, built once: building them per tenant and call cost more
 # Python than running them (a delegate call sets dozens).
-_LOCKED_TENANTS = (
-    _TENANTS.where(Tenant.name.in_(bindparam("names", expanding=True)))
-    .order_by(Tenant.name)
-    .with_for_update(key_share=True)
+_LOCKED_TENANTS = PreparedIn(
+    lambda member: (
+        _TENANTS.where(member(Tenant.name, "names"))
+        .order_by(Tenant.name)
+        .with_for_update(key_share=True)
+    )
 )
 # (Bound names other than the columns': an UPDATE reserves those for its SET clause.)
 _THIS_BUDGET = (
@@ -67,13 +69,12 @@ _NEW_BUDGET = Prepared(
     column_keys=("tenant_id", "host_id", "bytes", "leases", "created_at", "expires_at"),
 )
 _DROP_BUDGET = Prepared(delete(Budget).where(*_THIS_BUDGET))
-_RENEW_BUDGETS = (
-    update(Budget)
-    .where(
-        Budget.host_id == bindparam("b_host_id"),
-        Budget.tenant_id.in_(bindparam("tenant_ids", expanding=True)),
+_RENEW_BUDGETS = PreparedIn(
+    lambda member: (
+        update(Budget)
+        .where(Budget.host_id == bindparam("b_host_id"), member(Budget.tenant_id, "tenant_ids"))
+        .values(expires_at=bindparam("expires_at"))
     )
-    .values(expires_at=bindparam("expires_at"))
 )
 
 
@@ -125,7 +126,7 @@ def set_budgets(
     # Locked in name order (PostgreSQL), as an op batch locks the tenants it grants to:
     # a batch committing in between no longer makes a swap below fail and the whole
     # delegate run again (it waits for the lock instead).
-    tenants = {t.name: t for t in conn.execute(_LOCKED_TENANTS, {"names": sorted(by_name)})}
+    tenants = {t.name: t for t in _LOCKED_TENANTS.rows(conn, {"names": sorted(by_name)})}
     for name in sorted(by_name):
         tenant = tenants.get(name)
         if tenant is None:
@@ -174,9 +175,8 @@ def set_budgets(
         if rows:
             statement.write(conn, rows)
     if renew:
-        conn.execute(
-            _RENEW_BUDGETS,
-            {"b_host_id": host_id, "tenant_ids": sorted(renew), "expires_at": expires_at},
+        _RENEW_BUDGETS.write(
+            conn, {"b_host_id": host_id, "tenant_ids": sorted(renew), "expires_at": expires_at}
         )
     return uses
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Literal
 
-from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import ARRAY, Connection, Engine, any_, bindparam, create_engine, event
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import (
     DataError,
@@ -38,7 +38,7 @@ from sqlalchemy.exc import (
     OperationalError,
 )
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql import ClauseElement, ColumnElement
 from sqlalchemy.sql.dml import Insert
 
 from poold.errors import BadRequest, LedgerUnavailable
@@ -549,3 +549,40 @@ class Prepared:
             return int(cursor.rowcount)
         finally:
             cursor.close()
+
+
+def _any_of(column: Any, name: str) -> ColumnElement[bool]:
+    return column == any_(bindparam(name, type_=ARRAY(column.type)))  # type: ignore[no-any-return]
+
+
+def _in_expanding(column: Any, name: str) -> ColumnElement[bool]:
+    return column.in_(bindparam(name, expanding=True))  # type: ignore[no-any-return]
+
+
+class PreparedIn:
+    """A statement over a list of values, as cheap as each backend lets it be.
+
+    An expanding IN (`col IN (:a, :b, ...)`) is rewritten for every call, so it cannot
+    be a `Prepared`: through `Connection.execute` it cost ~230 µs per call on PostgreSQL,
+    the same statement as `col = ANY(:list)` (one array parameter, compiled once, and
+    prepared by the server) ~115 µs. An op batch runs several, a delegation call more.
+    On PostgreSQL: the ANY form through `Prepared`; elsewhere (SQLite has no arrays):
+    the expanding IN, built once. ``build`` makes the statement from a function that
+    gives the membership test of a column in a named list parameter; rows come back
+    with the selected columns' names, by attribute or position, on either backend.
+    """
+
+    def __init__(self, build: Callable[[Callable[[Any, str], ColumnElement[bool]]], Any]) -> None:
+        self._any = Prepared(build(_any_of))
+        self._expanding = build(_in_expanding)
+
+    def rows(self, conn: Connection, params: Mapping[str, Any]) -> list[Any]:
+        if conn.dialect.name == "postgresql":
+            return self._any.rows(conn, params)
+        return list(conn.execute(self._expanding, params))
+
+    def write(self, conn: Connection, params: Mapping[str, Any]) -> int:
+        """Run an UPDATE/DELETE over the list; its rowcount."""
+        if conn.dialect.name == "postgresql":
+            return self._any.write(conn, params)
+        return int(conn.execute(self._expanding, params).rowcount)

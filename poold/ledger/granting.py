@@ -31,7 +31,7 @@ from poold.extents import Extent
 from poold.lease_states import LIVE_STATES_SQL
 from poold.ledger import devices
 from poold.ledger.budgets import QuotaUse
-from poold.ledger.db import Prepared
+from poold.ledger.db import Prepared, PreparedIn
 from poold.ledger.models import Budget, Device, DevicePath, Lease, Quarantine, Reservation
 
 _LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
@@ -73,11 +73,12 @@ _TENANT_USE = Prepared(
         Lease.tenant_id == bindparam("tenant_id"), Budget.tenant_id == bindparam("tenant_id")
     )
 )
-# Built once: an expanding IN cannot be prepared (db.Prepared), but building the union
-# and its cache key on every call cost more than running it.
-_TENANTS_USE = _tenant_use(
-    Lease.tenant_id.in_(bindparam("tenant_ids", expanding=True)),
-    Budget.tenant_id.in_(bindparam("tenant_ids", expanding=True)),
+# Built once: building the union and its cache key on every call cost more than
+# running it.
+_TENANTS_USE = PreparedIn(
+    lambda member: _tenant_use(
+        member(Lease.tenant_id, "tenant_ids"), member(Budget.tenant_id, "tenant_ids")
+    )
 )
 _HOST_DEVICES = Prepared(
     select(
@@ -159,7 +160,7 @@ def quota_uses(conn: Connection, tenant_ids: Iterable[int]) -> dict[int, QuotaUs
     ids = sorted(set(tenant_ids))
     if not ids:
         return {}
-    rows = conn.execute(_TENANTS_USE, {"tenant_ids": ids}).all()
+    rows = _TENANTS_USE.rows(conn, {"tenant_ids": ids})
     found = _fold(rows)
     return {t: found.get(t, QuotaUse()) for t in ids}
 

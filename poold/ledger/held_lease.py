@@ -20,7 +20,7 @@ from sqlalchemy import Connection, bindparam, select
 from poold.errors import GenerationConflict, NotOwner, UnknownLease
 from poold.lease_states import LeaseEvent, LeaseState, next_state
 from poold.ledger import transitions
-from poold.ledger.db import Prepared
+from poold.ledger.db import Prepared, PreparedIn
 from poold.ledger.models import Lease
 
 # What an op on an existing lease reads of it.
@@ -37,9 +37,16 @@ _HELD_COLUMNS = (
     Lease.reservation_id,
 )
 _LEASE_FOR_OP = Prepared(select(*_HELD_COLUMNS).where(Lease.id == bindparam("lease_id")))
-_LEASES = select(*_HELD_COLUMNS).where(Lease.id.in_(bindparam("lease_ids", expanding=True)))
+_LEASES = PreparedIn(lambda member: select(*_HELD_COLUMNS).where(member(Lease.id, "lease_ids")))
 # ORDER BY id: PostgreSQL locks the rows in the order it returns them (lock order).
-_LEASES_FOR_UPDATE = _LEASES.order_by(Lease.id).with_for_update()
+_LEASES_FOR_UPDATE = PreparedIn(
+    lambda member: (
+        select(*_HELD_COLUMNS)
+        .where(member(Lease.id, "lease_ids"))
+        .order_by(Lease.id)
+        .with_for_update()
+    )
+)
 
 
 @dataclass
@@ -65,11 +72,11 @@ def read(conn: Connection, lease_id: str) -> Held | None:
     return None if row is None else Held(*row)
 
 
-def _by_id(conn: Connection, stmt: Any, lease_ids: Sequence[str]) -> dict[str, Held]:
+def _by_id(conn: Connection, stmt: PreparedIn, lease_ids: Sequence[str]) -> dict[str, Held]:
     out: dict[str, Held] = {}
     for chunk in transitions.chunks(transitions.lock_order(lease_ids)):
-        for row in conn.execute(stmt, {"lease_ids": list(chunk)}):
-            out[row.id] = Held(**row._mapping)
+        for row in stmt.rows(conn, {"lease_ids": list(chunk)}):
+            out[row.id] = Held(*row)
     return out
 
 

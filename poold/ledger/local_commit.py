@@ -30,7 +30,7 @@ from poold.errors import (
 )
 from poold.lease_states import LIVE_STATES_SQL, LeaseState
 from poold.ledger import budgets, held_lease, tenants, transitions
-from poold.ledger.db import Prepared
+from poold.ledger.db import Prepared, PreparedIn
 from poold.ledger.granting import INSERT_LEASE, quota_use
 from poold.ledger.held_lease import Held
 from poold.ledger.models import Budget, Device, Lease, Reservation, Tenant
@@ -81,9 +81,9 @@ _RECORDED_COLUMNS = (
 _LOCAL_GRANT_AS_RECORDED = Prepared(
     select(*_RECORDED_COLUMNS).where(Lease.id == bindparam("lease_id"))
 )
-# The same, for every local grant of a batch at once (an expanding IN: plain Core).
-_LOCAL_GRANTS_AS_RECORDED = select(Lease.id, *_RECORDED_COLUMNS).where(
-    Lease.id.in_(bindparam("lease_ids", expanding=True))
+# The same, for every local grant of a batch at once.
+_LOCAL_GRANTS_AS_RECORDED = PreparedIn(
+    lambda member: select(Lease.id, *_RECORDED_COLUMNS).where(member(Lease.id, "lease_ids"))
 )
 _OVERLAPPING = Prepared(
     select(Lease.id)
@@ -95,24 +95,27 @@ _OVERLAPPING = Prepared(
     )
     .limit(1)
 )
-# Every grant tenant's of a batch at once (expanding INs: plain Core).
-_BUDGETS_OF = select(Budget.tenant_id, Budget.bytes, Budget.leases).where(
-    Budget.tenant_id.in_(bindparam("tenant_ids", expanding=True)),
-    Budget.host_id == bindparam("host_id"),
+# Every grant tenant's of a batch at once.
+_BUDGETS_OF = PreparedIn(
+    lambda member: select(Budget.tenant_id, Budget.bytes, Budget.leases).where(
+        member(Budget.tenant_id, "tenant_ids"), Budget.host_id == bindparam("host_id")
+    )
 )
-_LOCAL_USES = (
-    select(
-        Lease.tenant_id,
-        func.coalesce(func.sum(Lease.length_bytes), 0),
-        func.count(Lease.id),
+_LOCAL_USES = PreparedIn(
+    lambda member: (
+        select(
+            Lease.tenant_id,
+            func.coalesce(func.sum(Lease.length_bytes), 0),
+            func.count(Lease.id),
+        )
+        .where(
+            member(Lease.tenant_id, "tenant_ids"),
+            Lease.host_id == bindparam("host_id"),
+            Lease.reservation_id.is_not(None),
+            _LIVE_SQL,
+        )
+        .group_by(Lease.tenant_id)
     )
-    .where(
-        Lease.tenant_id.in_(bindparam("tenant_ids", expanding=True)),
-        Lease.host_id == bindparam("host_id"),
-        Lease.reservation_id.is_not(None),
-        _LIVE_SQL,
-    )
-    .group_by(Lease.tenant_id)
 )
 
 
@@ -189,7 +192,7 @@ class BatchReads:
         if len(grants) > 1:
             reads.recorded = {}
             for chunk in transitions.chunks(grants):
-                for row in conn.execute(_LOCAL_GRANTS_AS_RECORDED, {"lease_ids": list(chunk)}):
+                for row in _LOCAL_GRANTS_AS_RECORDED.rows(conn, {"lease_ids": list(chunk)}):
                     reads.recorded[row.id] = row
         if postgres:  # SQLite runs one writer at a time: nothing to order
             reads._lock_rows(conn, ops, host_name)
@@ -278,8 +281,8 @@ class BatchReads:
             ids |= {t.id for t in (self.named or {}).values() if t is not None}
             ids -= set(self.spent)
             params = {"tenant_ids": sorted(ids), "host_id": host_id}
-            found = {row.tenant_id: row for row in conn.execute(_BUDGETS_OF, params)}
-            uses = {int(t): (int(b), int(n)) for t, b, n in conn.execute(_LOCAL_USES, params)}
+            found = {row.tenant_id: row for row in _BUDGETS_OF.rows(conn, params)}
+            uses = {int(t): (int(b), int(n)) for t, b, n in _LOCAL_USES.rows(conn, params)}
             for i in ids:
                 self.budgets[i] = found.get(i)
                 self.spent[i] = list(uses.get(i, (0, 0)))

@@ -208,25 +208,6 @@ _LOCK = {
 }
 
 
-def lock_rows(
-    conn: Connection, model: Generational, ids: Iterable[int], order_by: Any = None
-) -> dict[int, int]:
-    """Row-lock these rows (as `bump` does) in one statement, taken in `order_by` order
-    (id by default: PostgreSQL locks rows in the order it returns them); their
-    generations now. For a writer that must hold several rows before it reads what they
-    guard, in the order the other writers take them."""
-    wanted = sorted(set(ids))
-    if not wanted:
-        return {}
-    stmt = (
-        select(model.id, model.generation)
-        .where(model.id.in_(wanted))
-        .order_by(model.id if order_by is None else order_by)
-        .with_for_update(key_share=True)
-    )
-    return {int(row.id): int(row.generation) for row in conn.execute(stmt)}
-
-
 class LostRace(Exception):
     """Another writer moved a generation this transaction read; run it again.
 

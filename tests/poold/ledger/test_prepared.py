@@ -8,11 +8,11 @@ import uuid
 
 import psycopg
 import pytest
-from sqlalchemy import bindparam, select, text
+from sqlalchemy import bindparam, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from poold.ledger import agent_requests, db, hosts, leases, op_batches, transitions
-from poold.ledger.db import Ledger, Prepared, classify
+from poold.ledger.db import Ledger, Prepared, PreparedIn, classify
 from poold.ledger.models import Lease
 from poold.wire.agent import GrantRequest, LeaseOp
 from tests.poold.conftest import UID, MiB, seed
@@ -39,6 +39,32 @@ def _grant(ledger: Ledger, request_id: str | None = None) -> str:
         activate=True,
     )
     return leases.grant(ledger, "h1", req, "agent:h1").id
+
+
+def test_a_statement_over_a_list_reads_and_writes_what_an_in_list_does(ledger: Ledger) -> None:
+    """`PreparedIn` (ANY over an array on PostgreSQL, an expanding IN elsewhere): the rows
+    an IN list selects, by name and by position, typed as Core types them; an UPDATE's
+    rowcount; ids that match nothing match nothing."""
+    seed(ledger)
+    ids = sorted(_grant(ledger) for _ in range(3))
+    columns = _LEASE_ROW.selected_columns
+    listed = PreparedIn(
+        lambda member: select(*columns).where(member(Lease.id, "ids")).order_by(Lease.id)
+    )
+    touch = PreparedIn(
+        lambda member: (
+            update(Lease).where(member(Lease.id, "ids")).values(labels=bindparam("new_labels"))
+        )
+    )
+    with ledger.write_conn() as conn:
+        core = conn.execute(select(*columns).where(Lease.id.in_(ids[:2])).order_by(Lease.id)).all()
+        mine = listed.rows(conn, {"ids": [ids[1], ids[0], "nope"]})
+        assert [tuple(r) for r in mine] == [tuple(r) for r in core]
+        assert [r.id for r in mine] == ids[:2] and mine[0].granted_at.tzinfo is not None
+        assert listed.rows(conn, {"ids": ["nope"]}) == []
+        assert touch.write(conn, {"ids": [*ids[1:], "nope"], "new_labels": {"k": "v"}}) == 2
+        labels = listed.rows(conn, {"ids": ids})
+        assert [r.labels for r in labels] == [{"model": "llama", "é": "ü"}, {"k": "v"}, {"k": "v"}]
 
 
 def test_prepared_rows_equal_core_rows(ledger: Ledger) -> None:
