@@ -376,12 +376,16 @@ class PooldLink:
                 )
                 return out, lease.budget_spent
         finally:
+            riding = {op.lease_id for op in pending}
             with self._lock:
                 self._grants_in_flight.discard(token)
                 self._delivered(pending)
-                held_back = bool(self._outbox)
+                # Ops that waited for these (a later op of a lease whose op rode) go now;
+                # the rest keep their own time (waking for any queued op sent a batch
+                # after every central grant: most of poold's batches under delegation).
+                held_back = any(op.lease_id in riding for op in self._outbox)
             if held_back:
-                self._wake.set()  # ops that waited for these go now
+                self._wake.set()
 
     def _grant_retrying(self, req: GrantRequest) -> GrantReply:
         deadline = time.monotonic() + self.grant_patience_s

@@ -4,6 +4,7 @@ that a retry can fix (a credential not taken yet, poold failing mid-request)."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 
@@ -196,3 +197,45 @@ def test_a_tenants_local_ops_reach_poold_one_request_at_a_time_in_queue_order() 
             link._delivered(flushed)
             after = link._take_ops()
         assert [op.lease_id for op in after] == ["b"]
+
+
+def test_a_central_grant_wakes_the_outbox_only_for_the_ops_it_held_back(
+    api: ThreadedServer, admin: PooldClient
+) -> None:
+    """Other tenants' local ops keep their flush interval: waking the outbox after every
+    central grant because anything was queued sent poold a batch per central grant.
+    An op queued meanwhile for a lease whose op rode on the grant goes at once."""
+    credential = admin.add_host("h1").credential
+    admin.create_tenant(TenantSpec(name="t1", quota_bytes=1 << 30, allowed_uids=[UID]))
+    client = PooldClient(api.url, credential)
+    link = PooldLink(client, "test")
+    link.register([device()])
+    link.local = _LocalOf({"elsewhere": "u"})  # type: ignore[assignment]
+
+    def grant() -> LeaseOut:
+        return link.grant(
+            GrantRequest(tenant="t1", size_bytes=2 * MIB, uid=UID, pid=1, activate=True)
+        )
+
+    first = grant()
+    link.enqueue(LeaseOp(lease_id="elsewhere", op="release", reason="holder released"))
+    link._wake.clear()
+    grant()  # "elsewhere" is another tenant's local lease: it stays queued, not held back
+    assert not link._wake.is_set()
+    assert [op.lease_id for op in link._outbox] == ["elsewhere"]
+
+    link.enqueue(LeaseOp(lease_id=first.id, op="release_dirty", reason="holder released"))
+    link._wake.clear()
+    sent = link._grant_retrying
+
+    def meanwhile(req: GrantRequest) -> Any:
+        assert [op.lease_id for op in req.pending] == [first.id]  # it rides
+        link.enqueue(LeaseOp(lease_id=first.id, op="scrubbed", reason="zeroed"))
+        link._wake.clear()  # as if the flush loop had looked and found it held back
+        return sent(req)
+
+    link._grant_retrying = meanwhile  # type: ignore[method-assign]
+    grant()
+    assert link._wake.is_set()  # the scrub that waited for the release goes now
+    assert {op.lease_id for op in link._outbox} == {"elsewhere", first.id}
+    client.close()
