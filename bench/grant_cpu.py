@@ -1,7 +1,8 @@
 """poold's CPU per central grant and per release, measured on a real poold process.
 
     .venv/bin/python bench/grant_cpu.py [--backends sqlite,postgresql] [--rounds 20]
-                                        [--block 100] [--warmup 200] [--baseline DIR] [--json]
+                                        [--block 100] [--local-batch N] [--warmup 200]
+                                        [--baseline DIR] [--json]
 
 For each backend (SQLite: a temp file; PostgreSQL: a throwaway server from tests/pg.py)
 it starts one `poold serve` (reaper off), registers one host with a large emulated
@@ -10,7 +11,8 @@ rounds of: `--block` sequential grants (2 MiB, activated, with a request id, as
 pool-agent sends them), then the `--block` releases (one op batch each, with a request
 id, as the agent's outbox sends them when nothing rides on a grant), then the commit of
 `--block` leases the agent granted locally inside its reservation (issue "Delegated
-capacity"): one op batch of `--block` local grants, one of their releases.
+capacity"): one op batch of `--block` local grants, one of their releases (with
+`--local-batch N`: batches of N each, as a busy agent's outbox sends a few dozen).
 
 poold's CPU (user + system, all threads, psutil) is read before and after each block:
 one figure per round for "ms of poold CPU per grant" and per release. CPU time is what
@@ -180,6 +182,7 @@ class Poold:
     local: Series = field(default_factory=Series)
     delegation: Delegation | None = None
     epoch: int = 0
+    local_batch: int = 0  # local ops per batch; 0: the whole block in one
 
     @property
     def pid(self) -> int:
@@ -207,8 +210,9 @@ class Poold:
             raise RuntimeError(f"release refused: {results[0].code} {results[0].message}")
 
     def local_block(self, block: int, *, measure: bool = True) -> None:
-        """One op batch of ``block`` local grants inside the host's reservation, then one
-        of their releases, as an agent's outbox sends them: CPU per lease committed."""
+        """``block`` local grants inside the host's reservation committed in op batches
+        of ``local_batch`` (default: one), then their releases the same way, as an agent's
+        outbox sends them: CPU per lease committed."""
         assert self.delegation is not None
         res = self.delegation.reservations[0]
         now = datetime.now(UTC)
@@ -237,8 +241,11 @@ class Poold:
             )
             self.epoch += 1
         releases = [LeaseOp(lease_id=lease_id, op="release") for lease_id in ids]
+        size = self.local_batch or block
+        batches = [grants[i : i + size] for i in range(0, block, size)]
+        batches += [releases[i : i + size] for i in range(0, block, size)]
         c0, t0 = cpu_s(self.pid), time.perf_counter()
-        for ops in (grants, releases):
+        for ops in batches:
             results = self.agent.apply_ops(ops, request_id=str(uuid.uuid4()))
             refused = [r for r in results if r.code is not None]
             if refused:
@@ -364,6 +371,7 @@ def run_backend(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
                 code_dir = Path(args.baseline) if label == "baseline" else None
                 hide = label == "baseline" and args.baseline_asyncio
                 poolds.append(provision(label, url, work, code_dir, asyncio_loop=hide))
+                poolds[-1].local_batch = args.local_batch
             # Warm-up: the first requests compile statements, fill caches, start threads.
             for _ in range(max(1, args.warmup // args.block)):
                 for pd in poolds:
@@ -385,6 +393,7 @@ def run_backend(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
                 "backend": backend,
                 "rounds": args.rounds,
                 "block": args.block,
+                "local_batch": args.local_batch or args.block,
                 "poolds": [
                     {
                         "label": pd.label,
@@ -461,6 +470,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--block", type=int, default=100, help="requests per CPU reading")
     ap.add_argument("--warmup", type=int, default=200, help="grants+releases before measuring")
+    ap.add_argument(
+        "--local-batch",
+        type=int,
+        default=0,
+        help="local leases per committed op batch (default: the whole block in one); "
+        "an agent under load sends a few dozen per batch",
+    )
     ap.add_argument(
         "--baseline",
         default=None,
