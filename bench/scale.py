@@ -15,7 +15,8 @@ so `quota_exceeded` happens. For each C of `--clients`, C client processes sprea
 the agent sockets share `--operations` lease operations: lease 2-64 MiB (timed from the
 client), hold a few ms, sometimes renew, release.
 
-Per phase: grants/s, grant p50/p99, poold and agent CPU per grant (psutil), errors by
+Per phase: grants/s, grant p50/p99, poold and agent CPU per grant (psutil), poold's
+worker-thread CPU per grant by route (its `poold_request_cpu_seconds_total`), errors by
 code, and /v1/health p50/p99 polled from a thread during the phase. The floor, measured
 idle just before each phase: one trivial ledger write transaction from this process
 (p50) and one idle /v1/health round trip. Invariants are read from the ledger with SQL,
@@ -569,6 +570,17 @@ def poold_counts(urls: Sequence[str]) -> Counter[str]:
     return out
 
 
+def poold_worker_cpu(urls: Sequence[str]) -> Counter[str]:
+    """The poolds' worker-thread CPU seconds so far, summed, by route
+    (`poold_request_cpu_seconds_total`; a poold too old to export it adds nothing)."""
+    out: Counter[str] = Counter()
+    for url in urls:
+        for s in scraped(url):
+            if s.name == "poold_request_cpu_seconds_total":
+                out[s.labels["route"]] += s.value
+    return out
+
+
 def agent_counts(urls: Sequence[str]) -> Counter[str]:
     """The agents' lease grant attempts so far, summed, by path and why they went to poold
     (`pool_agent_grant_attempts_total`; an agent too old to export it adds nothing)."""
@@ -718,6 +730,7 @@ def run_phase(
         poller = HealthPoller(c.urls)
         sampler = Sampler(engine)
         counts0 = poold_counts(c.urls)
+        worker0 = poold_worker_cpu(c.urls)
         tried0 = agent_counts(c.agent_metrics)
         each0 = cpu_each(c.poolds)
         cpu_p0, cpu_a0 = sum(each0), cpu_s(c.agents)
@@ -731,6 +744,8 @@ def run_phase(
         cpu_p1, cpu_a1 = sum(each1), cpu_s(c.agents)
         counts = poold_counts(c.urls)
         counts.subtract(counts0)
+        worker = poold_worker_cpu(c.urls)
+        worker.subtract(worker0)
         tried = agent_counts(c.agent_metrics)
         tried.subtract(tried0)
         poller.stop()
@@ -794,6 +809,10 @@ def run_phase(
         "other_errors": dict(sorted(other.items())),
         # Requests the poolds answered by route, and ledger transactions run again.
         "poold_counts": {k: v for k, v in sorted(counts.items()) if v},
+        # poold's worker-thread CPU by route, ms per grant: where its CPU went.
+        "poold_worker_cpu_ms_per_grant": {
+            k: round(v * 1000 / n, 3) for k, v in worker.most_common() if n and v > 0
+        },
         # The agents' grant attempts: local, or central and why.
         "agent_paths": {k: v for k, v in sorted(tried.items()) if v},
         "health_polls": len(h_ms),
@@ -940,6 +959,12 @@ def print_phase(ph: dict[str, Any], backend: str) -> None:
     reruns = {k.removeprefix("rerun "): v for k, v in counted.items() if k.startswith("rerun")}
     per = f" ({sum(reruns.values()) / ph['grants']:.3f} per grant)" if ph["grants"] else ""
     print("ledger reruns: " + (", ".join(f"{k}={v}" for k, v in reruns.items()) or "none") + per)
+    worker = ph.get("poold_worker_cpu_ms_per_grant", {})
+    print(
+        "poold worker CPU ms per grant, by route: "
+        + (", ".join(f"{k}={v}" for k, v in worker.items()) or "none")
+        + " (the rest: the event loop, the reaper, the news listener)"
+    )
     paths = ph.get("agent_paths", {})
     print("agent grant attempts: " + (", ".join(f"{k}={v}" for k, v in paths.items()) or "none"))
     if ph["other_errors"]:

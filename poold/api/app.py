@@ -183,7 +183,7 @@ def create_app(
     limiter = anyio.CapacityLimiter(worker_threads(ledger))
     ledger.listen_for_news()  # other poolds' news for the agents waiting here (PostgreSQL)
     app.state.limiter = limiter
-    bind = Binder(app, limiter, refusals.outage)
+    bind = Binder(app, limiter, refusals.outage, on_cpu=pool_metrics.worker_cpu)
     # One gate's settings, two places: inside FastAPI's layers, and in front of them for
     # the hot routes (PooldApp).
     gate = functools.partial(

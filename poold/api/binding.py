@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 import typing
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
@@ -58,10 +59,17 @@ class Binder:
     handlers.
     """
 
-    def __init__(self, app: FastAPI, limiter: anyio.CapacityLimiter, outage: Outage) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        limiter: anyio.CapacityLimiter,
+        outage: Outage,
+        on_cpu: Callable[[str, float], None] | None = None,
+    ) -> None:
         self.app = app
         self.limiter = limiter
         self.outage = outage
+        self.on_cpu = on_cpu  # each threaded request's worker CPU, by route name
         self.bound: set[str] = set()
         # What `Gate` runs itself for `DIRECT_ROUTES`: the threaded endpoint's call.
         self.direct: dict[str, Callable[[Principal, bytes], Response]] = {}
@@ -79,7 +87,7 @@ class Binder:
                     f"handler {fn.__name__} is async: ledger work runs in worker threads"
                 )
         else:
-            endpoint = _threaded(route, fn, body_param, self.limiter, self.outage)
+            endpoint = _threaded(route, fn, body_param, self.limiter, self.outage, self.on_cpu)
             extra["response_model"] = None  # rendered in the worker thread (`_threaded`)
             if route.name in DIRECT_ROUTES:
                 params = set(inspect.signature(fn).parameters) - {body_param}
@@ -175,8 +183,10 @@ def _threaded(
     body_param: str | None,
     limiter: anyio.CapacityLimiter,
     outage: Outage,
+    on_cpu: Callable[[str, float], None] | None = None,
 ) -> Callable[..., Awaitable[Response]]:
-    """`fn` as an endpoint: body parsing, the ledger call and rendering in a worker thread."""
+    """`fn` as an endpoint: body parsing, the ledger call and rendering in a worker thread
+    (whose CPU time, refusals included, goes to ``on_cpu``)."""
     hints = typing.get_type_hints(fn, include_extras=True)
     # Keyword-only throughout: FastAPI matches by name, and the order of defaults is free.
     params = [
@@ -193,6 +203,15 @@ def _threaded(
     )
 
     def call(kwargs: dict[str, Any]) -> Response:
+        if on_cpu is None:
+            return work(kwargs)
+        start = time.thread_time()
+        try:
+            return work(kwargs)
+        finally:
+            on_cpu(route.name, time.thread_time() - start)
+
+    def work(kwargs: dict[str, Any]) -> Response:
         if body_param is not None:
             kwargs[body_param] = _parse_body(route, kwargs.pop(_RAW_BODY))
         value = fn(**kwargs)

@@ -89,6 +89,14 @@ class PooldMetrics:
             buckets=REQUEST_BUCKETS,
             registry=self.registry,
         )
+        self.request_cpu = Counter(
+            "poold_request_cpu_seconds",
+            "CPU time of the worker thread that parsed a request's body, ran its ledger "
+            "work and rendered its reply, by route name (the event loop's share is not "
+            "in it)",
+            ["route"],
+            registry=self.registry,
+        )
         self.transitions = Counter(
             "poold_lease_transitions",
             "Lease events this process committed, by kind (grant, activate, release, ...)",
@@ -134,6 +142,11 @@ class PooldMetrics:
         """One request answered (`status` None: the client left before a reply started)."""
         self.requests.labels(route, str(status) if status is not None else "none").inc()
         self.request_seconds.labels(route).observe(seconds)
+
+    def worker_cpu(self, route: str, seconds: float) -> None:
+        """One request's worker-thread CPU (`poold.api.binding`): where poold's CPU goes,
+        by route, without a profiler."""
+        self.request_cpu.labels(route).inc(seconds)
 
     def reaper_pass(self, result: str, seconds: float) -> None:
         self.reaper_runs.labels(result).inc()

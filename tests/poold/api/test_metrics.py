@@ -147,6 +147,25 @@ def test_a_retried_or_failed_transaction_is_not_counted(api: ThreadedServer, age
     agent.client.release(lease.id)
 
 
+def test_the_worker_cpu_of_each_route_is_counted_refusals_included(
+    api: ThreadedServer, agent: Agent
+) -> None:
+    """Where poold's CPU goes, by route, without a profiler: the worker thread's CPU of
+    every threaded request, a refused one too; routes not run have no sample."""
+    before = scrape(api.url)
+    assert ("poold_request_cpu_seconds_total", (("route", "grant"),)) not in before
+    big = GRANT.model_copy(update={"size_bytes": 33 * MiB})
+    with pytest.raises(Exception, match="quota"):
+        agent.client.grant(big)
+    after_refusal = value(scrape(api.url), "poold_request_cpu_seconds_total", route="grant")
+    assert after_refusal > 0
+    lease_cycle(agent)
+    samples = scrape(api.url)
+    assert value(samples, "poold_request_cpu_seconds_total", route="grant") > after_refusal
+    assert value(samples, "poold_request_cpu_seconds_total", route="heartbeat") > 0
+    assert ("poold_request_cpu_seconds_total", (("route", "delegate"),)) not in samples
+
+
 def test_several_poold_on_one_ledger_report_the_same_gauges(
     ledger: Ledger, api: ThreadedServer, agent: Agent
 ) -> None:
