@@ -555,10 +555,13 @@ def scraped(url: str) -> Iterator[Any]:
         yield from family.samples
 
 
-def poold_counts(urls: Sequence[str]) -> Counter[str]:
-    """What the poolds did so far, summed over them, from their /metrics: requests by route
-    (and status when not 200) and ledger transactions run again, by cause and row."""
+def poold_counts(urls: Sequence[str]) -> tuple[Counter[str], Counter[str]]:
+    """What the poolds did so far, summed over them, from one scrape of each /metrics:
+    requests by route (and status when not 200) and ledger transactions run again, by
+    cause and row; and their worker-thread CPU seconds by route
+    (`poold_request_cpu_seconds_total`; a poold too old to export it adds nothing)."""
     out: Counter[str] = Counter()
+    cpu: Counter[str] = Counter()
     for url in urls:
         for s in scraped(url):
             if s.name == "poold_http_requests_total" and s.labels["route"] != "health":
@@ -567,18 +570,9 @@ def poold_counts(urls: Sequence[str]) -> Counter[str]:
             elif s.name == "poold_ledger_reruns_total":
                 row = s.labels["row"]
                 out["rerun " + s.labels["cause"] + (f" {row}" if row else "")] += int(s.value)
-    return out
-
-
-def poold_worker_cpu(urls: Sequence[str]) -> Counter[str]:
-    """The poolds' worker-thread CPU seconds so far, summed, by route
-    (`poold_request_cpu_seconds_total`; a poold too old to export it adds nothing)."""
-    out: Counter[str] = Counter()
-    for url in urls:
-        for s in scraped(url):
-            if s.name == "poold_request_cpu_seconds_total":
-                out[s.labels["route"]] += s.value
-    return out
+            elif s.name == "poold_request_cpu_seconds_total":
+                cpu[s.labels["route"]] += s.value
+    return out, cpu
 
 
 def agent_counts(urls: Sequence[str]) -> Counter[str]:
@@ -729,8 +723,7 @@ def run_phase(
             time.sleep(0.02)
         poller = HealthPoller(c.urls)
         sampler = Sampler(engine)
-        counts0 = poold_counts(c.urls)
-        worker0 = poold_worker_cpu(c.urls)
+        counts0, worker0 = poold_counts(c.urls)
         tried0 = agent_counts(c.agent_metrics)
         each0 = cpu_each(c.poolds)
         cpu_p0, cpu_a0 = sum(each0), cpu_s(c.agents)
@@ -742,9 +735,8 @@ def run_phase(
             p.join(max(1.0, deadline - time.monotonic() + 30))
         each1 = cpu_each(c.poolds)
         cpu_p1, cpu_a1 = sum(each1), cpu_s(c.agents)
-        counts = poold_counts(c.urls)
+        counts, worker = poold_counts(c.urls)
         counts.subtract(counts0)
-        worker = poold_worker_cpu(c.urls)
         worker.subtract(worker0)
         tried = agent_counts(c.agent_metrics)
         tried.subtract(tried0)

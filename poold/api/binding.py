@@ -203,13 +203,12 @@ def _threaded(
     )
 
     def call(kwargs: dict[str, Any]) -> Response:
-        if on_cpu is None:
-            return work(kwargs)
         start = time.thread_time()
         try:
             return work(kwargs)
         finally:
-            on_cpu(route.name, time.thread_time() - start)
+            if on_cpu is not None:
+                on_cpu(route.name, time.thread_time() - start)
 
     def work(kwargs: dict[str, Any]) -> Response:
         if body_param is not None:

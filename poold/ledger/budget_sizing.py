@@ -27,29 +27,14 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, delete, insert, select, update
 
 from poold.errors import NotOwner, UnknownTenant
-from poold.ledger import granting, transitions
+from poold.ledger import granting, tenants, transitions
 from poold.ledger.budgets import QuotaUse
 from poold.ledger.db import Prepared, PreparedIn
 from poold.ledger.models import Budget, Tenant
 from poold.ledger.transitions import event_row
 
-_TENANTS = select(
-    Tenant.id,
-    Tenant.name,
-    Tenant.quota_bytes,
-    Tenant.quota_leases,
-    Tenant.allowed_hosts,
-    Tenant.generation,
-)
 # `set_budgets`' statements, built once: building them per tenant and call cost more
 # Python than running them (a delegate call sets dozens).
-_LOCKED_TENANTS = PreparedIn(
-    lambda member: (
-        _TENANTS.where(member(Tenant.name, "names"))
-        .order_by(Tenant.name)
-        .with_for_update(key_share=True)
-    )
-)
 # (Bound names other than the columns': an UPDATE reserves those for its SET clause.)
 _THIS_BUDGET = (
     Budget.tenant_id == bindparam("b_tenant_id"),
@@ -126,21 +111,21 @@ def set_budgets(
     # Locked in name order (PostgreSQL), as an op batch locks the tenants it grants to:
     # a batch committing in between no longer makes a swap below fail and the whole
     # delegate run again (it waits for the lock instead).
-    tenants = {t.name: t for t in _LOCKED_TENANTS.rows(conn, {"names": sorted(by_name)})}
+    named = tenants.by_names(conn, by_name, lock=True)
     for name in sorted(by_name):
-        tenant = tenants.get(name)
+        tenant = named.get(name)
         if tenant is None:
             raise UnknownTenant(f"no tenant named {name!r}", tenant=name)
         if tenant.allowed_hosts and host_name not in tenant.allowed_hosts:
             raise NotOwner(f"tenant {name!r} may not lease on host {host_name!r}")
-    uses = granting.quota_uses(conn, [t.id for t in tenants.values()])
+    uses = granting.quota_uses(conn, [t.id for t in named.values()])
     renew: list[int] = []
     swaps: dict[int, int] = {}  # tenant id -> generation read, in name order
     dropped: list[dict[str, Any]] = []
     changed: list[dict[str, Any]] = []
     added: list[dict[str, Any]] = []
     for name in sorted(by_name):
-        tenant, want = tenants[name], by_name[name]
+        tenant, want = named[name], by_name[name]
         new = _sized(tenant, uses[tenant.id], host_id, want)
         if new is None:
             renew.append(tenant.id)

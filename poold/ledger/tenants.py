@@ -171,18 +171,19 @@ _TENANT_ROWS = select(
 )
 # On the driver's cursor (db.Prepared): every grant reads it.
 _TENANT_BY_NAME = Prepared(_TENANT_ROWS.where(Tenant.name == bindparam("name")))
-# Several by name (every op batch with local grants; built once: building it per call
-# cost three times running it).
-_TENANTS_BY_NAMES = PreparedIn(
-    lambda member: _TENANT_ROWS.where(member(Tenant.name, "names")).order_by(Tenant.name)
-)
-_TENANTS_BY_NAMES_LOCKED = PreparedIn(
-    lambda member: (
-        _TENANT_ROWS.where(member(Tenant.name, "names"))
-        .order_by(Tenant.name)
-        .with_for_update(key_share=True)
-    )
-)
+
+
+# Several by name (every op batch with local grants, every delegation call), unlocked
+# and locked; built once: building it per call cost three times running it.
+def _by_names(*, lock: bool) -> PreparedIn:
+    def build(member: Callable[[Any, str], Any]) -> Any:
+        stmt = _TENANT_ROWS.where(member(Tenant.name, "names")).order_by(Tenant.name)
+        return stmt.with_for_update(key_share=True) if lock else stmt
+
+    return PreparedIn(build)
+
+
+_TENANTS_BY_NAMES = {lock: _by_names(lock=lock) for lock in (False, True)}
 
 
 def resolve(conn: Connection, name: str | None, uid: int, gids: list[int], host: str) -> Any:
@@ -211,8 +212,7 @@ def by_names(conn: Connection, names: Iterable[str], *, lock: bool = False) -> d
     wanted = sorted(set(names))
     if not wanted:
         return {}
-    stmt = _TENANTS_BY_NAMES_LOCKED if lock else _TENANTS_BY_NAMES
-    return {row.name: row for row in stmt.rows(conn, {"names": wanted})}
+    return {row.name: row for row in _TENANTS_BY_NAMES[lock].rows(conn, {"names": wanted})}
 
 
 def check_named(row: Any, name: str, uid: int, gids: list[int], host: str) -> Any:
