@@ -29,6 +29,37 @@ from poold.wire.common import LeaseOut
 ENDED_MEMORY = 4096  # how many ended lease ids the agent remembers, for clear errors
 
 
+class Ending:
+    """A lease's ending, claimed by the one path that ends it (a release, a revocation, a
+    holder check: :meth:`HeldLeases.claim_end`); the others wait for its verdict, whether
+    the memfd was left watched, rather than judge memory that is no longer theirs.
+
+    Settled by its claimer alone; a lock held until then is what waiters wait on (made
+    on every release: a lock costs a tenth of an Event)."""
+
+    __slots__ = ("_settled", "_unsettled", "mapped")
+
+    def __init__(self) -> None:
+        self._unsettled = threading.Lock()
+        self._unsettled.acquire()
+        self._settled = False
+        self.mapped = False
+
+    def settle(self, mapped: bool) -> None:
+        """The claimer's verdict, once (a later call changes nothing)."""
+        if not self._settled:
+            self._settled = True
+            self.mapped = mapped
+            self._unsettled.release()
+
+    def verdict(self, timeout_s: float) -> bool:
+        """Whether the memfd was left watched; False when the claimer has not said within
+        ``timeout_s`` (it ends the lease its own way either way)."""
+        if self._unsettled.acquire(timeout=timeout_s):
+            self._unsettled.release()
+        return self.mapped
+
+
 @dataclass
 class HeldLease:
     """One lease this agent holds: the ledger's lease, its memory, its holder."""
@@ -58,6 +89,8 @@ class HeldLease:
     # The memfd's inode (taken from the fd when the lease is journalled): how the agent
     # finds who still maps it after the lease ends. None for a dax sub-device.
     inode: Inode | None = None
+    # Set once, by the path that ends the lease (:meth:`HeldLeases.claim_end`).
+    ending: Ending | None = field(default=None, repr=False, compare=False)
 
     def journal_entry(self) -> JournalEntry:
         """What the journal keeps of this lease: enough for a restarted agent to re-adopt it."""
@@ -192,6 +225,24 @@ class HeldLeases:
             held.inode = memfd_inode(held.memory)
         with self.lock:
             self._held[held.lease.id] = held
+
+    def claim_end(self, held: HeldLease) -> Ending | None:
+        """Claim the ending of a lease: its :class:`Ending`, for the caller to settle; None
+        when another path claimed it first (a tenant's disconnect and the holder watch
+        both find a gone holder; a release races a revocation's teardown). Under the
+        table's lock, as `shrink` cuts a memfd, so no fd is closed under a truncate."""
+        with self.lock:
+            if held.ending is not None:
+                return None
+            held.ending = Ending()
+            return held.ending
+
+    def take_memory(self, held: HeldLease) -> Materialised | None:
+        """The lease's memory, now the caller's alone to close (None: taken already, or
+        re-adopted without any)."""
+        with self.lock:
+            memory, held.memory = held.memory, None
+        return memory
 
     def forget(self, lease_id: str, state: str) -> HeldLease | None:
         """Stop holding a lease that ended in ``state``; None when another caller did first."""

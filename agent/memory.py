@@ -307,21 +307,30 @@ class LeaseMemory:
             lease.expires_at = activated.expires_at
         return self.release_check.prepare(memory)
 
-    def fd_to_send(self, memory: Materialised, connection_id: int) -> int:
-        """The fd a lease's tenant is sent: a memfd's tenant reopen (the agent's copy of it
-        is closed by :meth:`sent`), or the memory's own fd."""
+    def to_send(self, memory: Materialised, connection_id: int) -> tuple[Materialised, int]:
+        """The fd a lease's reply carries, the sending path's own until :meth:`sent` (a
+        memfd's tenant reopen, or a dup of the memory's own fd), and the memory the lease
+        keeps without it.
+
+        Taken before the lease is held: a holder check or a revocation that ends it
+        meanwhile closes the lease's files, never the one about to be sent, whose number
+        could be another file's by then (a memfd given back to the warm pool, another
+        tenant's lease)."""
         tenant = memory.tenant if isinstance(memory, MemfdMaterialised) else None
         fd = tenant.fd if tenant is not None else None
-        if tenant is None or fd is None:
-            return memory.fd
+        if isinstance(memory, MemfdMaterialised) and tenant is not None and fd is not None:
+            memory = replace(memory, tenant=None)
+        else:
+            fd = os.dup(memory.fd)
+            tenant = OnceFd(fd)
         with self._lock:
             self._unsent[(connection_id, fd)] = tenant
-        return fd
+        return memory, fd
 
     def sent(self, connection_id: int, fd: int) -> None:
         """The reply carrying ``fd`` left on that connection (or failed to): the agent's
-        copy of a tenant reopen goes, so the tenant's is the only one counted. Keyed by the
-        connection too: its replies are sent in turn, so the number was not reused there."""
+        copy goes, so the tenant's is the only one counted. Keyed by the connection too:
+        its replies are sent in turn, and the number stays taken until this closes it."""
         with self._lock:
             tenant = self._unsent.pop((connection_id, fd), None)
         if tenant is not None:

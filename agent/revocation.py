@@ -20,7 +20,6 @@ orphans the leases whose holder is gone, and rescans the watched memfds.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -30,7 +29,7 @@ from datetime import UTC, datetime, timedelta
 from agent import mappings, release_check
 from agent.admission import Admission
 from agent.backends.emulated import OnceFd
-from agent.held import HeldLease, HeldLeases
+from agent.held import Ending, HeldLease, HeldLeases
 from agent.holders import alive as holder_alive
 from agent.link import Holdings, PooldLink
 from agent.memory import LeaseMemory
@@ -52,6 +51,9 @@ log = logging.getLogger("pool_agent")
 # Tear a revoked lease down this long before poold's deadline, so the confirmation
 # arrives in time and the reaper never has to reclaim it by force.
 REVOKE_MARGIN_S = 1.0
+# How long a second path to end a lease waits for the first one's verdict (a /proc scan
+# at most, normally); past it the lease counts as freed by the first.
+ENDING_WAIT_S = 10.0
 
 
 class Revocations:
@@ -353,17 +355,41 @@ class Revocations:
             )
         return found
 
-    def ended_mapped(self, held: HeldLease, why: str, found: mappings.Scan | None = None) -> bool:
+    def ended_mapped(self, held: HeldLease, why: str) -> bool:
         """A memfd lease ends (``why``: released, revoked, orphaned): the agent's own copy
         goes, and if any process still maps or holds the memfd the lease is watched and
         poold told its bytes stay counted; True then. False (nothing maps it, or it is no
         memfd) leaves the ending to the caller.
 
-        ``found``: a scan the caller made after closing the agent's copies.
+        Once per lease: a second caller (a release racing a revocation's teardown) gets
+        the first one's verdict. Judging on its own, with the memory already taken, it
+        would scan /proc and could find the memfd in the agent's own warm pool, given
+        back meanwhile: the lease watched for ever.
         """
-        inode = held.inode
+        if not self._follows_pages(held):
+            return False  # no memfd: nothing to watch, and the ending is the caller's
+        ending = self.held.claim_end(held)
+        if ending is None:
+            claimed = held.ending
+            assert claimed is not None  # set once, never unset
+            return claimed.verdict(ENDING_WAIT_S)
+        mapped = False
+        try:
+            mapped = self._ended_mapped(held, why)
+        finally:
+            ending.settle(mapped)
+        return mapped
+
+    def _follows_pages(self, held: HeldLease) -> bool:
+        """A memfd lease (its inode known): one whose pages stay with whoever maps them."""
         backend = self.memory.backend_of(held)
-        if inode is None or (backend is not None and backend.revoke_unmaps):
+        return held.inode is not None and not (backend is not None and backend.revoke_unmaps)
+
+    def _ended_mapped(self, held: HeldLease, why: str, found: mappings.Scan | None = None) -> bool:
+        """:meth:`ended_mapped` by the path that claimed the ending. ``found``: a scan the
+        caller made after taking the agent's copies (:meth:`check_holders`)."""
+        inode = held.inode
+        if inode is None or not self._follows_pages(held):
             return False
         probe: OnceFd | None = None  # open while the kernel counts another file of it
         if found is None:
@@ -371,8 +397,6 @@ class Revocations:
             if free:
                 return False  # the kernel says nobody: no scan
             found = self.scan({inode}, [probe] if probe is not None else [])
-        else:
-            self._close_copy(held)  # the agent's own fd is no reason to wait
         pids = found.pids.get(inode) or set()
         if not pids and (probe is None or not release_check.still_held(probe)):
             if probe is not None:
@@ -406,14 +430,6 @@ class Revocations:
             )
         return True
 
-    def _close_copy(self, held: HeldLease) -> None:
-        """Close the agent's fd of an ending memfd lease, once whoever calls (a holder
-        check and a disconnect may race)."""
-        with self._lock:
-            memory, held.memory = held.memory, None
-        if memory is not None:
-            self.memory.close_copy(dataclasses.replace(held, memory=memory))
-
     def _unheld(self, held: HeldLease) -> bool:
         """The agent's files of an ending memfd lease go (once, whoever calls), and True
         when the kernel says no other process holds or maps it (agent/release_check.py):
@@ -425,8 +441,7 @@ class Revocations:
 
     def _end(self, held: HeldLease) -> tuple[bool, OnceFd | None]:
         """:meth:`_unheld`, and the probe, still open, when the kernel says held."""
-        with self._lock:
-            memory, held.memory = held.memory, None
+        memory = self.held.take_memory(held)
         if memory is None:
             return False, None
         return self.memory.release_check.end(memory)
@@ -467,15 +482,24 @@ class Revocations:
         if candidates is None:
             candidates = self.held.all()
         dead = [h for h in candidates if h.holder is not None and not holder_alive(h.holder)]
+        # A tenant's disconnect and the holder watch may both find its process gone: each
+        # lease is ended by the check that claims it, and the other leaves it alone.
+        endings = {h.lease.id: e for h in dead if (e := self.held.claim_end(h)) is not None}
+        dead = [h for h in dead if h.lease.id in endings]
+        try:
+            return self._orphan(dead, endings)
+        finally:
+            for ending in endings.values():
+                ending.settle(False)  # a no-op for those settled already
+
+    def _orphan(self, dead: list[HeldLease], endings: dict[str, Ending]) -> int:
+        """:meth:`check_holders` for the gone holders' leases it claimed."""
         found = mappings.Scan()
         # Their holders are gone: the agent's copies go first (the kernel may say at once
         # that nobody holds a memfd any more), then one scan for all the others.
         unheld = {h.lease.id for h in dead if h.inode is not None and self._unheld(h)}
         memfds = {h.inode for h in dead if h.inode is not None and h.lease.id not in unheld}
         if memfds:
-            for h in dead:
-                if h.inode is not None:
-                    self._close_copy(h)
             found = self.scan(memfds)
         orphaned = 0
         for held in dead:
@@ -484,7 +508,8 @@ class Revocations:
                 if self.held.forget(held.lease.id, "revoked") is not None:
                     self.revoke([held.lease.id])
                 continue
-            mapped_elsewhere = self.ended_mapped(held, "orphaned", found)
+            mapped_elsewhere = self._ended_mapped(held, "orphaned", found)
+            endings[held.lease.id].settle(mapped_elsewhere)
             if not mapped_elsewhere and self.held.forget(held.lease.id, "orphaned") is None:
                 continue
             log.warning(

@@ -614,15 +614,17 @@ class AgentServer:
         # What the handler left until after its reply runs as this block ends.
         with after_reply.serving():
             reply, fd = dispatch(self._methods, connection, frame)
-            with _sending(connection):
-                if connection.wants_events and connection.outbox is None:
-                    # Events may queue from now; its writer waits for this lock, so the
-                    # hello's reply is the first frame the session sees.
-                    self._start_session(connection)
-                # A peer that never reads pins nothing: bounded by the reply timeout.
-                sent = send_reply(sock, reply, fd, limits.reply_timeout_s)
+            try:
+                with _sending(connection):
+                    if connection.wants_events and connection.outbox is None:
+                        # Events may queue from now; its writer waits for this lock, so
+                        # the hello's reply is the first frame the session sees.
+                        self._start_session(connection)
+                    # A peer that never reads pins nothing: bounded by the reply timeout.
+                    sent = send_reply(sock, reply, fd, limits.reply_timeout_s)
+            finally:
                 if fd is not None and self._fd_sent is not None:
-                    self._fd_sent(peer, fd)  # the kernel has its own reference now
+                    self._fd_sent(peer, fd)  # sent: the kernel has its own reference now
             if not sent:
                 return False
         self._end(connection)

@@ -187,6 +187,9 @@ class AgentService:
     def lease(self, peer: Peer, args: p.LeaseArgs) -> tuple[p.LeaseResult, int]:
         with self.in_flight.request(peer.uid):
             lease, memory = self._authorise_then_make(peer, args)
+        # The reply's fd is this request's own from here: nothing that ends the lease
+        # once it is held (a holder check, a revocation) can close it under the send.
+        memory, fd = self.memory.to_send(memory, peer.connection_id)
         try:
             held = HeldLease(
                 lease=lease,
@@ -209,6 +212,9 @@ class AgentService:
             else:
                 self.held.record(held)
             self.held.add(held)
+        except BaseException:
+            self.memory.sent(peer.connection_id, fd)  # no reply will carry it
+            raise
         finally:
             # Held now, or aborted on the way: reconciliation may judge the lease from here.
             self.link.settled(lease.id)
@@ -220,7 +226,7 @@ class AgentService:
             peer.uid,
             peer.pid,
         )
-        return self._result(held), self.memory.fd_to_send(memory, peer.connection_id)
+        return self._result(held), fd
 
     def fd_sent(self, peer: Peer, fd: int) -> None:
         """The reply carrying ``fd`` left (or could not): the agent's copy of a memfd's
@@ -414,6 +420,12 @@ class AgentService:
             )
         step = max(lease.alignment_bytes, held.page_size_bytes, 1)
         with self.held.lock:
+            if held.ending is not None or held.memory is not memory:
+                # Ended meanwhile (revoked, orphaned): its fd is closed, or about to be,
+                # and its number may be another memfd's by now.
+                raise LeaseNotActive(
+                    f"lease {lease.id} has ended; cannot shrink it", lease_id=lease.id
+                )
             old = lease.length_bytes
             new = align_up(args.size_bytes, step)
             if new >= old:

@@ -222,7 +222,9 @@ class MemfdMaterialised(Materialised):
     ``fd`` is the memfd_create file, which stays the agent's alone. Once handed out
     (agent/release_check.py ``prepare``): ``tenant``, the reopen the tenant is sent, and
     ``probe``, the agent's read-only reopen that asks at release whether anyone still
-    holds the memfd; both None while the check is off (then ``fd`` is what is sent).
+    holds the memfd; both None while the check is off (then a dup of ``fd`` is what is
+    sent). The tenant reopen leaves the memory once the lease is granted: the reply's
+    sending path owns it until it is sent (agent/memory.py ``to_send``).
     """
 
     tenant: OnceFd | None = None
@@ -231,12 +233,6 @@ class MemfdMaterialised(Materialised):
     # against shrinking): such a memfd, released and held by no one, may be zeroed and
     # handed out again (agent/release_check.py); any other is punched and closed.
     warm: bool = False
-
-    @property
-    def sent_fd(self) -> int:
-        """The fd the tenant is sent."""
-        fd = self.tenant.fd if self.tenant is not None else None
-        return self.fd if fd is None else fd
 
     def can_shrink(self) -> bool:
         try:

@@ -92,17 +92,20 @@ def make_service(tmp_path: Path) -> Iterator[object]:
 PEER = Peer(connection_id=1, pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
 
 
+def lease(service: AgentService, size_bytes: int, tenant: str) -> p.LeaseResult:
+    """A lease served as the socket server serves one: the reply's fd sent, and the
+    agent's copy of it closed (the tenant here keeps none)."""
+    result, fd = service.lease(PEER, p.LeaseArgs(size_bytes=size_bytes, tenant=tenant))
+    assert os.fstat(fd).st_size == result.length_bytes
+    service.fd_sent(PEER, fd)
+    return result
+
+
 def test_local_grants_are_journalled_queued_and_requeued_after_a_restart(make_service) -> None:  # type: ignore[no-untyped-def]
     service: AgentService = make_service()
     service.adopt()
     service.delegation.replace(delegation())
-    fds = []
-    results = []
-    for _ in range(3):
-        result, fd = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
-        results.append(result)
-        fds.append(fd)
-        assert os.fstat(fd).st_size == 2 * MiB
+    results = [lease(service, 2 * MiB, "t") for _ in range(3)]
     assert [r.epoch for r in results] == [1000, 1001, 1002]
     assert len({r.offset_bytes for r in results}) == 3
     service.release(PEER, p.ReleaseArgs(lease_id=results[0].lease_id))
@@ -127,8 +130,7 @@ def test_local_grants_are_journalled_queued_and_requeued_after_a_restart(make_se
     assert again.delegation.capacity.free_reserved_bytes() == 58 * MiB
     # The journalled delegation is held again: a lease still fits, with a fresh epoch
     # on a free extent.
-    result, fd = again.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
-    fds.append(fd)
+    result = lease(again, 2 * MiB, "t")
     assert result.epoch == 1003
     assert result.offset_bytes not in {r.offset_bytes for r in results}
     # poold applying them (as a flush would tell): the released extent is free, and
@@ -143,14 +145,13 @@ def test_past_the_ttl_local_grants_stop_with_delegation_expired(make_service) ->
     service: AgentService = make_service()
     service.adopt()
     service.delegation.replace(delegation(ttl_s=0.5))
-    result, _fd = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+    result = lease(service, 2 * MiB, "t")
     time.sleep(0.6)
     started = time.monotonic()
     with pytest.raises(DelegationExpired) as err:
-        service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+        lease(service, 2 * MiB, "t")
     assert err.value.code == "delegation_expired"
     assert time.monotonic() - started < 5
-    # (the agent's own fds are closed with the service)
     # The lease granted before the TTL is still held and still queued for poold.
     assert result.lease_id in service.held
     # (the failed central attempt carried it, and put it back in line)
@@ -168,8 +169,8 @@ def test_a_local_grant_poold_refuses_at_commit_is_taken_back_and_the_tenant_told
     with linked_agent(api.url, admin, emulated_device(256 * MiB), ["t"]) as linked:
         service, link = linked.service, linked.link
         service.delegation.replace(delegation())
-        first, _ = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
-        second, _ = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+        first = lease(service, 2 * MiB, "t")
+        second = lease(service, 2 * MiB, "t")
         assert {op.op for op in link._outbox} == {"local_grant"}
         told: list[tuple[str, str]] = []
         service.revocations.tell = lambda held, event: told.append(  # type: ignore[method-assign]
@@ -177,15 +178,15 @@ def test_a_local_grant_poold_refuses_at_commit_is_taken_back_and_the_tenant_told
         )
         link.flush()  # both refused in the batch's answer
         assert link.outbox_size() == 0
-        for lease in (first, second):
-            assert service.held.get(lease.lease_id) is None
+        for refused in (first, second):
+            assert service.held.get(refused.lease_id) is None
             with pytest.raises(PoolError):
-                service.renew(PEER, p.RenewArgs(lease_id=lease.lease_id))
+                service.renew(PEER, p.RenewArgs(lease_id=refused.lease_id))
         assert sorted(told) == sorted((x.lease_id, p.LOST_ENDED) for x in (first, second))
         assert service.delegation.capacity.budget_used("t") == (0, 0)
         # Riding on a central grant of its tenant (a lease the delegation cannot hold).
-        third, _ = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
-        central, _ = service.lease(PEER, p.LeaseArgs(size_bytes=96 * MiB, tenant="t"))
+        third = lease(service, 2 * MiB, "t")
+        central = lease(service, 96 * MiB, "t")
         assert service.held.get(third.lease_id) is None
         assert service.held.get(central.lease_id) is not None
         assert admin.show_lease(central.lease_id).state == "active"
@@ -211,18 +212,18 @@ def test_a_central_grant_carries_its_tenants_ops_and_leaves_other_local_ones_to_
             return grant(req, **kw)
 
         client.grant = granting  # type: ignore[method-assign]
-        local, _ = service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
-        big, _ = service.lease(PEER, p.LeaseArgs(size_bytes=8 * MiB, tenant="u"))
+        local = lease(service, 2 * MiB, "t")
+        big = lease(service, 8 * MiB, "u")
         service.release(PEER, p.ReleaseArgs(lease_id=local.lease_id))
         service.release(PEER, p.ReleaseArgs(lease_id=big.lease_id))
-        again, _ = service.lease(PEER, p.LeaseArgs(size_bytes=8 * MiB, tenant="u"))
+        again = lease(service, 8 * MiB, "u")
         assert carried == [[], [("release", big.lease_id)]]
         assert admin.show_lease(big.lease_id).state == "released"
         assert admin.show_lease(again.lease_id).state == "active"
         t_ops = [("local_grant", local.lease_id), ("release", local.lease_id)]
         assert [(op.op, op.lease_id) for op in link._outbox] == t_ops
         # A central grant of t itself (larger than its reservation) takes them along.
-        service.lease(PEER, p.LeaseArgs(size_bytes=96 * MiB, tenant="t"))
+        lease(service, 96 * MiB, "t")
         assert carried[-1] == t_ops
         assert link.outbox_size() == 0
 
@@ -253,13 +254,13 @@ def test_grant_paths_reserved_bytes_and_uncommitted_leases_are_exported(make_ser
         assert before[("pool_agent_reserved_bytes", ())] == 0
         assert ("pool_agent_delegation_expires_in_seconds", ()) not in before
         with pytest.raises(PoolError):  # nothing delegated yet, and poold is down
-            service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+            lease(service, 2 * MiB, "t")
         service.delegation.replace(delegation())
-        service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="t"))
+        lease(service, 2 * MiB, "t")
         with pytest.raises(PoolError):  # no budget for u here: poold's to answer
-            service.lease(PEER, p.LeaseArgs(size_bytes=2 * MiB, tenant="u"))
+            lease(service, 2 * MiB, "u")
         with pytest.raises(PoolError):  # larger than the reservation
-            service.lease(PEER, p.LeaseArgs(size_bytes=128 * MiB, tenant="t"))
+            lease(service, 128 * MiB, "t")
         after = scrape()
         assert attempts(after, "no_reservation") == 1
         assert attempts(after, "") == 1

@@ -25,10 +25,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from agent import after_reply
+from agent import after_reply, holders
+from agent import protocol as p
 from agent.backends.emulated import EmulatedBackend, MemfdMaterialised, OnceFd
 from agent.client import PoolClient
+from agent.held import HeldLease
 from agent.lease import Lease
+from agent.peer import Peer
 from agent.release_check import PUNCH, ReleaseCheck, data_ranges, recyclable, self_test, zero
 from agent.service import AgentService
 from agent.warm import MAX_PER_LENGTH, PER_LENGTH, WarmPool
@@ -866,3 +869,71 @@ def test_a_release_with_nothing_to_zero_is_taken_back_after_its_reply(touched: b
     else:
         assert taker.took_on == threading.get_ident()
     assert probe.fd is None  # closed either way
+
+
+@needs_check
+def test_a_gone_holder_found_by_two_checks_at_once_is_ended_once(
+    warm_agent: tuple[PoolClient, AgentService],
+) -> None:
+    """A tenant's disconnect and the holder watch may both find its process gone and end
+    the same leases. The second must not judge the memfd by a scan of its own: by then
+    the first gave it back to the warm pool, the agent's own files of it are the pool's,
+    and the lease stayed ``orphaned_mapped`` for ever (the chaos test, trial 26)."""
+    client, service = warm_agent
+    _warmed(client, service)
+    lease = client.lease(2 * MIB, tenant="t", ttl_s=60, renew=False)
+    with lease.mmap() as mm:
+        mm[:4] = b"used"
+    held = service.held.get(lease.lease_id)
+    assert held is not None
+    held.holder = holders.Holder(pid=_exited_pid(), uid=os.getuid(), start_time=1.0)
+    assert lease._claim_release()  # the holder is gone: so are its files (no release)
+    lease._let_go()
+    seen = [held]  # what each check found before either ended it
+    assert service.revocations.check_holders(list(seen)) == 1
+    PUNCH.settle()  # the memfd is back in the warm pool, the agent's own again
+    assert service.revocations.check_holders(list(seen)) == 0
+    assert service.held.mapped() == []
+    assert service.held.get(lease.lease_id) is None
+
+
+def _exited_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@needs_check
+def test_a_lease_ended_before_its_reply_left_still_sends_its_own_memfd(
+    warm_agent: tuple[PoolClient, AgentService], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease can end (its holder found gone, by the holder watch or another connection's
+    disconnect) between being held and its reply leaving. The fd the reply carries is the
+    sending path's own: still open, a file of the lease's memfd, which stays counted and
+    out of the warm pool until that file is gone. (Sent from the lease's memory instead,
+    it was the agent's own fd of a memfd being zeroed for the next tenant, or a number
+    closed under the send.)"""
+    client, service = warm_agent
+    _warmed(client, service)
+    assert service.warm is not None
+    recycled = service.warm.recycled
+    peer = Peer(connection_id=10_001, pid=_exited_pid(), uid=os.getuid(), gid=os.getgid())
+    add = service.held.add
+
+    def add_then_check(held: HeldLease) -> None:
+        add(held)
+        assert service.revocations.check_holders([held]) == 1  # the holder watch, just then
+
+    monkeypatch.setattr(service.held, "add", add_then_check)
+    result, fd = service.lease(peer, p.LeaseArgs(size_bytes=2 * MIB, tenant="t"))
+    monkeypatch.undo()
+    try:
+        PUNCH.settle()
+        [watched] = service.held.mapped()
+        assert watched.lease_id == result.lease_id
+        assert _inode(fd) == (watched.inode.dev, watched.inode.ino)
+        assert service.warm.recycled == recycled
+    finally:
+        service.fd_sent(peer, fd)  # the reply left (to nobody): the agent's copy goes
+    assert service.revocations.check_mapped() == 1
+    assert service.held.mapped() == []

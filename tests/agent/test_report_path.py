@@ -56,6 +56,7 @@ class Held:
 def hold(service: AgentService) -> Held:
     result, fd = service.lease(PEER, p.LeaseArgs(size_bytes=LEASE_BYTES))
     mm = mmap.mmap(fd, result.length_bytes, flags=mmap.MAP_SHARED)
+    service.fd_sent(PEER, fd)  # as the socket server does once the reply left
     return Held(result.lease_id, mm)
 
 
