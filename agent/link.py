@@ -7,8 +7,9 @@ so a tenant's release costs no poold round trip, yet a release just before a
 grant is applied before that grant (its bytes and quota are free in time). The ops
 of local leases (granted inside the delegation) ride only on a grant of their own
 tenant; the rest go in a batch at most LOCAL_FLUSH_S after they were queued.
-When poold is down, or answers with an error, the outbox, renewals and reports are
-kept and replayed in order; grants and op batches carry request ids so that a retry
+The queue and its order are agent/op_queue.py's; this module sends it. When poold is
+down, or answers with an error, the outbox, renewals and reports are kept and replayed
+in order; grants and op batches carry request ids so that a retry
 after a lost reply is not applied twice (DESIGN.md, "every request to poold is
 idempotent"). After a failed exchange the agent reconciles with poold
 (agent/resync.py).
@@ -29,13 +30,12 @@ import logging
 import random
 import threading
 import time
-import uuid
-from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
 from typing import Protocol
 
 from agent import hand_off
+from agent.op_queue import MAX_BATCH_OPS, OpQueue, TenantOf, new_request_id
 from poold.api.client import PooldClient
 from poold.errors import GenerationConflict, LedgerUnavailable, PooldUnreachable, PoolError
 from poold.wire.agent import (
@@ -66,9 +66,6 @@ LOCAL_FLUSH_S = 0.25
 # How often the delegation is looked at for refill and give-back (and asked again after
 # poold said it has no delegation route), off the request path.
 DELEGATION_STEP_S = 1.0
-# Ops per batch (the wire allows 100 000): an outbox grown over a long outage goes in
-# pieces, each its own request with its own id.
-MAX_BATCH_OPS = 10_000
 # A grant poold did not answer is sent again after these pauses (same request id),
 # all within the tenant's patience: the tenant client waits 30 s by default.
 GRANT_BACKOFF_S = (0.2, 0.5, 1.0)
@@ -168,11 +165,6 @@ class Resync(Protocol):
         ...
 
 
-def new_request_id() -> str:
-    """A fresh name for one grant or op batch (poold answers a repeat with the first answer)."""
-    return str(uuid.uuid4())
-
-
 def _no_verdict(err: PoolError) -> bool:
     """poold gave no verdict on the request: it may or may not have been applied.
 
@@ -227,18 +219,10 @@ class PooldLink:
         self.agent_version = agent_version
         self.grant_patience_s = grant_patience_s
         self._lock = threading.Lock()
-        # Op batches poold did not take, oldest first, each under the request id it was
-        # first sent with (a retry of a batch whose reply was lost gets the first answer);
-        # then the ops not in a batch yet.
-        self._batches: list[AgentOps] = []
-        self._outbox: list[LeaseOp] = []
-        # Ops on their way (in a flush or riding on a grant), by lease: a lease's later
-        # ops wait until its earlier ones are delivered, so each lease's ops reach poold
-        # in order (a release_dirty before its scrubbed) while grants run side by side.
-        self._in_flight_ops: Counter[str] = Counter()
+        # The lease ops and renewals waiting for poold, and their order (agent/op_queue.py).
+        self.ops = OpQueue()
         # One flush at a time (a caller's flush returns once what was queued is sent).
         self._deliver = threading.Lock()
-        self._renewals: dict[str, int] = {}
         self._wake = threading.Event()
         # Set when poold says it has news for this host: the heartbeat goes now.
         self._beat_now = threading.Event()
@@ -277,13 +261,11 @@ class PooldLink:
         self.reachable = True
         with self._lock:
             was, self._failing = self._failing, None
-            queued = len(self._outbox) + sum(len(b.ops) for b in self._batches)
-            renewals = len(self._renewals)
         if was is not None:
             log.info(
                 "poold answers again; replaying %d queued op(s) and %d renewal(s)",
-                queued,
-                renewals,
+                self.ops.size(),
+                self.ops.renewal_count(),
             )
             self._wake.set()  # at once, not at the next retry
 
@@ -348,8 +330,8 @@ class PooldLink:
         # each a batch transaction of a few ops in poold, the larger part of its CPU
         # under delegation (bench/scale.py --delegation, py-spy). The grant's own
         # tenant's go: one at its quota frees it in time by releasing a local lease.
+        pending = self.ops.take(self._tenant_of(), for_tenant=req.tenant or "")
         with self._lock:
-            pending = self._take_ops(for_tenant=req.tenant or "")
             token = next(self._grant_tokens)
             self._grants_in_flight.add(token)
         try:
@@ -357,8 +339,7 @@ class PooldLink:
                 lease = self._grant_retrying(req.model_copy(update={"pending": pending}))
             except BaseException as err:
                 if pending and not (isinstance(err, PoolError) and _pending_applied(err)):
-                    with self._lock:
-                        self._batches.insert(0, AgentOps(ops=pending, request_id=new_request_id()))
+                    self.ops.put_back(AgentOps(ops=pending, request_id=new_request_id()))
                     self._wake.set()
                 elif pending:
                     self._tell_delivered(pending)
@@ -376,15 +357,13 @@ class PooldLink:
                 )
                 return out, lease.budget_spent
         finally:
-            riding = {op.lease_id for op in pending}
             with self._lock:
                 self._grants_in_flight.discard(token)
-                self._delivered(pending)
-                # Ops that waited for these (a later op of a lease whose op rode) go now;
-                # the rest keep their own time (waking for any queued op sent a batch
-                # after every central grant: most of poold's batches under delegation).
-                held_back = any(op.lease_id in riding for op in self._outbox)
-            if held_back:
+            self.ops.delivered(pending)
+            # Ops that waited for these (a later op of a lease whose op rode) go now; the
+            # rest keep their own time (waking for any queued op sent a batch after every
+            # central grant: most of poold's batches under delegation).
+            if pending and self.ops.any_queued_of({op.lease_id for op in pending}):
                 self._wake.set()
 
     def _grant_retrying(self, req: GrantRequest) -> GrantReply:
@@ -437,59 +416,11 @@ class PooldLink:
 
     def queued_lease_ids(self) -> set[str]:
         """Leases with an op queued or on its way (reconciliation leaves them alone)."""
-        with self._lock:
-            ids = set(self._in_flight_ops) | {op.lease_id for op in self._outbox}
-            for batch in self._batches:
-                ids.update(op.lease_id for op in batch.ops)
-        return ids
+        return self.ops.lease_ids()
 
-    def _take_ops(self, *, for_tenant: str | None = None) -> list[LeaseOp]:
-        """The queued ops that may go now, marked on their way (call under the lock);
-        ``for_tenant``: none of a local lease (one the delegation holds until poold has
-        applied its freeing op) of another tenant ("": of any tenant).
-
-        An op of a lease with an op on its way or in a failed batch stays queued, and so
-        does every later op of that lease: each lease's ops keep their order. So does
-        every later op of the same tenant's local leases: a tenant's local ops reach poold
-        one request at a time, in the order they were queued, because a local grant may
-        spend the budget a release queued before it freed (agent/local_leases.py
-        `LocalLeases.release`).
-        """
-        blocked = set(self._in_flight_ops)
-        for batch in self._batches:
-            blocked.update(op.lease_id for op in batch.ops)
-        delegated = self.local
-        chained: set[str] = set()  # tenants with a local op on its way or kept back
-        if delegated is not None:
-            for lease_id in blocked:
-                owner = delegated.tenant_of(lease_id)
-                if owner is not None:
-                    chained.add(owner)
-        only = for_tenant is not None
-        tenant = for_tenant or None  # "": a local lease of any tenant stays
-        taken: list[LeaseOp] = []
-        kept: list[LeaseOp] = []
-        for op in self._outbox:
-            owner = delegated.tenant_of(op.lease_id) if delegated is not None else None
-            if (
-                op.lease_id in blocked
-                or len(taken) >= MAX_BATCH_OPS
-                or (owner is not None and (owner in chained or (only and owner != tenant)))
-            ):
-                blocked.add(op.lease_id)
-                if owner is not None:
-                    chained.add(owner)
-                kept.append(op)
-            else:
-                taken.append(op)
-        self._outbox = kept
-        self._in_flight_ops.update(op.lease_id for op in taken)
-        return taken
-
-    def _delivered(self, ops: list[LeaseOp]) -> None:
-        """These ops are no longer on their way (sent, or back in line); under the lock."""
-        self._in_flight_ops.subtract(op.lease_id for op in ops)
-        self._in_flight_ops = +self._in_flight_ops  # drop the zeros
+    def _tenant_of(self) -> TenantOf | None:
+        """How the queue tells a local lease's tenant (None: no delegation here)."""
+        return self.local.tenant_of if self.local is not None else None
 
     def _tell_delivered(self, ops: list[LeaseOp]) -> None:
         if self.local is not None and ops:
@@ -558,10 +489,7 @@ class PooldLink:
         if local:
             assert self.local is not None
             self.local.on_enqueue(op)  # journalled before it is queued
-        with self._lock:
-            self._outbox.append(op)
-            self._renewals.pop(op.lease_id, None)
-            crowded = len(self._outbox) >= MAX_BATCH_OPS // 10
+        crowded = self.ops.add(op) >= MAX_BATCH_OPS // 10
         if local:
             assert self.local is not None
             self.local.on_queued(op)  # in line now: what it frees may be spent after it
@@ -569,8 +497,7 @@ class PooldLink:
             self._wake.set()  # a local lease's op goes within LOCAL_FLUSH_S instead
 
     def renew_later(self, lease_id: str, ttl_s: int) -> None:
-        with self._lock:
-            self._renewals[lease_id] = ttl_s
+        self.ops.renew_later(lease_id, ttl_s)
 
     def flush(self) -> None:
         """Send the outbox now (the background thread does this within a few ms).
@@ -584,23 +511,18 @@ class PooldLink:
         answer at all is raised, after the batch is back in line.
         """
         with self._deliver:
-            with self._lock:
-                # What is queued now, not what queues while this sends: ops keep coming at
-                # the lease rate, and chasing them sent a batch of a few ops per round trip
-                # (50 requests a second at 300 leases a second) instead of one per
-                # LOCAL_FLUSH_S. An op that must go at once wakes the loop again.
-                due = len(self._outbox)
+            # What is queued now, not what queues while this sends: ops keep coming at the
+            # lease rate, and chasing them sent a batch of a few ops per round trip (50
+            # requests a second at 300 leases a second) instead of one per LOCAL_FLUSH_S.
+            # An op that must go at once wakes the loop again.
+            due = self.ops.queued_count()
             while True:
-                with self._lock:
-                    if self._batches:
-                        batch = self._batches.pop(0)
-                        self._in_flight_ops.update(op.lease_id for op in batch.ops)
-                    else:
-                        ops = self._take_ops() if due > 0 else []
-                        if not ops:
-                            return  # nothing queued, or only ops waiting for a grant's
-                        due -= len(ops)
-                        batch = AgentOps(ops=ops, request_id=new_request_id())
+                nxt = self.ops.next_batch(self._tenant_of(), fresh=due > 0)
+                if nxt is None:
+                    return  # nothing queued, or only ops waiting for a grant's
+                batch, fresh = nxt
+                if fresh:
+                    due -= len(batch.ops)
                 try:
                     results = self.client.apply_ops(batch.ops, request_id=batch.request_id)
                 except PoolError as err:
@@ -612,23 +534,20 @@ class PooldLink:
                             err.code,
                             err.message,
                         )
-                        with self._lock:
-                            self._delivered(batch.ops)
+                        self.ops.delivered(batch.ops)
                         self._tell_delivered(batch.ops)  # dropped: not replayed forever
                         continue
-                    with self._lock:
-                        self._batches.insert(0, batch)
+                    self.ops.put_back(batch)
+                    self.ops.delivered(batch.ops)
                     self._failed(err)
                     if isinstance(err, PooldUnreachable):
                         return
                     raise
                 except BaseException:
-                    with self._lock:
-                        self._batches.insert(0, batch)  # a bug here loses no op either
+                    self.ops.put_back(batch)  # a bug here loses no op either
+                    self.ops.delivered(batch.ops)
                     raise
-                finally:
-                    with self._lock:
-                        self._delivered(batch.ops)
+                self.ops.delivered(batch.ops)
                 self._answered()
                 self._tell_delivered(batch.ops)
                 self._refused(batch.ops, results)
@@ -657,8 +576,7 @@ class PooldLink:
                     log.exception("ending the refused local lease %s failed", result.lease_id)
 
     def outbox_size(self) -> int:
-        with self._lock:
-            return len(self._outbox) + sum(len(b.ops) for b in self._batches)
+        return self.ops.size()
 
     def _take_reports(self) -> list[LeaseReport]:
         state = self.heartbeat_state
@@ -680,8 +598,7 @@ class PooldLink:
 
     def heartbeat(self) -> HeartbeatReply | None:
         """One heartbeat; None when it failed (its renewals and reports stay queued)."""
-        with self._lock:
-            renewals, self._renewals = self._renewals, {}
+        renewals = self.ops.take_renewals()
         local = self.local
         if local is not None and renewals:
             # A renewal of a local lease poold has not heard of would be refused
@@ -689,9 +606,7 @@ class PooldLink:
             early = {k: v for k, v in renewals.items() if local.uncommitted(k)}
             if early:
                 renewals = {k: v for k, v in renewals.items() if k not in early}
-                with self._lock:
-                    for k, v in early.items():
-                        self._renewals.setdefault(k, v)
+                self.ops.keep_renewals(early)
         reports = self._take_reports()
         try:
             reply = self._send_heartbeat(renewals, reports)
@@ -700,9 +615,8 @@ class PooldLink:
             # a bug here), nothing the tenants were told is lost: a renewal the agent
             # accepted reaches poold with a later heartbeat. A newer renewal or report
             # of the same lease, queued meanwhile, wins.
+            self.ops.keep_renewals(renewals)
             with self._lock:
-                for k, v in renewals.items():
-                    self._renewals.setdefault(k, v)
                 for r in reports:
                     self._unsent_reports.setdefault(r.lease_id, r)
             if isinstance(exc, PoolError):

@@ -184,18 +184,15 @@ def test_a_tenants_local_ops_reach_poold_one_request_at_a_time_in_queue_order() 
         link.local = local  # type: ignore[assignment]
         link.enqueue(LeaseOp(lease_id="a", op="release", reason="holder released"))
         assert local.queued == ["a"]  # told once it is in line, not before
-        with link._lock:
-            riding = link._take_ops(for_tenant="t")  # a central grant of t takes it
+        riding = link.ops.take(local.tenant_of, for_tenant="t")  # a central grant of t
         assert [op.lease_id for op in riding] == ["a"]
         link.enqueue(LeaseOp(lease_id="b", op="release", reason="holder released"))
         link.enqueue(LeaseOp(lease_id="c", op="release", reason="holder released"))
-        with link._lock:
-            flushed = link._take_ops()
+        flushed = link.ops.take(local.tenant_of)
         assert [op.lease_id for op in flushed] == ["c"]  # b waits for a's request
-        with link._lock:
-            link._delivered(riding)
-            link._delivered(flushed)
-            after = link._take_ops()
+        link.ops.delivered(riding)
+        link.ops.delivered(flushed)
+        after = link.ops.take(local.tenant_of)
         assert [op.lease_id for op in after] == ["b"]
 
 
@@ -222,7 +219,7 @@ def test_a_central_grant_wakes_the_outbox_only_for_the_ops_it_held_back(
     link._wake.clear()
     grant()  # "elsewhere" is another tenant's local lease: it stays queued, not held back
     assert not link._wake.is_set()
-    assert [op.lease_id for op in link._outbox] == ["elsewhere"]
+    assert [op.lease_id for op in link.ops.queued()] == ["elsewhere"]
 
     link.enqueue(LeaseOp(lease_id=first.id, op="release_dirty", reason="holder released"))
     link._wake.clear()
@@ -237,5 +234,5 @@ def test_a_central_grant_wakes_the_outbox_only_for_the_ops_it_held_back(
     link._grant_retrying = meanwhile  # type: ignore[method-assign]
     grant()
     assert link._wake.is_set()  # the scrub that waited for the release goes now
-    assert {op.lease_id for op in link._outbox} == {"elsewhere", first.id}
+    assert {op.lease_id for op in link.ops.queued()} == {"elsewhere", first.id}
     client.close()

@@ -109,7 +109,7 @@ def test_local_grants_are_journalled_queued_and_requeued_after_a_restart(make_se
     assert [r.epoch for r in results] == [1000, 1001, 1002]
     assert len({r.offset_bytes for r in results}) == 3
     service.release(PEER, p.ReleaseArgs(lease_id=results[0].lease_id))
-    ops = [(op.op, op.lease_id) for op in service.link._outbox]
+    ops = [(op.op, op.lease_id) for op in service.link.ops.queued()]
     assert ops == [("local_grant", r.lease_id) for r in results] + [
         ("release", results[0].lease_id)
     ]
@@ -122,7 +122,7 @@ def test_local_grants_are_journalled_queued_and_requeued_after_a_restart(make_se
     again: AgentService = make_service()
     adopted, _orphaned = again.adopt()  # the holder (this process) lives
     assert adopted == 2
-    replayed = [(op.op, op.lease_id) for op in again.link._outbox]
+    replayed = [(op.op, op.lease_id) for op in again.link.ops.queued()]
     assert replayed == ops  # everything poold has not applied, in the same order
     assert {r.id for r in again.delegation.capacity.reservations()} == {"r1"}
     # The replayed release frees the budget again, not the extent.
@@ -135,7 +135,7 @@ def test_local_grants_are_journalled_queued_and_requeued_after_a_restart(make_se
     assert result.offset_bytes not in {r.offset_bytes for r in results}
     # poold applying them (as a flush would tell): the released extent is free, and
     # the log forgets what it needs no longer.
-    again.delegation.on_delivered(list(again.link._outbox))
+    again.delegation.on_delivered(list(again.link.ops.queued()))
     assert again.delegation.capacity.budget_used("t") == (6 * MiB, 3)
     assert again.journal is not None
     assert again.journal.local.state.pending == []
@@ -171,7 +171,7 @@ def test_a_local_grant_poold_refuses_at_commit_is_taken_back_and_the_tenant_told
         service.delegation.replace(delegation())
         first = lease(service, 2 * MiB, "t")
         second = lease(service, 2 * MiB, "t")
-        assert {op.op for op in link._outbox} == {"local_grant"}
+        assert {op.op for op in link.ops.queued()} == {"local_grant"}
         told: list[tuple[str, str]] = []
         service.revocations.tell = lambda held, event: told.append(  # type: ignore[method-assign]
             (event.lease_id, getattr(event, "reason", ""))
@@ -221,7 +221,7 @@ def test_a_central_grant_carries_its_tenants_ops_and_leaves_other_local_ones_to_
         assert admin.show_lease(big.lease_id).state == "released"
         assert admin.show_lease(again.lease_id).state == "active"
         t_ops = [("local_grant", local.lease_id), ("release", local.lease_id)]
-        assert [(op.op, op.lease_id) for op in link._outbox] == t_ops
+        assert [(op.op, op.lease_id) for op in link.ops.queued()] == t_ops
         # A central grant of t itself (larger than its reservation) takes them along.
         lease(service, 96 * MiB, "t")
         assert carried[-1] == t_ops
