@@ -307,25 +307,21 @@ class LeaseMemory:
             lease.expires_at = activated.expires_at
         return self.release_check.prepare(memory)
 
-    def to_send(self, memory: Materialised, connection_id: int) -> tuple[Materialised, int]:
-        """The fd a lease's reply carries, the sending path's own until :meth:`sent` (a
-        memfd's tenant reopen, or a dup of the memory's own fd), and the memory the lease
-        keeps without it.
+    def to_send(self, memory: Materialised, connection_id: int) -> int:
+        """The fd a lease's reply carries, the sending path's own until :meth:`sent`: a
+        memfd's tenant reopen, taken out of the memory, or a dup of the memory's own fd.
 
         Taken before the lease is held: a holder check or a revocation that ends it
         meanwhile closes the lease's files, never the one about to be sent, whose number
         could be another file's by then (a memfd given back to the warm pool, another
         tenant's lease)."""
         tenant = memory.tenant if isinstance(memory, MemfdMaterialised) else None
-        fd = tenant.fd if tenant is not None else None
-        if isinstance(memory, MemfdMaterialised) and tenant is not None and fd is not None:
-            memory = replace(memory, tenant=None)
-        else:
+        fd = tenant.take() if tenant is not None else None
+        if fd is None:
             fd = os.dup(memory.fd)
-            tenant = OnceFd(fd)
         with self._lock:
-            self._unsent[(connection_id, fd)] = tenant
-        return memory, fd
+            self._unsent[(connection_id, fd)] = OnceFd(fd)
+        return fd
 
     def sent(self, connection_id: int, fd: int) -> None:
         """The reply carrying ``fd`` left on that connection (or failed to): the agent's

@@ -189,7 +189,7 @@ class AgentService:
             lease, memory = self._authorise_then_make(peer, args)
         # The reply's fd is this request's own from here: nothing that ends the lease
         # once it is held (a holder check, a revocation) can close it under the send.
-        memory, fd = self.memory.to_send(memory, peer.connection_id)
+        fd = self.memory.to_send(memory, peer.connection_id)
         try:
             held = HeldLease(
                 lease=lease,

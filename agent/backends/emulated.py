@@ -209,10 +209,15 @@ class OnceFd:
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        with self._lock:
-            fd, self.fd = self.fd, None
+        fd = self.take()
         if fd is not None:
             os.close(fd)
+
+    def take(self) -> int | None:
+        """The fd, now the caller's to close (None: closed or taken already)."""
+        with self._lock:
+            fd, self.fd = self.fd, None
+        return fd
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,8 +228,8 @@ class MemfdMaterialised(Materialised):
     (agent/release_check.py ``prepare``): ``tenant``, the reopen the tenant is sent, and
     ``probe``, the agent's read-only reopen that asks at release whether anyone still
     holds the memfd; both None while the check is off (then a dup of ``fd`` is what is
-    sent). The tenant reopen leaves the memory once the lease is granted: the reply's
-    sending path owns it until it is sent (agent/memory.py ``to_send``).
+    sent). The tenant reopen is taken out of ``tenant`` once the lease is granted: the
+    reply's sending path owns it until it is sent (agent/memory.py ``to_send``).
     """
 
     tenant: OnceFd | None = None
