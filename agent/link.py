@@ -523,31 +523,32 @@ class PooldLink:
                 batch, fresh = nxt
                 if fresh:
                     due -= len(batch.ops)
+                results: list[LeaseOpResult] | None
                 try:
                     results = self.client.apply_ops(batch.ops, request_id=batch.request_id)
                 except PoolError as err:
-                    if err.http_status in (400, 413, 422):
-                        self.reachable = True
-                        log.error(
-                            "poold refused a batch of %d lease op(s) as malformed: %s %s",
-                            len(batch.ops),
-                            err.code,
-                            err.message,
-                        )
-                        self.ops.delivered(batch.ops)
-                        self._tell_delivered(batch.ops)  # dropped: not replayed forever
-                        continue
-                    self.ops.put_back(batch)
-                    self.ops.delivered(batch.ops)
-                    self._failed(err)
-                    if isinstance(err, PooldUnreachable):
-                        return
-                    raise
+                    if err.http_status not in (400, 413, 422):
+                        self.ops.put_back(batch)
+                        self._failed(err)
+                        if isinstance(err, PooldUnreachable):
+                            return
+                        raise
+                    self.reachable = True
+                    log.error(
+                        "poold refused a batch of %d lease op(s) as malformed: %s %s",
+                        len(batch.ops),
+                        err.code,
+                        err.message,
+                    )
+                    results = None  # dropped: not replayed forever
                 except BaseException:
                     self.ops.put_back(batch)  # a bug here loses no op either
-                    self.ops.delivered(batch.ops)
                     raise
-                self.ops.delivered(batch.ops)
+                finally:
+                    self.ops.delivered(batch.ops)
+                if results is None:
+                    self._tell_delivered(batch.ops)
+                    continue
                 self._answered()
                 self._tell_delivered(batch.ops)
                 self._refused(batch.ops, results)

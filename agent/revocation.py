@@ -375,7 +375,7 @@ class Revocations:
             return claimed.verdict(ENDING_WAIT_S)
         mapped = False
         try:
-            mapped = self._ended_mapped(held, why)
+            mapped = self._judge(held, why)
         finally:
             ending.settle(mapped)
         return mapped
@@ -385,12 +385,12 @@ class Revocations:
         backend = self.memory.backend_of(held)
         return held.inode is not None and not (backend is not None and backend.revoke_unmaps)
 
-    def _ended_mapped(self, held: HeldLease, why: str, found: mappings.Scan | None = None) -> bool:
-        """:meth:`ended_mapped` by the path that claimed the ending. ``found``: a scan the
+    def _judge(self, held: HeldLease, why: str, found: mappings.Scan | None = None) -> bool:
+        """:meth:`ended_mapped` by the path that claimed the ending, for a lease whose
+        pages follow their mappings (:meth:`_follows_pages`). ``found``: a scan the
         caller made after taking the agent's copies (:meth:`check_holders`)."""
         inode = held.inode
-        if inode is None or not self._follows_pages(held):
-            return False
+        assert inode is not None  # _follows_pages
         probe: OnceFd | None = None  # open while the kernel counts another file of it
         if found is None:
             free, probe = self._end(held)
@@ -508,7 +508,7 @@ class Revocations:
                 if self.held.forget(held.lease.id, "revoked") is not None:
                     self.revoke([held.lease.id])
                 continue
-            mapped_elsewhere = self._ended_mapped(held, "orphaned", found)
+            mapped_elsewhere = self._follows_pages(held) and self._judge(held, "orphaned", found)
             endings[held.lease.id].settle(mapped_elsewhere)
             if not mapped_elsewhere and self.held.forget(held.lease.id, "orphaned") is None:
                 continue
