@@ -1,7 +1,8 @@
 """How big a host's budget of a tenant may be: what `delegate` sets when its agent asks
 (`set_budgets`: as far as the quota allows, at most a fair share when other hosts of the
 tenant want some), the share a host holding more is told of (`shares`), and a quota cut
-taking budgets back (`claw_back`).
+taking budgets back (`claw_back`). "The quota" here is the quota less the tenant's
+central room while it runs (poold/ledger/central_room.py `kept`).
 
 A tenant's quota use is its central leases plus, per host, the larger of its budget and
 its local leases there (`granting.quota_use`); a budget is set under the tenant's
@@ -27,7 +28,7 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, delete, insert, select, update
 
 from poold.errors import NotOwner, UnknownTenant
-from poold.ledger import granting, tenants, transitions
+from poold.ledger import central_room, granting, tenants, transitions
 from poold.ledger.budgets import QuotaUse
 from poold.ledger.db import Prepared, PreparedIn
 from poold.ledger.models import Budget, Tenant
@@ -126,7 +127,7 @@ def set_budgets(
     added: list[dict[str, Any]] = []
     for name in sorted(by_name):
         tenant, want = named[name], by_name[name]
-        new = _sized(tenant, uses[tenant.id], host_id, want)
+        new = _sized(tenant, uses[tenant.id], host_id, want, central_room.kept(tenant, now))
         if new is None:
             renew.append(tenant.id)
             continue
@@ -166,20 +167,22 @@ def set_budgets(
     return uses
 
 
-def _sized(tenant: Any, use: QuotaUse, host_id: int, want: Want) -> tuple[int, int] | None:
-    """The (bytes, leases) `set_budgets`' rule gives the budget, or None: as it is."""
+def _sized(
+    tenant: Any, use: QuotaUse, host_id: int, want: Want, room: tuple[int, int] = (0, 0)
+) -> tuple[int, int] | None:
+    """The (bytes, leases) `set_budgets`' rule gives the budget, or None: as it is.
+    ``room``: what budgets leave of the quota for central grants (central_room.py)."""
     old = use.budgets.get(host_id)
     hosts = len(set(use.budgets) | {host_id})
     local_bytes, local_leases = use.local.get(host_id, (0, 0))
+    quota_bytes, quota_leases = tenant.quota_bytes - room[0], tenant.quota_leases - room[1]
     if hosts > 1:
-        fair_bytes = fair_share(tenant.quota_bytes, use.central_bytes, hosts)
-        fair_leases = fair_share(tenant.quota_leases, use.central_leases, hosts)
+        fair_bytes = fair_share(quota_bytes, use.central_bytes, hosts)
+        fair_leases = fair_share(quota_leases, use.central_leases, hosts)
     else:
-        fair_bytes, fair_leases = tenant.quota_bytes, tenant.quota_leases
-    cap_bytes = min(tenant.quota_bytes - use.bytes(skip_host=host_id), max(fair_bytes, local_bytes))
-    cap_leases = min(
-        tenant.quota_leases - use.leases(skip_host=host_id), max(fair_leases, local_leases)
-    )
+        fair_bytes, fair_leases = quota_bytes, quota_leases
+    cap_bytes = min(quota_bytes - use.bytes(skip_host=host_id), max(fair_bytes, local_bytes))
+    cap_leases = min(quota_leases - use.leases(skip_host=host_id), max(fair_leases, local_leases))
     new_bytes = max(0, min(want.bytes, cap_bytes))
     new_leases = max(0, min(want.leases, cap_leases))
     if old is not None:
@@ -194,10 +197,12 @@ def shares(
     conn: Connection,
     host_id: int,
     rows: Sequence[Any],
+    now: datetime,
     known: Mapping[int, QuotaUse] | None = None,
 ) -> dict[int, tuple[int, int]]:
     """Per tenant id: the fair share of this host, where it holds more than that while
-    other hosts hold (or asked for) a budget of the same tenant (one statement for all;
+    other hosts hold (or asked for) a budget of the same tenant, or while the tenant's
+    central room keeps part of its quota out of budgets (one statement for all;
     ``known``: tenants' quota use this transaction already has, `set_budgets`')."""
     known = known or {}
     uses = {**granting.quota_uses(conn, [r.id for r in rows if r.id not in known]), **known}
@@ -205,11 +210,12 @@ def shares(
     for r in rows:
         use = uses[r.id]
         n = len(use.budgets)
-        if n <= 1:
+        room_bytes, room_leases = central_room.kept(r, now)
+        if n <= 1 and not (room_bytes or room_leases):
             continue
         share = (
-            fair_share(r.quota_bytes, use.central_bytes, n),
-            fair_share(r.quota_leases, use.central_leases, n),
+            fair_share(r.quota_bytes - room_bytes, use.central_bytes, n),
+            fair_share(r.quota_leases - room_leases, use.central_leases, n),
         )
         if r.bytes > share[0] or r.leases > share[1]:
             out[r.id] = share

@@ -195,10 +195,25 @@ def over_quota(tenant: Any, used_bytes: int, used_leases: int, length: int) -> b
 
 
 def refuse_over_quota(
-    conn: Connection, tenant: Any, use: QuotaUse, used_bytes: int, used_leases: int, length: int
+    conn: Connection,
+    tenant: Any,
+    use: QuotaUse,
+    used_bytes: int,
+    used_leases: int,
+    length: int,
+    *,
+    by_budgets: bool = False,
 ) -> NoReturn:
-    """`quota_exceeded` for a grant of ``length`` bytes: the lease count first."""
+    """`quota_exceeded` for a grant of ``length`` bytes: the lease count first.
+    ``by_budgets``: it would fit but for hosts' unspent budgets (central_room.py), which
+    the message says, with when to try again."""
     mapped, why = still_mapped(conn, tenant.id)
+    if by_budgets:
+        mapped = {**mapped, "held_by_budgets": True}
+        why += (
+            "; the rest is hosts' unspent budgets, which poold now leaves room beside for "
+            "a grant this size: retry in a few seconds"
+        )
     if used_leases + 1 > tenant.quota_leases:
         raise QuotaExceeded(
             f"tenant {tenant.name!r} holds {used_leases} of {tenant.quota_leases} leases{why}",

@@ -138,6 +138,8 @@ _HOST_BUDGETS = Prepared(
         Tenant.allowed_uids,
         Tenant.allowed_gids,
         Tenant.allowed_media,
+        Tenant.central_room_bytes,
+        Tenant.central_room_until,
     )
     .join(Tenant, Tenant.id == Budget.tenant_id)
     .where(Budget.host_id == bindparam("host_id"))
@@ -171,7 +173,7 @@ def host_delegation(
         for r in _HELD_RESERVATIONS.rows(conn, params)
     ]
     rows = _HOST_BUDGETS.rows(conn, params)
-    shares = budget_sizing.shares(conn, host_id, rows, uses)
+    shares = budget_sizing.shares(conn, host_id, rows, now, uses)
     budgets = [
         BudgetOut(
             tenant=b.name,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from sqlalchemy import Connection, bindparam, select, update
 from sqlalchemy.exc import IntegrityError
@@ -47,12 +47,14 @@ from poold.errors import (
     LeaseNotActive,
     NoCapacity,
     PoolError,
+    QuotaExceeded,
     UnknownLease,
 )
 from poold.lease_states import LeaseEvent, LeaseState, next_state
 from poold.ledger import (
     agent_requests,
     budgets,
+    central_room,
     granting,
     held_lease,
     hosts,
@@ -104,12 +106,15 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Gran
         # Not under the grant's request id: see the module docstring.
         pending = op_batches.apply_ops(ledger, host_name, req.pending, actor)
     request_id = req.request_id
+    # A refusal that only hosts' unspent budgets caused: (tenant id, size) to keep room for.
+    blocked: list[tuple[int, int]] = []
 
     def attempt() -> tuple[LeaseOut, BudgetSpent | None]:
+        blocked.clear()
         try:
             with ledger.write_conn() as conn:
                 if request_id is None:
-                    return _grant_once(ledger, conn, host_name, req, actor)
+                    return _grant_once(ledger, conn, host_name, req, actor, blocked)
                 host_id = hosts.host_id(ledger, conn, host_name)
                 stored = agent_requests.recall(conn, host_id, request_id, agent_requests.GRANT)
                 if stored is not None:
@@ -119,7 +124,7 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Gran
                     said = first.pop("budget_spent", None)
                     spent = None if said is None else BudgetSpent.model_validate(said)
                     return LeaseOut.model_validate(first), spent
-                out, spent = _grant_once(ledger, conn, host_name, req, actor)
+                out, spent = _grant_once(ledger, conn, host_name, req, actor, blocked)
                 answer = {**out.model_dump(mode="json"), "budget_spent": spent.model_dump()}
                 agent_requests.remember(conn, host_id, request_id, agent_requests.GRANT, answer)
                 return out, spent
@@ -136,6 +141,8 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Gran
         with ledger.host_lock(host_name):
             lease, spent = transitions.retrying(attempt, what="allocation")
     except PoolError as err:
+        if isinstance(err, QuotaExceeded) and blocked:
+            central_room.note(ledger, *blocked[-1], actor)  # after the refusal's rollback
         if pending:
             # The ops that rode on it were applied in their own transaction: their results
             # go back with the refusal too. Dropped, an agent never heard that a local
@@ -147,9 +154,15 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Gran
 
 
 def _grant_once(
-    ledger: Ledger, conn: Connection, host_name: str, req: GrantRequest, actor: str
+    ledger: Ledger,
+    conn: Connection,
+    host_name: str,
+    req: GrantRequest,
+    actor: str,
+    blocked: list[tuple[int, int]],
 ) -> tuple[LeaseOut, BudgetSpent]:
-    """The lease, and what it took from this host's budget of the tenant."""
+    """The lease, and what it took from this host's budget of the tenant. A refusal
+    that only hosts' unspent budgets caused adds (tenant id, size) to ``blocked``."""
     # The hot path of every lease: SQLAlchemy Core, a handful of statements,
     # and the reply built from values already in hand (measured: the ORM
     # version spent ~4 ms per grant in Python on the CI machine).
@@ -177,7 +190,7 @@ def _grant_once(
         # Refused wherever it is placed: before the placement's read of everything that
         # occupies the host's devices, which a tenant pushing against its quota makes in
         # vain on every try.
-        budgets.refuse_over_quota(conn, tenant, use, used_bytes, used_leases, least)
+        _refuse(conn, tenant, use, host_id, least, reported, blocked)
     candidates, paths = granting.candidates(conn, host_id, rows)
     choice = placement.place(
         placement.Request(
@@ -212,10 +225,11 @@ def _grant_once(
         )
         used_bytes, used_leases = use.bytes(), use.leases()
     if budgets.over_quota(tenant, used_bytes, used_leases, length):
-        budgets.refuse_over_quota(conn, tenant, use, used_bytes, used_leases, length)
+        _refuse(conn, tenant, use, host_id, length, reported, blocked)
     dev = choice.candidate
     path = paths[dev.device_id]
     now = utcnow()
+    central_room.renew(conn, tenant, length, now)
     lease_id = str(uuid.uuid4())
     state = LeaseState.ACTIVE if req.activate else LeaseState.GRANTED
     values: dict[str, Any] = {
@@ -302,6 +316,27 @@ def _grant_once(
         }
     )
     return out, BudgetSpent.model_construct(bytes=spent[0], leases=spent[1])
+
+
+def _refuse(
+    conn: Connection,
+    tenant: Any,
+    use: budgets.QuotaUse,
+    host_id: int,
+    length: int,
+    reported: tuple[int, int] | None,
+    blocked: list[tuple[int, int]],
+) -> NoReturn:
+    """`quota_exceeded` for a central grant of ``length`` bytes; one that would fit but
+    for hosts' unspent budgets goes into ``blocked`` (`grant` keeps room for it)."""
+    by_budgets = central_room.blocked_by_budgets(
+        use, tenant.quota_bytes, tenant.quota_leases, length, host_id, reported
+    )
+    if by_budgets:
+        blocked.append((int(tenant.id), length))
+    budgets.refuse_over_quota(
+        conn, tenant, use, use.bytes(), use.leases(), length, by_budgets=by_budgets
+    )
 
 
 def _refuse_if_host_draining(conn: Connection, host_id: int, host_name: str) -> int:

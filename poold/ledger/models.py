@@ -173,6 +173,10 @@ class Tenant(Base):
     # Bumped with every grant so concurrent grants cannot both pass the quota check.
     generation: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = _ts()
+    # Quota kept out of hosts' budgets until then, for central grants their unspent
+    # budgets refused (poold/ledger/central_room.py).
+    central_room_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    central_room_until: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class Lease(Base):

@@ -168,6 +168,8 @@ _TENANT_ROWS = select(
     Tenant.allowed_gids,
     Tenant.allowed_hosts,
     Tenant.generation,
+    Tenant.central_room_bytes,
+    Tenant.central_room_until,
 )
 # On the driver's cursor (db.Prepared): every grant reads it.
 _TENANT_BY_NAME = Prepared(_TENANT_ROWS.where(Tenant.name == bindparam("name")))
