@@ -152,8 +152,15 @@ def tenants_show(c: Ctx, name: str, as_json: bool) -> None:
     t = run(lambda: c.client.get_tenant(name))
     if wants_json(as_json):
         emit_json(t)
-    else:
-        table(f"tenant {name}", TENANT_COLUMNS, _tenant_rows([t]))
+        return
+    table(f"tenant {name}", TENANT_COLUMNS, _tenant_rows([t]))
+    if t.central_room_until is not None:
+        until = t.central_room_until.isoformat(timespec="seconds")
+        click.echo(
+            f"central room: {format_size(t.central_room_bytes)} of the quota kept out of "
+            f"hosts' budgets until {until} (a central grant was refused for their unspent "
+            "budgets)"
+        )
 
 
 @tenants.command("set-quota")

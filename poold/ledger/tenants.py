@@ -38,6 +38,8 @@ def usage(session: Session, tenant_id: int) -> tuple[int, int]:
 
 def to_out(session: Session, tenant: Tenant) -> TenantOut:
     leased, count = usage(session, tenant.id)
+    until = tenant.central_room_until
+    running = until is not None and until > utcnow() and bool(tenant.central_room_bytes)
     return TenantOut(
         id=tenant.id,
         name=tenant.name,
@@ -50,6 +52,8 @@ def to_out(session: Session, tenant: Tenant) -> TenantOut:
         leased_bytes=leased,
         live_leases=count,
         created_at=tenant.created_at,
+        central_room_bytes=tenant.central_room_bytes if running else 0,
+        central_room_until=until if running else None,
     )
 
 

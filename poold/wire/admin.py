@@ -43,6 +43,10 @@ class TenantOut(TenantSpec):
     leased_bytes: int = 0
     live_leases: int = 0
     created_at: datetime
+    # Quota hosts' budgets leave for central grants until then (poold/ledger/central_room.py);
+    # 0 and None when no room runs.
+    central_room_bytes: int = 0
+    central_room_until: datetime | None = None
 
 
 class HostSpec(Model):

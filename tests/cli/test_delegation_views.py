@@ -12,6 +12,7 @@ from click.testing import CliRunner, Result
 
 from cli.poolctl import main
 from poold.api.client import PooldClient
+from poold.errors import QuotaExceeded
 from poold.ledger.types import utcnow
 from poold.wire.admin import TenantSpec
 from poold.wire.agent import GrantRequest, Heartbeat, InventoryDevice, LeaseOp
@@ -115,3 +116,48 @@ def test_devices_map_draws_reservations_apart(api: ThreadedServer, agent: PooldC
     plain = poolctl(api, "devices", "map")
     assert "= delegated" in plain.output
     assert "=" in plain.output.splitlines()[1]
+
+
+def test_tenants_show_says_when_a_central_room_keeps_quota_out_of_budgets(
+    api: ThreadedServer, admin: PooldClient
+) -> None:
+    """Two hosts' budgets hold a 48 MiB quota; a 32 MiB central grant is refused for
+    them and the tenant's room shows (poold/ledger/central_room.py)."""
+    admin.create_tenant(
+        TenantSpec(name="tight", quota_bytes=48 * MiB, quota_leases=3, allowed_uids=[1000])
+    )
+    assert "central room" not in poolctl(api, "tenants", "show", "tight").output
+    clients = []
+    for host in ("h1", "h2"):
+        credential = admin.add_host(host).credential
+        client = PooldClient(api.url, credential)
+        clients.append(client)
+        client.register(
+            Heartbeat(
+                inventory=[
+                    InventoryDevice(
+                        uid=f"{host}/numa:node1",
+                        kind="numa",
+                        capacity_bytes=256 * MiB,
+                        local_name="node1",
+                    )
+                ]
+            )
+        )
+    want = DelegationRequest(budgets=[BudgetWant(tenant="tight", bytes=24 * MiB, leases=1)])
+    try:
+        for client in clients:
+            assert client.delegate(want).budgets[0].bytes == 24 * MiB
+        with pytest.raises(QuotaExceeded) as err:
+            clients[0].grant(
+                GrantRequest(tenant="tight", size_bytes=32 * MiB, uid=1000, pid=7, activate=True)
+            )
+        assert err.value.detail.get("held_by_budgets") is True
+    finally:
+        for client in clients:
+            client.close()
+    shown = poolctl(api, "tenants", "show", "tight")
+    assert shown.exit_code == 0, shown.output
+    assert "central room: 32.0 MiB" in shown.output
+    out = json.loads(poolctl(api, "tenants", "show", "tight", "--json").output)
+    assert out["central_room_bytes"] == 32 * MiB and out["central_room_until"]
