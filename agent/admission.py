@@ -27,13 +27,16 @@ from dataclasses import dataclass
 from typing import Final
 
 from agent import hand_off
-from poold.errors import InFlightLimit, NoCapacity
+from poold.errors import InFlightLimit, NoCapacity, QuotaExceeded
 from poold.wire.agent import GrantRequest
 from poold.wire.common import LeaseOut
 
 # A lease request waiting for capacity (wait_s) retries its grant when a heartbeat reply
 # arrives or a local lease is released, and at least this often otherwise.
 ADMISSION_RETRY_S = 1.0
+# A grant refused for hosts' unspent budgets tries again this often while it may wait:
+# the hosts told give their budgets back within a delegation step (agent/link.py).
+BUDGETS_RETRY_S = 0.25
 
 DEFAULT_MAX_REQUESTS_PER_UID: Final = 16
 DEFAULT_MAX_IN_FLIGHT_BYTES: Final = 8 << 30
@@ -65,14 +68,34 @@ class Admission:
         self._closed = threading.Event()
 
     def grant(self, req: GrantRequest, wait_s: float) -> LeaseOut:
-        """Grant through poold; on no_capacity, wait up to ``wait_s`` in arrival order.
+        """Grant through poold; on no_capacity, wait up to ``wait_s`` in arrival order;
+        on a quota_exceeded that only hosts' unspent budgets caused (``held_by_budgets``:
+        poold now keeps room for it, poold/ledger/central_room.py), try again every
+        :data:`BUDGETS_RETRY_S` within the same ``wait_s``, outside the queue (it waits
+        for its own tenant's budgets, not for capacity others need).
 
-        Past the wait, the request fails with the last no_capacity seen (the details
-        name the free bytes per device).
+        Past the wait, the request fails with the last refusal seen (a no_capacity's
+        details name the free bytes per device).
         """
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self._grant_in_turn(req, deadline)
+            except QuotaExceeded as err:
+                remaining = deadline - time.monotonic()
+                if not err.detail.get("held_by_budgets") or remaining <= 0:
+                    raise
+                if self._closed.is_set():
+                    raise
+                hand_off.ahead()
+                if self._closed.wait(min(remaining, BUDGETS_RETRY_S)):
+                    raise
+
+    def _grant_in_turn(self, req: GrantRequest, deadline: float) -> LeaseOut:
+        """`grant` until ``deadline`` for no_capacity, in arrival order."""
+        wait_s = deadline - time.monotonic()
         if wait_s <= 0:
             return self._grant(req)
-        deadline = time.monotonic() + wait_s
         ticket = _Waiting(req.size_bytes)
         last: NoCapacity | None = None
         with self._changed:

@@ -195,7 +195,10 @@ class PoolClient:
         When the pool is full, ``wait_s`` > 0 waits up to that long (at most 300 s) for
         capacity that pressure frees, served in arrival order on the agent; past it, or
         at once with ``wait_s=0``, the request fails with ``no_capacity`` (its details
-        name what is free and where). The wait blocks this client's other calls.
+        name what is free and where). A ``quota_exceeded`` that only other hosts'
+        unspent budgets of the tenant caused (detail ``held_by_budgets``) is tried
+        again within the same wait, as poold takes those budgets back. The wait blocks
+        this client's other calls.
 
         ``on_revoke(lease, deadline_at)`` is called once when poold revokes the lease
         (admin revoke, device drain): the engine should stop using the memory before

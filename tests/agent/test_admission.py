@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from agent.admission import BUDGETS_RETRY_S, Admission
 from agent.client import Lease, PoolClient
 from agent.service import AgentService
 from poold.api.client import PooldClient
-from poold.errors import NoCapacity, PoolError
+from poold.errors import NoCapacity, PoolError, QuotaExceeded
+from poold.wire.agent import GrantRequest
 from tests.agent.conftest import emulated_device, linked_agent, serving
 from tests.conftest import ThreadedServer
 
@@ -276,3 +278,36 @@ def test_in_flight_requests_per_uid_wait_for_a_slot() -> None:
         assert not got.is_set() and outer[7] == 2
     thread.join(5)
     assert got.is_set() and budget.requests_in_flight(7) == 0
+
+
+def test_a_refusal_held_by_other_hosts_budgets_is_tried_again_within_the_wait() -> None:
+    """poold keeps room beside the budgets once it refused for them (held_by_budgets):
+    the request tries again within its wait, outside the capacity queue; any other
+    quota_exceeded, or no wait, is the answer at once."""
+    calls: list[float] = []
+    granted = object()
+
+    def grant(refusals: int, held_by_budgets: bool) -> Callable[[GrantRequest], object]:
+        def call(_req: GrantRequest) -> object:
+            calls.append(time.monotonic())
+            if len(calls) <= refusals:
+                raise QuotaExceeded(
+                    "quota", **({"held_by_budgets": True} if held_by_budgets else {})
+                )
+            return granted
+
+        return call
+
+    req = GrantRequest(size_bytes=LEASE_BYTES, uid=1000, pid=1)
+    assert Admission(grant(2, True)).grant(req, 5.0) is granted  # type: ignore[arg-type]
+    assert len(calls) == 3 and calls[-1] - calls[0] >= 2 * BUDGETS_RETRY_S * 0.9
+    for refusals, flag, wait_s in ((1, False, 5.0), (1, True, 0.0)):
+        calls.clear()
+        with pytest.raises(QuotaExceeded):
+            Admission(grant(refusals, flag)).grant(req, wait_s)  # type: ignore[arg-type]
+        assert len(calls) == 1
+    calls.clear()
+    started = time.monotonic()
+    with pytest.raises(QuotaExceeded):  # still refused when the wait runs out
+        Admission(grant(100, True)).grant(req, 0.6)  # type: ignore[arg-type]
+    assert 0.5 < time.monotonic() - started < 2.0
