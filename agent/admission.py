@@ -37,6 +37,7 @@ ADMISSION_RETRY_S = 1.0
 # A grant refused for hosts' unspent budgets tries again this often while it may wait:
 # the hosts told give their budgets back within a delegation step (agent/link.py).
 BUDGETS_RETRY_S = 0.25
+BUDGETS_RETRY_MAX_S = 2.0
 
 DEFAULT_MAX_REQUESTS_PER_UID: Final = 16
 DEFAULT_MAX_IN_FLIGHT_BYTES: Final = 8 << 30
@@ -70,14 +71,15 @@ class Admission:
     def grant(self, req: GrantRequest, wait_s: float) -> LeaseOut:
         """Grant through poold; on no_capacity, wait up to ``wait_s`` in arrival order;
         on a quota_exceeded that only hosts' unspent budgets caused (``held_by_budgets``:
-        poold now keeps room for it, poold/ledger/central_room.py), try again every
-        :data:`BUDGETS_RETRY_S` within the same ``wait_s``, outside the queue (it waits
-        for its own tenant's budgets, not for capacity others need).
+        poold now keeps room for it, poold/ledger/central_room.py), try again after
+        :data:`BUDGETS_RETRY_S`, doubling, within the same ``wait_s``, outside the queue
+        (it waits for its own tenant's budgets, not for capacity others need).
 
         Past the wait, the request fails with the last refusal seen (a no_capacity's
         details name the free bytes per device).
         """
         deadline = time.monotonic() + wait_s
+        pause = BUDGETS_RETRY_S
         while True:
             try:
                 return self._grant_in_turn(req, deadline)
@@ -88,8 +90,11 @@ class Admission:
                 if self._closed.is_set():
                     raise
                 hand_off.ahead()
-                if self._closed.wait(min(remaining, BUDGETS_RETRY_S)):
+                if self._closed.wait(min(remaining, pause)):
                     raise
+                # Doubling: hosts give budgets back within a second or two; past that
+                # the tenant's quota is held for real, and each try costs poold a grant.
+                pause = min(2 * pause, BUDGETS_RETRY_MAX_S)
 
     def _grant_in_turn(self, req: GrantRequest, deadline: float) -> LeaseOut:
         """`grant` until ``deadline`` for no_capacity, in arrival order."""
