@@ -111,8 +111,11 @@ def note(ledger: Ledger, tenant_id: int, length_bytes: int, actor: str) -> None:
             row = conn.execute(_ROOM_OF, {"tenant_id": tenant_id}).one_or_none()
             if row is None:
                 return
-            running = row.central_room_until is not None and row.central_room_until > now
+            until = row.central_room_until
+            running = until is not None and until > now
             was = int(row.central_room_bytes) if running else 0
+            if was >= length_bytes and until - now > _ROOM / 2:
+                return  # kept already (refusals until the hosts have given back)
             room = max(length_bytes, was)
             conn.execute(
                 _SET_ROOM, {"tenant_id": tenant_id, "room_bytes": room, "until": now + _ROOM}

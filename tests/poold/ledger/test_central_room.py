@@ -92,6 +92,15 @@ def test_a_grant_refused_only_for_unspent_budgets_gets_room_and_then_fits(ledger
     if ledger.engine.dialect.name == "sqlite":  # PostgreSQL: NOTIFY, heard by a listener
         # Every host of the tenant is told at once, so its agent hears its share now.
         assert all(ledger.news.token(h) != t for h, t in zip((1, 2, 3, 4), tokens, strict=True))
+    # Refused again before the hosts give back: the room stands, nothing is written.
+    with ledger.read() as s:
+        until = s.execute(select(Tenant.central_room_until)).scalar_one()
+    with pytest.raises(QuotaExceeded):
+        leases.grant(ledger, "h2", _grant(24 * MiB), "agent:h2")
+    with ledger.read() as s:
+        assert s.execute(select(Tenant.central_room_until)).scalar_one() == until
+        kinds = s.execute(select(Event.kind).where(Event.kind == "budget.room")).scalars()
+        assert len(list(kinds)) == 1
     # Each host hears a share of what the room leaves (40 MiB and 7 leases over four)
     # and asks no more; a host asking for more is held to it.
     for host in hosts:
