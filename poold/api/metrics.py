@@ -340,6 +340,11 @@ _TENANTS = _Table[TenantGauges](
             "The tenant's lease quota delegated to hosts",
             lambda t, _: t.budget_leases,
         ),
+        _Gauge(
+            "poold_tenant_central_room_bytes",
+            "The tenant's quota kept out of hosts' budgets for central grants",
+            lambda t, _: t.central_room_bytes,
+        ),
     ),
 )
 

@@ -77,6 +77,8 @@ class TenantGauges:
     # Its quota delegated to hosts' agents (summed over its per-host budgets).
     budget_bytes: int = 0
     budget_leases: int = 0
+    # Its quota kept out of budgets for central grants (poold/ledger/central_room.py).
+    central_room_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +144,14 @@ def pool_view(ledger: Ledger) -> PoolView:
         )
         tenant_rows = list(
             session.execute(
-                select(Tenant.id, Tenant.name, Tenant.quota_bytes, Tenant.quota_leases).order_by(
-                    Tenant.name
-                )
+                select(
+                    Tenant.id,
+                    Tenant.name,
+                    Tenant.quota_bytes,
+                    Tenant.quota_leases,
+                    Tenant.central_room_bytes,
+                    Tenant.central_room_until,
+                ).order_by(Tenant.name)
             )
         )
         host_rows = list(
@@ -242,8 +249,9 @@ def pool_view(ledger: Ledger) -> PoolView:
             )
         )
     tenants = []
-    for tenant_id, name, quota_bytes, quota_leases in tenant_rows:
+    for tenant_id, name, quota_bytes, quota_leases, room, room_until in tenant_rows:
         leased, count, used_bytes, exclusive, replica = tenant_sums.get(tenant_id, [0] * 5)
+        running = room_until is not None and room_until > read_at
         tenants.append(
             TenantGauges(
                 name=name,
@@ -256,6 +264,7 @@ def pool_view(ledger: Ledger) -> PoolView:
                 replica_bytes=replica,
                 budget_bytes=tenant_budget[tenant_id][0],
                 budget_leases=tenant_budget[tenant_id][1],
+                central_room_bytes=int(room) if running else 0,
             )
         )
     hosts = [

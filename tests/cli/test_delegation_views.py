@@ -18,6 +18,7 @@ from poold.wire.admin import TenantSpec
 from poold.wire.agent import GrantRequest, Heartbeat, InventoryDevice, LeaseOp
 from poold.wire.delegation import BudgetWant, DelegationRequest, LocalGrant, ReserveWant
 from tests.conftest import ADMIN_TOKEN, ThreadedServer
+from tests.poold.api.test_metrics import scrape
 
 MiB = 1 << 20
 NODE = "h1/numa:node3"
@@ -127,6 +128,7 @@ def test_tenants_show_says_when_a_central_room_keeps_quota_out_of_budgets(
         TenantSpec(name="tight", quota_bytes=48 * MiB, quota_leases=3, allowed_uids=[1000])
     )
     assert "central room" not in poolctl(api, "tenants", "show", "tight").output
+    assert scrape(api.url)[("poold_tenant_central_room_bytes", (("tenant", "tight"),))] == 0
     clients = []
     for host in ("h1", "h2"):
         credential = admin.add_host(host).credential
@@ -161,3 +163,5 @@ def test_tenants_show_says_when_a_central_room_keeps_quota_out_of_budgets(
     assert "central room: 32.0 MiB" in shown.output
     out = json.loads(poolctl(api, "tenants", "show", "tight", "--json").output)
     assert out["central_room_bytes"] == 32 * MiB and out["central_room_until"]
+    got = scrape(api.url)
+    assert got[("poold_tenant_central_room_bytes", (("tenant", "tight"),))] == 32 * MiB
