@@ -176,6 +176,8 @@ class DelegatedCapacity:
         # Lease requests by path: LOCAL or a CENTRAL_REASONS entry (agent/metrics.py).
         self._paths: dict[str, int] = dict.fromkeys((LOCAL, *CENTRAL_REASONS), 0)
         self._asked_give: set[str] = set()  # what it gives back
+        # Idle reservations a central grant refused no_capacity wants back (`recall_idle`).
+        self._recall: set[str] = set()
         self._gone: dict[str, float] = {}  # given back: reservation id -> settled at
         # Bytes central grants were refused (quota) per tenant this interval: demand too.
         self._refused: dict[str, int] = {}
@@ -350,6 +352,25 @@ class DelegatedCapacity:
         res = held.reservation
         return res.length_bytes - self._leases.used_in(res.id)
 
+    def recall_idle(self, media: str | None) -> bool:
+        """A central grant (of ``media``; None: any) found no room on this host's devices
+        (no_capacity): the reservations here with no local lease in them go back at the
+        next delegation step, and that media is not reserved again for a while
+        (``RECALL_COOLDOWN_S``), so a lease larger than what reservations leave free
+        is not refused for bytes this host parked for leases it has not granted. False:
+        none to give back (the refusal stands)."""
+        with self._lock:
+            idle = {
+                rid
+                for rid, h in self._reservations.items()
+                if not self._leases.any_in(rid)
+                and rid not in self._giving
+                and rid not in self._gone
+                and (media is None or h.reservation.media == media)
+            }
+            self._recall |= idle
+            return bool(idle)
+
     # --- granting -------------------------------------------------------------------
     def grant_locally(
         self, req: GrantRequest, *, now: float | None = None, wall: datetime | None = None
@@ -377,7 +398,10 @@ class DelegatedCapacity:
             usable = [
                 h
                 for h in self._reservations.values()
-                if h.epochs_used < EPOCH_BLOCK and h.reservation.id not in self._giving
+                if h.epochs_used < EPOCH_BLOCK
+                # Going back, or gone (between poold's answer and the reply's replace).
+                and h.reservation.id not in self._giving
+                and h.reservation.id not in self._gone
             ]
             if self.host_has_real() and req.media is None:
                 # As poold's placement: no silent DRAM for a far-memory request, however
@@ -694,6 +718,19 @@ class DelegatedCapacity:
             self._refused.clear()
             reserve: list[ReserveWant] = []
             give_back: list[str] = sorted(self._withdrawn)
+            for rid in sorted(self._recall):
+                h = self._reservations.get(rid)
+                if (
+                    h is None
+                    or self._leases.any_in(rid)
+                    or rid in self._giving
+                    or rid in self._gone
+                ):
+                    continue  # gone, or a local lease went there since
+                give_back.append(rid)
+                self._giving.add(rid)
+                self._recalled_at[h.reservation.media] = now  # not reserved again at once
+            self._recall.clear()
             for media, rate in sorted(by_media.items()):
                 if now - self._recalled_at.get(media, -RECALL_COOLDOWN_S) < RECALL_COOLDOWN_S:
                     continue  # poold asked one back lately: leave the bytes to others

@@ -15,17 +15,28 @@ import threading
 import time
 from collections.abc import Callable
 
+from agent import hand_off
 from agent.delegation import DelegatedCapacity, LocalPlan
 from agent.held import HeldLease, HeldLeases, memfd_inode
 from agent.journal import Journal
 from agent.link import PooldLink
-from poold.errors import LedgerUnavailable, PooldUnreachable, PoolError, QuotaExceeded
+from poold.errors import (
+    LedgerUnavailable,
+    NoCapacity,
+    PooldUnreachable,
+    PoolError,
+    QuotaExceeded,
+)
 from poold.wire.agent import BudgetSpent, GrantRequest, LeaseOp, LocalUse
 from poold.wire.common import LeaseOut
 from poold.wire.delegation import Delegation, DelegationRequest, LocalGrant
 
 # The logger this code has always logged under (operators filter on it).
 log = logging.getLogger("pool_agent.delegation")
+
+# How long a central grant refused no_capacity waits for this host's idle reservations to
+# go back before it asks again (a delegation step: one request to poold).
+RECALL_WAIT_S = 5.0
 
 # poold's central grant (PooldLink.grant_spending): the lease, and what it took from this
 # host's budget of the tenant (None: poold does not say).
@@ -54,6 +65,8 @@ class LocalGrants:
         self._seq_of: dict[int, tuple[LeaseOp, int]] = {}  # id(op) -> (op, journal seq)
         self._asked = False
         self._no_route_until = 0.0
+        self._stepped = threading.Condition()  # a delegation step ended (`_steps` counts)
+        self._steps = 0
         self.enabled = True
         # Ends a local lease poold refused at commit (set by the service: a revocation).
         self.on_refused: Callable[[str, str], None] | None = None
@@ -193,6 +206,23 @@ class LocalGrants:
         down to the larger of that and what it has committed). So it need not wait for
         those to be committed, however far behind the outbox is. poold's answer says
         what it spent: the debit becomes that (`DelegatedCapacity.settle`)."""
+        try:
+            return self._central_once(req, grant)
+        except NoCapacity as err:
+            # Room this host parked in reservations no local lease uses: give it back and
+            # ask once more (a host draining has no room to come).
+            if "host_status" in err.detail or not self.capacity.recall_idle(req.media):
+                raise
+            hand_off.ahead()
+            if not self._after_next_step(RECALL_WAIT_S):
+                raise
+            log.info(
+                "no room for %d bytes beside this host's idle reservations: gave them back",
+                req.size_bytes,
+            )
+            return self._central_once(req, grant)
+
+    def _central_once(self, req: GrantRequest, grant: Granting) -> LeaseOut:
         limit = self.capacity.debit(req, self._alignment())
         if limit is None:
             return self._central(req, grant)
@@ -249,6 +279,32 @@ class LocalGrants:
     def step(self) -> None:
         """Refill or give back off the request path: ask poold once at start (what is held
         already), then whenever demand says so."""
+        try:
+            self._step()
+        finally:
+            with self._stepped:
+                self._steps += 1
+                self._stepped.notify_all()
+
+    def _after_next_step(self, timeout_s: float) -> bool:
+        """Wake the delegation step and wait until one that started after now has ended
+        (False: not within ``timeout_s``)."""
+        with self._stepped:
+            # The step running now may have read its wants already: two ends from here.
+            target = self._steps + 2
+        self.link.wake_delegation()
+        deadline = time.monotonic() + timeout_s
+        with self._stepped:
+            while self._steps < target:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._stepped.wait(left)
+                if self._steps < target:
+                    self.link.wake_delegation()
+        return True
+
+    def _step(self) -> None:
         now = time.monotonic()
         if not self.enabled or now < self._no_route_until:
             return

@@ -401,3 +401,40 @@ def test_the_indexes_always_agree_with_the_leases(
                 used = d._leases.used_in(res.id)
             assert indexed == inside
             assert used == sum(length for _, length in inside)
+
+
+def test_a_central_no_capacity_gives_the_idle_reservations_back_at_the_next_step(
+    clock: Clock,
+) -> None:
+    """A central grant refused no_capacity (the free bytes parked in this host's
+    reservations): those with no local lease go back at the next step, none is
+    reserved again for that media meanwhile, and no local lease goes there."""
+    policy = RefillPolicy(min_reserve_bytes=8 * MiB, max_reserve_bytes=256 * MiB)
+    d = DelegatedCapacity("h1", policy=policy, clock=clock)
+    d.replace(
+        delegation(
+            [
+                reservation("idle", offset=0, length=64 * MiB),
+                reservation("busy", offset=1 << 30, length=8 * MiB),
+                reservation("pmem", offset=2 << 30, media="cxl-pmem", device="dev-b"),
+            ],
+            [budget(bytes_=1 << 30)],
+        )
+    )
+    plan = d.grant_locally(ask(8 * MiB))
+    assert plan is not None and plan.grant.reservation_id == "busy"
+    assert not d.recall_idle("hbm")  # none of that media
+    assert d.recall_idle("ddr5")
+    d.note_demand("kv", "ddr5", 200 * MiB)  # demand that would reserve more at once
+    want = d.wants()
+    assert want is not None
+    assert want.give_back == ["idle"]  # not the busy one, nor another media's
+    assert want.reserve == []  # recalled: not reserved again for a while
+    d.asked(clock.now, ok=True)
+    assert d.recall_idle(None)  # the other media's is idle too
+    want = d.wants()
+    assert want is not None and want.give_back == ["pmem"]
+    # Until poold answers, nothing is granted in what goes back, and what went back is
+    # not given back twice.
+    assert d.grant_locally(ask(8 * MiB)) is None
+    assert not d.recall_idle(None)
