@@ -73,10 +73,15 @@ class Want:
     leases: int
 
 
-def fair_share(quota: int, central: int, hosts: int) -> int:
+def fair_share(quota: int, central: int, hosts: int, *, exact: bool = False) -> int:
     """One host's fair share of what a tenant's central leases leave of its quota, among
-    the `hosts` that hold (or asked for) a budget of it."""
-    return max(0, math.ceil((quota - central) / max(1, hosts)))
+    the `hosts` that hold (or asked for) a budget of it. Rounded up, so that a quota
+    smaller than its hosts still gives each a lease; ``exact`` (while a central room
+    runs): rounded down, so that the shares leave the room whole (rounded up, three
+    hosts' shares of two leases were three, and the room's lease was never free)."""
+    left = max(0, quota - central)
+    n = max(1, hosts)
+    return left // n if exact else math.ceil(left / n)
 
 
 def set_budgets(
@@ -176,9 +181,10 @@ def _sized(
     hosts = len(set(use.budgets) | {host_id})
     local_bytes, local_leases = use.local.get(host_id, (0, 0))
     quota_bytes, quota_leases = tenant.quota_bytes - room[0], tenant.quota_leases - room[1]
+    exact = room != (0, 0)
     if hosts > 1:
-        fair_bytes = fair_share(quota_bytes, use.central_bytes, hosts)
-        fair_leases = fair_share(quota_leases, use.central_leases, hosts)
+        fair_bytes = fair_share(quota_bytes, use.central_bytes, hosts, exact=exact)
+        fair_leases = fair_share(quota_leases, use.central_leases, hosts, exact=exact)
     else:
         fair_bytes, fair_leases = quota_bytes, quota_leases
     cap_bytes = min(quota_bytes - use.bytes(skip_host=host_id), max(fair_bytes, local_bytes))
@@ -213,9 +219,10 @@ def shares(
         room_bytes, room_leases = central_room.kept(r, now)
         if n <= 1 and not (room_bytes or room_leases):
             continue
+        exact = bool(room_bytes or room_leases)
         share = (
-            fair_share(r.quota_bytes - room_bytes, use.central_bytes, n),
-            fair_share(r.quota_leases - room_leases, use.central_leases, n),
+            fair_share(r.quota_bytes - room_bytes, use.central_bytes, n, exact=exact),
+            fair_share(r.quota_leases - room_leases, use.central_leases, n, exact=exact),
         )
         if r.bytes > share[0] or r.leases > share[1]:
             out[r.id] = share

@@ -45,13 +45,22 @@ log = logging.getLogger(__name__)
 ROOM_S: Final = 600.0
 _ROOM = timedelta(seconds=ROOM_S)
 
-_ROOM_OF = select(Tenant.central_room_bytes, Tenant.central_room_until).where(
-    Tenant.id == bindparam("tenant_id")
+# Read under the row's lock (PostgreSQL): two notes at once keep the larger room.
+_ROOM_OF = (
+    select(Tenant.quota_bytes, Tenant.central_room_bytes, Tenant.central_room_until)
+    .where(Tenant.id == bindparam("tenant_id"))
+    .with_for_update()
 )
+# The generation moves too: a delegate call that read the tenant before this sized its
+# budgets without the room, and its swap now fails, so it runs again and sees it.
 _SET_ROOM = (
     update(Tenant)
     .where(Tenant.id == bindparam("tenant_id"))
-    .values(central_room_bytes=bindparam("room_bytes"), central_room_until=bindparam("until"))
+    .values(
+        central_room_bytes=bindparam("room_bytes"),
+        central_room_until=bindparam("until"),
+        generation=Tenant.generation + 1,
+    )
 )
 _BUDGET_HOSTS = select(Budget.host_id).where(
     Budget.tenant_id == bindparam("tenant_id"), (Budget.bytes > 0) | (Budget.leases > 0)
@@ -77,6 +86,28 @@ def kept(tenant: Any, now: datetime) -> tuple[int, int]:
     if 2 * room > quota_bytes:
         return quota_bytes, quota_leases
     return room, min(1, quota_leases)
+
+
+def covered(tenant: Any, length_bytes: int, now: datetime) -> bool:
+    """Does the tenant's running room (``tenant``: its row) already cover a refused
+    grant of ``length_bytes``, with more than half its time left? Then noting it again
+    would write nothing new (the refusals until its hosts have given back)."""
+    until = tenant.central_room_until
+    return (
+        until is not None
+        and until - now > _ROOM / 2
+        and int(tenant.central_room_bytes) >= length_bytes
+    )
+
+
+def grown(was: int, length_bytes: int, quota_bytes: int) -> int:
+    """The room after a refusal of ``length_bytes`` (``was``: the running room, 0 for
+    none): that size at first; past the running room, at least double it, so that a
+    tenant asking ever larger leases grows it (and wakes its hosts) a few times, not
+    once per alignment step; never past the quota."""
+    if length_bytes <= was:
+        return was
+    return min(quota_bytes, max(length_bytes, 2 * was))
 
 
 def blocked_by_budgets(
@@ -109,14 +140,12 @@ def note(ledger: Ledger, tenant_id: int, length_bytes: int, actor: str) -> None:
     try:
         with ledger.write_conn() as conn:
             row = conn.execute(_ROOM_OF, {"tenant_id": tenant_id}).one_or_none()
-            if row is None:
-                return
+            if row is None or covered(row, length_bytes, now):
+                return  # kept already (a note at the same time)
             until = row.central_room_until
             running = until is not None and until > now
             was = int(row.central_room_bytes) if running else 0
-            if was >= length_bytes and until - now > _ROOM / 2:
-                return  # kept already (refusals until the hosts have given back)
-            room = max(length_bytes, was)
+            room = grown(was, length_bytes, int(row.quota_bytes))
             conn.execute(
                 _SET_ROOM, {"tenant_id": tenant_id, "room_bytes": room, "until": now + _ROOM}
             )
@@ -141,14 +170,17 @@ def note(ledger: Ledger, tenant_id: int, length_bytes: int, actor: str) -> None:
                         },
                     ),
                 )
-    except PoolError as err:
-        log.warning("could not keep central room for tenant %d: %s", tenant_id, err.message)
+    except Exception as err:  # the refusal stands whatever became of the room
+        why = err.message if isinstance(err, PoolError) else f"{type(err).__name__}: {err}"
+        log.warning("could not keep central room for tenant %d: %s", tenant_id, why)
 
 
 def renew(conn: Connection, tenant: Any, length_bytes: int, now: datetime) -> None:
     """A central grant of ``length_bytes`` for the tenant (``tenant``: its row): one of
     the size its room is for (at least half of it) keeps the room from lapsing. Writes
-    only past half the room's time, so a tenant's grants write it once in minutes."""
+    only past half the room's time, so a tenant's grants write it once in minutes. Runs
+    after the grant's generation swaps (the tenant row is locked last, as they lock
+    it)."""
     if not kept(tenant, now)[0] or length_bytes * 2 < int(tenant.central_room_bytes):
         return
     if tenant.central_room_until - now > _ROOM / 2:

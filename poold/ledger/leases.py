@@ -229,7 +229,6 @@ def _grant_once(
     dev = choice.candidate
     path = paths[dev.device_id]
     now = utcnow()
-    central_room.renew(conn, tenant, length, now)
     lease_id = str(uuid.uuid4())
     state = LeaseState.ACTIVE if req.activate else LeaseState.GRANTED
     values: dict[str, Any] = {
@@ -271,6 +270,7 @@ def _grant_once(
         (Tenant, tenant.id, tenant.generation),
     ):
         transitions.swap_or_rerun(conn, model, row_id, seen)
+    central_room.renew(conn, tenant, length, now)  # the tenant's row, locked by its swap
     granting.INSERT_LEASE.write(conn, values)
     common: dict[str, Any] = {
         "at": now,
@@ -332,7 +332,7 @@ def _refuse(
     by_budgets = central_room.blocked_by_budgets(
         use, tenant.quota_bytes, tenant.quota_leases, length, host_id, reported
     )
-    if by_budgets:
+    if by_budgets and not central_room.covered(tenant, length, utcnow()):
         blocked.append((int(tenant.id), length))
     budgets.refuse_over_quota(
         conn, tenant, use, use.bytes(), use.leases(), length, by_budgets=by_budgets

@@ -23,7 +23,7 @@ from sqlalchemy import Connection, event, select
 from poold import extents
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATE_VALUES
-from poold.ledger import delegation_renewal
+from poold.ledger import central_room, delegation_renewal
 from poold.ledger.accounting import MEMORY_HELD
 from poold.ledger.db import Ledger
 from poold.ledger.devices import reserved
@@ -249,9 +249,9 @@ def pool_view(ledger: Ledger) -> PoolView:
             )
         )
     tenants = []
-    for tenant_id, name, quota_bytes, quota_leases, room, room_until in tenant_rows:
+    for row in tenant_rows:
+        tenant_id, name, quota_bytes, quota_leases = row[:4]
         leased, count, used_bytes, exclusive, replica = tenant_sums.get(tenant_id, [0] * 5)
-        running = room_until is not None and room_until > read_at
         tenants.append(
             TenantGauges(
                 name=name,
@@ -264,7 +264,7 @@ def pool_view(ledger: Ledger) -> PoolView:
                 replica_bytes=replica,
                 budget_bytes=tenant_budget[tenant_id][0],
                 budget_leases=tenant_budget[tenant_id][1],
-                central_room_bytes=int(room) if running else 0,
+                central_room_bytes=central_room.kept(row, read_at)[0],
             )
         )
     hosts = [

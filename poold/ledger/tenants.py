@@ -12,7 +12,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from poold.errors import AlreadyExists, NotOwner, TenantInUse, UnknownTenant
 from poold.lease_states import LIVE_STATE_VALUES
-from poold.ledger import transitions
+from poold.ledger import central_room, transitions
 from poold.ledger.db import Ledger, Prepared, PreparedIn
 from poold.ledger.models import Lease, Tenant
 from poold.ledger.types import check_ints_fit, utcnow
@@ -38,8 +38,7 @@ def usage(session: Session, tenant_id: int) -> tuple[int, int]:
 
 def to_out(session: Session, tenant: Tenant) -> TenantOut:
     leased, count = usage(session, tenant.id)
-    until = tenant.central_room_until
-    running = until is not None and until > utcnow() and bool(tenant.central_room_bytes)
+    kept_bytes, _ = central_room.kept(tenant, utcnow())
     return TenantOut(
         id=tenant.id,
         name=tenant.name,
@@ -52,8 +51,8 @@ def to_out(session: Session, tenant: Tenant) -> TenantOut:
         leased_bytes=leased,
         live_leases=count,
         created_at=tenant.created_at,
-        central_room_bytes=tenant.central_room_bytes if running else 0,
-        central_room_until=until if running else None,
+        central_room_bytes=kept_bytes,
+        central_room_until=tenant.central_room_until if kept_bytes else None,
     )
 
 

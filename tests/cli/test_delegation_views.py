@@ -160,8 +160,9 @@ def test_tenants_show_says_when_a_central_room_keeps_quota_out_of_budgets(
             client.close()
     shown = poolctl(api, "tenants", "show", "tight")
     assert shown.exit_code == 0, shown.output
-    assert "central room: 32.0 MiB" in shown.output
+    # 32 MiB is over half the quota: the whole quota is kept out of budgets.
+    assert "central room: 48.0 MiB" in shown.output
     out = json.loads(poolctl(api, "tenants", "show", "tight", "--json").output)
-    assert out["central_room_bytes"] == 32 * MiB and out["central_room_until"]
+    assert out["central_room_bytes"] == 48 * MiB and out["central_room_until"]
     got = scrape(api.url)
-    assert got[("poold_tenant_central_room_bytes", (("tenant", "tight"),))] == 32 * MiB
+    assert got[("poold_tenant_central_room_bytes", (("tenant", "tight"),))] == 48 * MiB

@@ -101,13 +101,14 @@ def test_a_grant_refused_only_for_unspent_budgets_gets_room_and_then_fits(ledger
         assert s.execute(select(Tenant.central_room_until)).scalar_one() == until
         kinds = s.execute(select(Event.kind).where(Event.kind == "budget.room")).scalars()
         assert len(list(kinds)) == 1
-    # Each host hears a share of what the room leaves (40 MiB and 7 leases over four)
-    # and asks no more; a host asking for more is held to it.
+    # Each host hears a share of what the room leaves (40 MiB and 7 leases over four,
+    # rounded down: the shares leave the room whole) and asks no more; a host asking for
+    # more is held to it.
     for host in hosts:
-        assert _share(ledger, host) == (10 * MiB, 2)
-        _delegate(ledger, host, 10 * MiB, 2)
+        assert _share(ledger, host) == (10 * MiB, 1)
+        _delegate(ledger, host, 10 * MiB, 1)
     assert _delegate(ledger, "h1", 1 << 40, 1000).budgets[0].bytes == 10 * MiB
-    assert _budgets(ledger) == {h: (10 * MiB, 2) for h in (1, 2, 3, 4)}
+    assert _budgets(ledger) == {h: (10 * MiB, 1) for h in (1, 2, 3, 4)}
     # The same grant now fits beside the budgets, and never past the quota.
     lease = leases.grant(ledger, "h1", _grant(24 * MiB), "agent:h1")
     assert lease.reservation_id is None and lease.length_bytes == 24 * MiB
@@ -157,7 +158,7 @@ def test_a_lapsed_room_lets_budgets_grow_again_and_a_grant_its_size_renews_it(
     with pytest.raises(QuotaExceeded):
         leases.grant(ledger, "h1", _grant(24 * MiB), "agent:h1")
     for host in hosts:
-        _delegate(ledger, host, 10 * MiB, 2)
+        _delegate(ledger, host, 10 * MiB, 1)
     # Past half its time, a central grant of its size renews it ...
     half_gone = utcnow() + timedelta(seconds=central_room.ROOM_S / 2 - 5)
     with ledger.write_conn() as conn:
@@ -188,3 +189,47 @@ def test_blocked_by_budgets_counts_what_hosts_leased_and_what_the_agent_reports(
     assert not central_room.blocked_by_budgets(use, QUOTA, 2, 2 * MiB, 2)
     # The asking host's own report of local grants poold has not heard of counts.
     assert not central_room.blocked_by_budgets(use, QUOTA, 4, 32 * MiB, 1, (16 * MiB, 2))
+
+
+@pytest.mark.parametrize(
+    ("quota_leases", "why"),
+    [(3, "three hosts' shares of the two leases left were three"), (100, "bytes, rounded up")],
+)
+def test_a_host_without_a_budget_gets_the_room_once_the_shares_are_given_back(
+    ledger: Ledger, quota_leases: int, why: str
+) -> None:
+    """Rounded up, the shares of what the room leaves added up to more than it: nobody
+    gave back, and a host with no budget was refused for as long as it asked."""
+    hosts = _split(ledger, 96 * MiB, quota_leases, 3)
+    seed(ledger, host="h4", devices=[device("dev-9")], tenant=None)
+    with pytest.raises(QuotaExceeded) as refused:
+        leases.grant(ledger, "h4", _grant(8 * MiB), "agent:h4")
+    assert refused.value.detail.get("held_by_budgets") is True, why
+    for host in hosts:
+        share = _share(ledger, host)
+        if share[0] is not None:
+            _delegate(ledger, host, share[0], share[1] or 0)
+    lease = leases.grant(ledger, "h4", _grant(8 * MiB), "agent:h4")
+    assert lease.length_bytes == 8 * MiB, why
+
+
+def test_a_note_moves_the_generation_and_keeps_the_larger_room(ledger: Ledger) -> None:
+    """A delegate call that read the tenant before the note reruns (its swap fails) and
+    sizes budgets with the room; a smaller note never shrinks a running room."""
+    seed(ledger, quota_bytes=1 << 30, quota_leases=100)
+    with ledger.read() as s:
+        before = s.execute(select(Tenant.generation)).scalar_one()
+    central_room.note(ledger, 1, 64 * MiB, "test")
+    central_room.note(ledger, 1, 8 * MiB, "test")
+    with ledger.read() as s:
+        after = s.execute(select(Tenant.generation)).scalar_one()
+    assert after > before
+    assert _room(ledger) == (64 * MiB, True)
+
+
+def test_a_room_grows_by_doubling_and_never_past_the_quota() -> None:
+    assert central_room.grown(0, 6 * MiB, QUOTA) == 6 * MiB
+    assert central_room.grown(6 * MiB, 4 * MiB, QUOTA) == 6 * MiB
+    assert central_room.grown(6 * MiB, 8 * MiB, QUOTA) == 12 * MiB  # not 8: fewer tells
+    assert central_room.grown(6 * MiB, 20 * MiB, QUOTA) == 20 * MiB
+    assert central_room.grown(32 * MiB, 40 * MiB, QUOTA) == QUOTA
