@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Final
@@ -352,24 +352,49 @@ class DelegatedCapacity:
         res = held.reservation
         return res.length_bytes - self._leases.used_in(res.id)
 
-    def recall_idle(self, media: str | None) -> bool:
-        """A central grant (of ``media``; None: any) found no room on this host's devices
-        (no_capacity): the reservations here with no local lease in them go back at the
-        next delegation step, and that media is not reserved again for a while
-        (``RECALL_COOLDOWN_S``), so a lease larger than what reservations leave free
-        is not refused for bytes this host parked for leases it has not granted. False:
-        none to give back (the refusal stands)."""
+    def recall_idle(
+        self, media: str | None, size_bytes: int, free_by_device: Mapping[str, int]
+    ) -> bool:
+        """A central grant of ``size_bytes`` (of ``media``; None: any) found no room on
+        this host's devices (no_capacity; ``free_by_device``: what poold's refusal says
+        is free, by device uid): the reservations here with no local lease in them, on a
+        device where they and its free bytes would hold the lease, go back at the next
+        delegation step, and their media is not reserved again for a while
+        (``RECALL_COOLDOWN_S``). So a lease is not refused for bytes this host parked for
+        leases it has not granted, and one that could not fit anyway (larger than a
+        device) gives nothing back. False: none to give back (the refusal stands)."""
         with self._lock:
-            idle = {
+            idle: dict[str, list[tuple[str, int]]] = {}
+            for rid, h in self._reservations.items():
+                res = h.reservation
+                if self._leases.any_in(rid) or rid in self._giving or rid in self._gone:
+                    continue
+                if media is not None and res.media != media:
+                    continue
+                if (
+                    media is None
+                    and self.host_has_real()
+                    and placement.EMULATED
+                    in (
+                        res.media,
+                        res.kind,
+                    )
+                ):
+                    continue  # as placement: no silent DRAM for a far-memory request
+                idle.setdefault(res.device_uid, []).append((rid, res.length_bytes))
+            picked = {
                 rid
-                for rid, h in self._reservations.items()
-                if not self._leases.any_in(rid)
-                and rid not in self._giving
-                and rid not in self._gone
-                and (media is None or h.reservation.media == media)
+                for device, held in idle.items()
+                if free_by_device.get(device, 0) + sum(n for _, n in held) >= size_bytes
+                for rid, _ in held
             }
-            self._recall |= idle
-            return bool(idle)
+            self._recall |= picked
+            return bool(picked)
+
+    def forget_recall(self) -> None:
+        """The recall's step did not come in time: nothing goes back for it later."""
+        with self._lock:
+            self._recall.clear()
 
     # --- granting -------------------------------------------------------------------
     def grant_locally(

@@ -36,7 +36,7 @@ log = logging.getLogger("pool_agent.delegation")
 
 # How long a central grant refused no_capacity waits for this host's idle reservations to
 # go back before it asks again (a delegation step: one request to poold).
-RECALL_WAIT_S = 5.0
+RECALL_WAIT_S = 2.0
 
 # poold's central grant (PooldLink.grant_spending): the lease, and what it took from this
 # host's budget of the tenant (None: poold does not say).
@@ -65,8 +65,10 @@ class LocalGrants:
         self._seq_of: dict[int, tuple[LeaseOp, int]] = {}  # id(op) -> (op, journal seq)
         self._asked = False
         self._no_route_until = 0.0
-        self._stepped = threading.Condition()  # a delegation step ended (`_steps` counts)
-        self._steps = 0
+        # Delegation steps started and ended (one at a time, on the link's thread).
+        self._stepped = threading.Condition()
+        self._started = 0
+        self._ended = 0
         self.enabled = True
         # Ends a local lease poold refused at commit (set by the service: a revocation).
         self.on_refused: Callable[[str, str], None] | None = None
@@ -211,10 +213,14 @@ class LocalGrants:
         except NoCapacity as err:
             # Room this host parked in reservations no local lease uses: give it back and
             # ask once more (a host draining has no room to come).
-            if "host_status" in err.detail or not self.capacity.recall_idle(req.media):
+            free = err.detail.get("free_by_device")
+            if "host_status" in err.detail or not self.capacity.recall_idle(
+                req.media, req.size_bytes, free if isinstance(free, dict) else {}
+            ):
                 raise
             hand_off.ahead()
             if not self._after_next_step(RECALL_WAIT_S):
+                self.capacity.forget_recall()
                 raise
             log.info(
                 "no room for %d bytes beside this host's idle reservations: gave them back",
@@ -279,29 +285,31 @@ class LocalGrants:
     def step(self) -> None:
         """Refill or give back off the request path: ask poold once at start (what is held
         already), then whenever demand says so."""
+        with self._stepped:
+            self._started += 1
         try:
             self._step()
         finally:
             with self._stepped:
-                self._steps += 1
+                self._ended += 1
                 self._stepped.notify_all()
 
     def _after_next_step(self, timeout_s: float) -> bool:
-        """Wake the delegation step and wait until one that started after now has ended
-        (False: not within ``timeout_s``)."""
+        """Wake the delegation step and wait until the first one to start from now has
+        ended (one running now may have read its wants already). False: not within
+        ``timeout_s``, or no step will run (delegation off)."""
+        if not self.enabled:
+            return False
         with self._stepped:
-            # The step running now may have read its wants already: two ends from here.
-            target = self._steps + 2
+            target = self._started + 1
         self.link.wake_delegation()
         deadline = time.monotonic() + timeout_s
         with self._stepped:
-            while self._steps < target:
+            while self._ended < target:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._stepped.wait(left)
-                if self._steps < target:
-                    self.link.wake_delegation()
         return True
 
     def _step(self) -> None:

@@ -407,8 +407,9 @@ def test_a_central_no_capacity_gives_the_idle_reservations_back_at_the_next_step
     clock: Clock,
 ) -> None:
     """A central grant refused no_capacity (the free bytes parked in this host's
-    reservations): those with no local lease go back at the next step, none is
-    reserved again for that media meanwhile, and no local lease goes there."""
+    reservations): those with no local lease, on a device where they and its free bytes
+    would hold the lease, go back at the next step; none is reserved again for that
+    media meanwhile, and no local lease goes there."""
     policy = RefillPolicy(min_reserve_bytes=8 * MiB, max_reserve_bytes=256 * MiB)
     d = DelegatedCapacity("h1", policy=policy, clock=clock)
     d.replace(
@@ -423,18 +424,22 @@ def test_a_central_no_capacity_gives_the_idle_reservations_back_at_the_next_step
     )
     plan = d.grant_locally(ask(8 * MiB))
     assert plan is not None and plan.grant.reservation_id == "busy"
-    assert not d.recall_idle("hbm")  # none of that media
-    assert d.recall_idle("ddr5")
+    free = {"dev-a": 100 * MiB, "dev-b": 0}
+    assert not d.recall_idle("hbm", 96 * MiB, free)  # none of that media
+    # Larger than the device's free bytes and idle reservations together: nothing to win.
+    assert not d.recall_idle("ddr5", 200 * MiB, free)
+    assert d.recall_idle("ddr5", 150 * MiB, free)
     d.note_demand("kv", "ddr5", 200 * MiB)  # demand that would reserve more at once
     want = d.wants()
     assert want is not None
     assert want.give_back == ["idle"]  # not the busy one, nor another media's
     assert want.reserve == []  # recalled: not reserved again for a while
     d.asked(clock.now, ok=True)
-    assert d.recall_idle(None)  # the other media's is idle too
+    assert not d.recall_idle(None, 32 * MiB, {})  # the pmem one alone cannot hold it
+    assert d.recall_idle(None, 16 * MiB, {})
     want = d.wants()
     assert want is not None and want.give_back == ["pmem"]
     # Until poold answers, nothing is granted in what goes back, and what went back is
     # not given back twice.
     assert d.grant_locally(ask(8 * MiB)) is None
-    assert not d.recall_idle(None)
+    assert not d.recall_idle(None, 2 * MiB, {})

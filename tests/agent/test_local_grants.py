@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -19,8 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent import protocol as p
 from agent.backends.emulated import EmulatedBackend
+from agent.delegation import DelegatedCapacity
 from agent.journal import Journal
 from agent.link import PooldLink
+from agent.local_grants import LocalGrants
 from agent.metrics import start_metrics_server
 from agent.peer import Peer
 from agent.service import AgentService
@@ -273,3 +276,53 @@ def test_grant_paths_reserved_bytes_and_uncommitted_leases_are_exported(make_ser
         assert 590 < after[("pool_agent_delegation_expires_in_seconds", ())] <= 600
     finally:
         served.close()
+
+
+def test_a_recall_waits_for_the_first_step_that_starts_after_it() -> None:
+    """A step already running may have read its wants before the recall: the request
+    waits for the next one to end; with no step coming it gives up in time and the
+    recall is forgotten."""
+
+    class Link:
+        local: object = None
+        on_delegation: object = None
+
+        def __init__(self) -> None:
+            self.woken = threading.Event()
+
+        def wake_delegation(self) -> None:
+            self.woken.set()
+
+    d = DelegatedCapacity("h1")
+    link = Link()
+    grants = LocalGrants(d, link, held=None)  # type: ignore[arg-type]
+    running = threading.Event()
+    release = threading.Event()
+    steps: list[str] = []
+
+    def one_step() -> None:
+        running.set()
+        release.wait(5)
+        steps.append("step")
+
+    grants._step = one_step  # type: ignore[method-assign]
+    first = threading.Thread(target=grants.step)
+    first.start()
+    assert running.wait(5)  # a step is running: the recall must not count its end
+    started = time.monotonic()
+    result: list[bool] = []
+    waiter = threading.Thread(target=lambda: result.append(grants._after_next_step(5.0)))
+    waiter.start()
+    assert link.woken.wait(5)
+    release.set()
+    first.join(5)
+    time.sleep(0.2)
+    assert result == []  # the running step ended; the next has not
+    grants.step()  # the delegation loop's next step
+    waiter.join(5)
+    assert result == [True] and steps == ["step", "step"]
+    assert time.monotonic() - started < 5
+    # No step comes: it gives up after its time.
+    t0 = time.monotonic()
+    assert grants._after_next_step(0.3) is False
+    assert 0.25 < time.monotonic() - t0 < 2
