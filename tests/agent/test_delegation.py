@@ -434,12 +434,16 @@ def test_a_central_no_capacity_gives_the_idle_reservations_back_at_the_next_step
     assert want is not None
     assert want.give_back == ["idle"]  # not the busy one, nor another media's
     assert want.reserve == []  # recalled: not reserved again for a while
+    # Another request refused while the give-back is on its way waits for it too.
+    assert d.recall_idle("ddr5", 150 * MiB, free)
     d.asked(clock.now, ok=True)
     assert not d.recall_idle(None, 32 * MiB, {})  # the pmem one alone cannot hold it
     assert d.recall_idle(None, 16 * MiB, {})
     want = d.wants()
     assert want is not None and want.give_back == ["pmem"]
-    # Until poold answers, nothing is granted in what goes back, and what went back is
-    # not given back twice.
+    # Until poold answers, nothing is granted in what goes back; a request meanwhile
+    # waits for it; once back, it is not given back twice.
     assert d.grant_locally(ask(8 * MiB)) is None
+    assert d.recall_idle(None, 2 * MiB, {})
+    d.asked(clock.now, ok=True)
     assert not d.recall_idle(None, 2 * MiB, {})
