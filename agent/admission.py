@@ -85,9 +85,7 @@ class Admission:
                 return self._grant_in_turn(req, deadline)
             except QuotaExceeded as err:
                 remaining = deadline - time.monotonic()
-                if not err.detail.get("held_by_budgets") or remaining <= 0:
-                    raise
-                if self._closed.is_set():
+                if not err.detail.get("held_by_budgets") or remaining <= 0 or self._closed.is_set():
                     raise
                 hand_off.ahead()
                 if self._closed.wait(min(remaining, pause)):

@@ -176,10 +176,8 @@ class DelegatedCapacity:
         # Lease requests by path: LOCAL or a CENTRAL_REASONS entry (agent/metrics.py).
         self._paths: dict[str, int] = dict.fromkeys((LOCAL, *CENTRAL_REASONS), 0)
         self._asked_give: set[str] = set()  # what it gives back
-        # Idle reservations a central grant refused no_capacity wants back (`recall_idle`),
-        # and those the request on its way gives back for it.
+        # Idle reservations a central grant refused no_capacity wants back (`recall_idle`).
         self._recall: set[str] = set()
-        self._recalling: set[str] = set()
         self._gone: dict[str, float] = {}  # given back: reservation id -> settled at
         # Bytes central grants were refused (quota) per tenant this interval: demand too.
         self._refused: dict[str, int] = {}
@@ -367,7 +365,7 @@ class DelegatedCapacity:
         device) gives nothing back. False: none to give back (the refusal stands)."""
         with self._lock:
             idle: dict[str, list[tuple[str, int]]] = {}
-            coming: dict[str, int] = {}  # bytes already going back for a recall
+            coming: dict[str, int] = {}  # bytes already going back (a recall, a give-back)
             far = media is None and self.host_has_real()
             for rid, h in self._reservations.items():
                 res = h.reservation
@@ -375,12 +373,10 @@ class DelegatedCapacity:
                     continue
                 if far and placement.EMULATED in (res.media, res.kind):
                     continue  # as placement: no silent DRAM for a far-memory request
-                if rid in self._recall or rid in self._recalling:
+                if rid in self._recall or rid in self._giving:
                     coming[res.device_uid] = coming.get(res.device_uid, 0) + res.length_bytes
-                    continue
-                if self._leases.any_in(rid) or rid in self._giving or rid in self._gone:
-                    continue
-                idle.setdefault(res.device_uid, []).append((rid, res.length_bytes))
+                elif self._idle(rid):
+                    idle.setdefault(res.device_uid, []).append((rid, res.length_bytes))
             helps = {
                 device
                 for device in set(idle) | set(coming)
@@ -390,9 +386,14 @@ class DelegatedCapacity:
                 >= size_bytes
             }
             self._recall |= {rid for device in helps for rid, _ in idle.get(device, ())}
-            # True too when another request's recall already brings the bytes back: this
-            # one waits for the same step instead of being refused meanwhile.
+            # True too when bytes already going back would do: this request waits for
+            # the same step instead of being refused meanwhile.
             return bool(helps)
+
+    def _idle(self, rid: str) -> bool:
+        """May the reservation go back now: no local lease in it, not already going or
+        gone (under the lock)."""
+        return not (self._leases.any_in(rid) or rid in self._giving or rid in self._gone)
 
     def forget_recall(self) -> None:
         """The recall's step did not come in time: nothing goes back for it later."""
@@ -697,7 +698,6 @@ class DelegatedCapacity:
                 self._withdrawn -= self._asked_give
             self._asked_give = set()
             self._giving = set()
-            self._recalling = set()
             return given
 
     def released(self, lease_id: str) -> None:
@@ -749,16 +749,10 @@ class DelegatedCapacity:
             give_back: list[str] = sorted(self._withdrawn)
             for rid in sorted(self._recall):
                 h = self._reservations.get(rid)
-                if (
-                    h is None
-                    or self._leases.any_in(rid)
-                    or rid in self._giving
-                    or rid in self._gone
-                ):
+                if h is None or not self._idle(rid):
                     continue  # gone, or a local lease went there since
                 give_back.append(rid)
                 self._giving.add(rid)
-                self._recalling.add(rid)
                 self._recalled_at[h.reservation.media] = now  # not reserved again at once
             self._recall.clear()
             for media, rate in sorted(by_media.items()):

@@ -173,7 +173,7 @@ def set_budgets(
 
 
 def _sized(
-    tenant: Any, use: QuotaUse, host_id: int, want: Want, room: tuple[int, int] = (0, 0)
+    tenant: Any, use: QuotaUse, host_id: int, want: Want, room: tuple[int, int]
 ) -> tuple[int, int] | None:
     """The (bytes, leases) `set_budgets`' rule gives the budget, or None: as it is.
     ``room``: what budgets leave of the quota for central grants (central_room.py)."""
@@ -181,7 +181,7 @@ def _sized(
     hosts = len(set(use.budgets) | {host_id})
     local_bytes, local_leases = use.local.get(host_id, (0, 0))
     quota_bytes, quota_leases = tenant.quota_bytes - room[0], tenant.quota_leases - room[1]
-    exact = room != (0, 0)
+    exact = room != (0, 0)  # a room runs
     if hosts > 1:
         fair_bytes = fair_share(quota_bytes, use.central_bytes, hosts, exact=exact)
         fair_leases = fair_share(quota_leases, use.central_leases, hosts, exact=exact)
@@ -217,9 +217,9 @@ def shares(
         use = uses[r.id]
         n = len(use.budgets)
         room_bytes, room_leases = central_room.kept(r, now)
-        if n <= 1 and not (room_bytes or room_leases):
+        exact = (room_bytes, room_leases) != (0, 0)  # a room runs
+        if n <= 1 and not exact:
             continue
-        exact = bool(room_bytes or room_leases)
         share = (
             fair_share(r.quota_bytes - room_bytes, use.central_bytes, n, exact=exact),
             fair_share(r.quota_leases - room_leases, use.central_leases, n, exact=exact),

@@ -35,6 +35,16 @@ POOLD_TEST_ENV = {
 }
 
 
+def query_ledger(database_url: str, sql: str) -> list[tuple[Any, ...]]:
+    """The rows of one statement, read straight from the ledger's database."""
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(text(sql))]
+    finally:
+        engine.dispose()
+
+
 @dataclass
 class Cluster:
     work: Path

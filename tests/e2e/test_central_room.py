@@ -21,14 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, text
 
 from agent.client import PoolClient
 from poold import procs
 from poold.api.client import PooldClient
 from poold.errors import QuotaExceeded
 from poold.wire.admin import TenantSpec
-from tests.e2e.conftest import POOLD_TEST_ENV
+from tests.e2e.conftest import POOLD_TEST_ENV, query_ledger
 
 MiB = 1 << 20
 TENANT = "tight"
@@ -44,12 +43,7 @@ class TwoHosts:
     children: list[procs.Child]
 
     def query(self, sql: str) -> list[tuple[Any, ...]]:
-        engine = create_engine(self.database_url)
-        try:
-            with engine.connect() as conn:
-                return [tuple(r) for r in conn.execute(text(sql))]
-        finally:
-            engine.dispose()
+        return query_ledger(self.database_url, sql)
 
     def logs(self) -> str:
         return "\n".join(f"--- {c.name}\n{c.log_tail(20)}" for c in self.children)

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, text
 
 from agent.client import Lease, PoolClient
 from poold import procs
 from poold.api.client import PooldClient
 from poold.errors import PoolError
 from poold.wire.admin import TenantSpec
+from tests.e2e.conftest import query_ledger
 
 MiB = 1 << 20
 LEASE = 2 * MiB
@@ -56,12 +56,7 @@ class Pool:
         self.agent = procs.start_agent(self.work, **self.agent_args)
 
     def query(self, sql: str) -> list[tuple[Any, ...]]:
-        engine = create_engine(self.database_url)
-        try:
-            with engine.connect() as conn:
-                return [tuple(r) for r in conn.execute(text(sql))]
-        finally:
-            engine.dispose()
+        return query_ledger(self.database_url, sql)
 
 
 def _pool(
