@@ -408,7 +408,9 @@ class PoolClient:
                 raise AgentUnreachable("this PoolClient is closed")
             for attempt in (1, 2):
                 sock = self._connect()
-                sock.settimeout(timeout_s or self.timeout_s)
+                wanted = timeout_s or self.timeout_s
+                if sock.gettimeout() != wanted:  # settimeout is a syscall each time
+                    sock.settimeout(wanted)
                 try:
                     sock.sendall(request, socket.MSG_NOSIGNAL)
                 except OSError as err:

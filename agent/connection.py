@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from agent import hand_off
 from agent.event_writer import Outbox, send_within
@@ -116,6 +116,11 @@ def dispatch(
         return encode_error(internal), None
 
 
+# The socket module's MSG_* flags are enum members, whose ``|`` costs more than a send.
+_NOSIGNAL: Final = int(socket.MSG_NOSIGNAL)
+_SEND_NOW: Final = _NOSIGNAL | int(socket.MSG_DONTWAIT)
+
+
 def send_reply(
     sock: socket.socket, frame: bytes, fd: int | None, timeout_s: float | None = None
 ) -> bool:
@@ -128,10 +133,10 @@ def send_reply(
     rights: list[tuple[int, int, array.array[int]]] = []
     if fd is not None:
         rights.append((socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd])))
-    flags = socket.MSG_NOSIGNAL
+    flags = _NOSIGNAL
     try:
         try:
-            sent = sock.sendmsg([frame], rights, flags | socket.MSG_DONTWAIT)
+            sent = sock.sendmsg([frame], rights, _SEND_NOW)
         except BlockingIOError:
             sent = 0
         if sent == len(frame):

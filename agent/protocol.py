@@ -23,6 +23,7 @@ its tenants. Replies may be larger (a ``list`` of many leases), up to
 from __future__ import annotations
 
 import array
+import functools
 import json
 import socket
 import struct
@@ -426,26 +427,46 @@ def _recv_exact(
     return data
 
 
+_ANC_SIZE: Final = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * array.array("i").itemsize)
+# The socket module's flags are enum members, whose ``|`` costs more than the syscall.
+_RECV_NOW: Final = int(socket.MSG_CMSG_CLOEXEC) | int(socket.MSG_DONTWAIT)
+_CTRUNC: Final = int(socket.MSG_CTRUNC)
+
+
 def _recvmsg_exact(
     sock: socket.socket, length: int, fds: list[int], deadline: float | None
 ) -> bytes:
-    anc_size = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * array.array("i").itemsize)
     chunks: list[bytes] = []
     remaining = length
+    # On a blocking socket (a session's reader) what has arrived is taken without
+    # waiting first, as _recv_exact does: a timeout on the socket costs an ioctl and a
+    # poll before every recvmsg. Only a frame not all there yet waits, under ``deadline``.
+    at_once = sock.gettimeout() is None
+    waited = False
     while remaining:
-        _until(sock, deadline)
-        chunk, ancdata, flags, _ = sock.recvmsg(remaining, anc_size, socket.MSG_CMSG_CLOEXEC)
+        if at_once:
+            try:
+                chunk, ancdata, flags, _ = sock.recvmsg(remaining, _ANC_SIZE, _RECV_NOW)
+            except BlockingIOError:
+                at_once = False
+                waited = True
+                continue
+        else:
+            _until(sock, deadline)
+            chunk, ancdata, flags, _ = sock.recvmsg(remaining, _ANC_SIZE, socket.MSG_CMSG_CLOEXEC)
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 received = array.array("i")
                 received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
                 fds.extend(received)
-        if flags & socket.MSG_CTRUNC:
+        if flags & _CTRUNC:
             raise BadRequest("peer attached more file descriptors than a frame may carry")
         if not chunk:
             break
         chunks.append(chunk)
         remaining -= len(chunk)
+    if waited and deadline is not None:
+        sock.settimeout(None)  # blocking again, as it was
     return b"".join(chunks)
 
 
@@ -495,11 +516,14 @@ def read_frame(
 _OK_PREFIX = b'{"ok":true,"result":'
 
 
+@functools.cache
+def _request_prefix(op: str) -> bytes:
+    return b'{"op":' + json.dumps(op).encode() + b',"args":'
+
+
 def encode_request(op: str, args: BaseModel) -> bytes:
     """The frame for one request."""
-    return _frame(
-        b'{"op":' + json.dumps(op).encode() + b',"args":' + pydantic_core.to_json(args) + b"}"
-    )
+    return _frame(_request_prefix(op) + pydantic_core.to_json(args) + b"}")
 
 
 def encode_result(result: BaseModel) -> bytes:
