@@ -17,29 +17,35 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 log = logging.getLogger("pool_agent")
 
 _local = threading.local()
 
 
-@contextmanager
-def serving() -> Iterator[None]:
-    """Around one request, reply included: what its handler defers runs when it ends,
-    each piece on its own (one that fails is logged and the rest still run)."""
-    work: list[Callable[[], None]] = []
-    _local.work = work
-    try:
-        yield
-    finally:
+class _Serving:
+    # A class, not @contextmanager: entered on every request, where a generator's
+    # set-up costs more than the rest of it.
+    __slots__ = ("_work",)
+
+    def __enter__(self) -> None:
+        self._work: list[Callable[[], None]] = []
+        _local.work = self._work
+
+    def __exit__(self, *exc: object) -> None:
         _local.work = None
-        for fn in work:
+        for fn in self._work:
             try:
                 fn()
             except Exception:
                 log.exception("work left until after a reply failed")
+
+
+def serving() -> _Serving:
+    """Around one request, reply included: what its handler defers runs when it ends,
+    each piece on its own (one that fails is logged and the rest still run)."""
+    return _Serving()
 
 
 def defer(fn: Callable[[], None]) -> bool:

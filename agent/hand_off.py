@@ -20,8 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Final
 
 log = logging.getLogger("agent.server")  # it logs as the server it serves
@@ -29,14 +28,24 @@ log = logging.getLogger("agent.server")  # it logs as the server it serves
 _local = threading.local()
 
 
-@contextmanager
-def serving(hand_off: Callable[[], None]) -> Iterator[None]:
-    """Around one request the loop serves: ``hand_off`` passes the loop on (once)."""
-    _local.hand_off = hand_off
-    try:
-        yield
-    finally:
+class _Serving:
+    # A class, not @contextmanager: entered on every request, where a generator's
+    # set-up costs more than the rest of it.
+    __slots__ = ("_hand_off",)
+
+    def __init__(self, hand_off: Callable[[], None]) -> None:
+        self._hand_off = hand_off
+
+    def __enter__(self) -> None:
+        _local.hand_off = self._hand_off
+
+    def __exit__(self, *exc: object) -> None:
         _local.hand_off = None
+
+
+def serving(hand_off: Callable[[], None]) -> _Serving:
+    """Around one request the loop serves: ``hand_off`` passes the loop on (once)."""
+    return _Serving(hand_off)
 
 
 def ahead() -> None:

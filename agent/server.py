@@ -59,7 +59,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -615,7 +615,7 @@ class AgentServer:
         with after_reply.serving():
             reply, fd = dispatch(self._methods, connection, frame)
             try:
-                with _sending(connection):
+                with _Sending(connection):
                     if connection.wants_events and connection.outbox is None:
                         # Events may queue from now; its writer waits for this lock, so
                         # the hello's reply is the first frame the session sees.
@@ -638,18 +638,24 @@ class AgentServer:
             peer.uid,
             err.message,
         )
-        with _sending(connection):
+        with _Sending(connection):
             send_reply(connection.sock, encode_error(err), None, self.limits.reply_timeout_s)
 
 
-@contextlib.contextmanager
-def _sending(connection: Connection) -> Iterator[None]:
+class _Sending:
     """Hold the connection's send lock; when its session's writer has it (an event to a
-    slow reader), the loop goes on without this thread first."""
-    if not connection.send_lock.acquire(blocking=False):
-        hand_off.ahead()
-        connection.send_lock.acquire()
-    try:
-        yield
-    finally:
-        connection.send_lock.release()
+    slow reader), the loop goes on without this thread first. (A class, not
+    @contextmanager: entered on every reply.)"""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, connection: Connection) -> None:
+        self._lock = connection.send_lock
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            hand_off.ahead()
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
