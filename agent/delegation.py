@@ -57,6 +57,7 @@ from poold.wire.delegation import (
     Reservation,
     ReserveWant,
 )
+from poold.wire.trusted import trusted
 
 log = logging.getLogger("pool_agent.delegation")
 
@@ -466,47 +467,53 @@ class DelegatedCapacity:
             self._note_demand(budget.tenant, res.media, extent.length)
         wall = datetime.now(UTC) if wall is None else wall
         # Built without validation: every value comes from validated models or from here.
-        lease = LeaseOut.model_construct(
-            id=lease_id,
-            tenant=budget.tenant,
-            host=self.host,
-            device_uid=res.device_uid,
-            device_kind=res.kind,
-            media=res.media,
-            offset_bytes=extent.offset,
-            length_bytes=extent.length,
-            requested_bytes=req.size_bytes,
-            alignment_bytes=res.alignment_bytes,
-            state=LeaseState.ACTIVE,
-            epoch=epoch,
-            ttl_s=req.ttl_s,
-            granted_at=wall,
-            activated_at=wall,
-            expires_at=wall + timedelta(seconds=req.ttl_s),
-            ended_at=None,
-            numa_node=res.numa_node,
-            local_name=res.local_name,
-            holder_uid=req.uid,
-            holder_pid=req.pid,
-            labels=dict(req.labels),
-            exclusive_bytes=0,
-            replica_bytes=0,
-            reservation_id=res.id,
+        lease = trusted(
+            LeaseOut,
+            {
+                "id": lease_id,
+                "tenant": budget.tenant,
+                "host": self.host,
+                "device_uid": res.device_uid,
+                "device_kind": res.kind,
+                "media": res.media,
+                "offset_bytes": extent.offset,
+                "length_bytes": extent.length,
+                "requested_bytes": req.size_bytes,
+                "alignment_bytes": res.alignment_bytes,
+                "state": LeaseState.ACTIVE,
+                "epoch": epoch,
+                "ttl_s": req.ttl_s,
+                "granted_at": wall,
+                "activated_at": wall,
+                "expires_at": wall + timedelta(seconds=req.ttl_s),
+                "ended_at": None,
+                "numa_node": res.numa_node,
+                "local_name": res.local_name,
+                "holder_uid": req.uid,
+                "holder_pid": req.pid,
+                "labels": dict(req.labels),
+                "exclusive_bytes": 0,
+                "replica_bytes": 0,
+                "reservation_id": res.id,
+            },
         )
-        grant = LocalGrant.model_construct(
-            lease_id=lease_id,
-            reservation_id=res.id,
-            tenant=budget.tenant,
-            offset_bytes=extent.offset,
-            length_bytes=extent.length,
-            requested_bytes=req.size_bytes,
-            epoch=epoch,
-            ttl_s=req.ttl_s,
-            granted_at=wall,
-            uid=req.uid,
-            gids=list(req.gids),
-            pid=req.pid,
-            labels=dict(req.labels),
+        grant = trusted(
+            LocalGrant,
+            {
+                "lease_id": lease_id,
+                "reservation_id": res.id,
+                "tenant": budget.tenant,
+                "offset_bytes": extent.offset,
+                "length_bytes": extent.length,
+                "requested_bytes": req.size_bytes,
+                "epoch": epoch,
+                "ttl_s": req.ttl_s,
+                "granted_at": wall,
+                "uid": req.uid,
+                "gids": list(req.gids),
+                "pid": req.pid,
+                "labels": dict(req.labels),
+            },
         )
         return LocalPlan(lease, grant, res.media in PERSISTENT_MEDIA)
 

@@ -30,6 +30,7 @@ from poold.errors import (
 from poold.wire.agent import BudgetSpent, GrantRequest, LeaseOp, LocalUse
 from poold.wire.common import LeaseOut
 from poold.wire.delegation import Delegation, DelegationRequest, LocalGrant
+from poold.wire.trusted import trusted
 
 # The logger this code has always logged under (operators filter on it).
 log = logging.getLogger("pool_agent.delegation")
@@ -102,12 +103,15 @@ class LocalGrants:
         with self._lock:
             plan = self._plans.pop(held.lease.id)
         grant = plan.grant
-        op = LeaseOp.model_construct(
-            lease_id=grant.lease_id,
-            op="local_grant",
-            reason="",
-            length_bytes=None,
-            grant=grant,
+        op = trusted(
+            LeaseOp,
+            {
+                "lease_id": grant.lease_id,
+                "op": "local_grant",
+                "reason": "",
+                "length_bytes": None,
+                "grant": grant,
+            },
         )
         journal = self.journal
         if journal is not None:

@@ -55,6 +55,7 @@ from poold.errors import (
 from poold.extents import align_up
 from poold.wire.agent import GrantRequest, LeaseOp, LeaseReport
 from poold.wire.common import LeaseOut
+from poold.wire.trusted import trusted
 
 log = logging.getLogger("pool_agent")
 
@@ -152,24 +153,27 @@ class AgentService:
         lease = held.lease
         # Built without validation, which would only re-check checked values: each comes
         # from the validated lease, the memory the backend made, or the held lease.
-        return p.LeaseResult.model_construct(
-            lease_id=lease.id,
-            size_bytes=lease.requested_bytes,
-            length_bytes=lease.length_bytes,
-            offset_bytes=lease.offset_bytes,
-            epoch=lease.epoch,
-            media=lease.media,
-            backend=held.memory.backend if held.memory is not None else lease.device_kind,
-            numa_node=held.memory.numa_node
-            if held.memory is not None and held.memory.numa_node is not None
-            else lease.numa_node,
-            device_uid=lease.device_uid,
-            alignment_bytes=lease.alignment_bytes,
-            page_size_bytes=held.page_size_bytes,
-            expires_at=held.expires_at,
-            ttl_s=held.ttl_s,
-            shrinkable=held.shrinkable,
-            populated=held.memory is not None and held.memory.populated,
+        return trusted(
+            p.LeaseResult,
+            {
+                "lease_id": lease.id,
+                "size_bytes": lease.requested_bytes,
+                "length_bytes": lease.length_bytes,
+                "offset_bytes": lease.offset_bytes,
+                "epoch": lease.epoch,
+                "media": lease.media,
+                "backend": held.memory.backend if held.memory is not None else lease.device_kind,
+                "numa_node": held.memory.numa_node
+                if held.memory is not None and held.memory.numa_node is not None
+                else lease.numa_node,
+                "device_uid": lease.device_uid,
+                "alignment_bytes": lease.alignment_bytes,
+                "page_size_bytes": held.page_size_bytes,
+                "expires_at": held.expires_at,
+                "ttl_s": held.ttl_s,
+                "shrinkable": held.shrinkable,
+                "populated": held.memory is not None and held.memory.populated,
+            },
         )
 
     def hello(self, peer: Peer, args: p.HelloArgs) -> p.HelloResult:
