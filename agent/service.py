@@ -53,6 +53,7 @@ from poold.errors import (
     UnknownTenant,
 )
 from poold.extents import align_up
+from poold.lease_states import LeaseState
 from poold.wire.agent import GrantRequest, LeaseOp, LeaseReport
 from poold.wire.common import LeaseOut
 from poold.wire.trusted import trusted
@@ -398,9 +399,22 @@ class AgentService:
                 lease.device_kind, held.region_id, lease.offset_bytes, lease.length_bytes, lease.id
             )
             return p.ReleaseResult(lease_id=held.lease.id, state="scrubbing")
-        self.link.enqueue(LeaseOp(lease_id=held.lease.id, op="release", reason="holder released"))
+        # The one common ending, so its op and reply are built without validation.
+        lease_id = held.lease.id
+        self.link.enqueue(
+            trusted(
+                LeaseOp,
+                {
+                    "lease_id": lease_id,
+                    "op": "release",
+                    "reason": "holder released",
+                    "length_bytes": None,
+                    "grant": None,
+                },
+            )
+        )
         self.admission.capacity_changed()
-        return p.ReleaseResult(lease_id=held.lease.id, state="released")
+        return trusted(p.ReleaseResult, {"lease_id": lease_id, "state": LeaseState.RELEASED})
 
     def shrink(self, peer: Peer, args: p.ShrinkArgs) -> p.ShrinkResult:
         """Cut a shrinkable memfd lease down to ``size_bytes`` (aligned) and tell poold.
