@@ -3,13 +3,14 @@ expiry, and a new delegation replacing the old one."""
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.delegation import DelegatedCapacity
+from agent.delegation import DelegatedCapacity, new_lease_id
 from agent.refill import RefillPolicy
 from poold.errors import DelegationExpired
 from poold.wire.agent import GrantRequest
@@ -447,3 +448,13 @@ def test_a_central_no_capacity_gives_the_idle_reservations_back_at_the_next_step
     assert d.recall_idle(None, 2 * MiB, {})
     d.asked(clock.now, ok=True)
     assert not d.recall_idle(None, 2 * MiB, {})
+
+
+def test_new_lease_ids_are_random_uuid4_text() -> None:
+    ids = [new_lease_id() for _ in range(2000)]
+    assert len(set(ids)) == len(ids)
+    for text in ids:
+        parsed = uuid.UUID(text)
+        assert parsed.version == 4
+        assert parsed.variant == uuid.RFC_4122
+        assert str(parsed) == text  # the canonical lowercase, hyphenated form
