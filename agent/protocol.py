@@ -25,6 +25,7 @@ from __future__ import annotations
 import array
 import functools
 import json
+import select
 import socket
 import struct
 import time
@@ -433,23 +434,39 @@ _RECV_NOW: Final = int(socket.MSG_CMSG_CLOEXEC) | int(socket.MSG_DONTWAIT)
 _CTRUNC: Final = int(socket.MSG_CTRUNC)
 
 
+def _wait_readable(sock: socket.socket, deadline: float | None) -> None:
+    """Until ``sock`` has bytes (or EOF) to read; TimeoutError once ``deadline`` passes.
+    Polls the fd itself: the socket's timeout, and the fd's O_NONBLOCK flag that a dup
+    shares with the socket it was made from, are left as they are."""
+    timeout_ms: float | None = None
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("frame deadline passed")
+        timeout_ms = left * 1000
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    if not poller.poll(timeout_ms):
+        raise TimeoutError("frame deadline passed")
+
+
 def _recvmsg_exact(
     sock: socket.socket, length: int, fds: list[int], deadline: float | None
 ) -> bytes:
     chunks: list[bytes] = []
     remaining = length
-    # On a blocking socket (a session's reader) what has arrived is taken without
-    # waiting first, as _recv_exact does: a timeout on the socket costs an ioctl and a
-    # poll before every recvmsg. Only a frame not all there yet waits, under ``deadline``.
+    # A socket without a timeout (a session's reader, on a dup of the client's socket):
+    # what has arrived is taken at once, as _recv_exact does, where a timeout would cost
+    # an ioctl and a poll before every recvmsg; only a frame not all there yet is waited
+    # for, by polling the fd (setting a timeout here would switch O_NONBLOCK on the file
+    # the client's own socket shares).
     at_once = sock.gettimeout() is None
-    waited = False
     while remaining:
         if at_once:
             try:
                 chunk, ancdata, flags, _ = sock.recvmsg(remaining, _ANC_SIZE, _RECV_NOW)
             except BlockingIOError:
-                at_once = False
-                waited = True
+                _wait_readable(sock, deadline)
                 continue
         else:
             _until(sock, deadline)
@@ -465,8 +482,6 @@ def _recvmsg_exact(
             break
         chunks.append(chunk)
         remaining -= len(chunk)
-    if waited and deadline is not None:
-        sock.settimeout(None)  # blocking again, as it was
     return b"".join(chunks)
 
 

@@ -7,6 +7,8 @@ import json
 import os
 import socket
 import struct
+import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -189,6 +191,40 @@ def _read_until_done(reader: socket.socket, limit: int) -> PoolError | None:
 
 
 # --- envelopes ---------------------------------------------------------------------
+
+
+def test_a_session_reader_waits_without_touching_the_shared_file() -> None:
+    """A tenant session reads on a dup of the client's socket (agent/session.py): the dup
+    shares the open file, whose O_NONBLOCK the client's timeout relies on. A frame that
+    arrives in pieces is waited for, its fds kept, and the file's flags left alone."""
+    client, agent = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with client, agent:
+        client.settimeout(5)
+        reader = socket.socket(fileno=os.dup(client.fileno()))
+        with reader:
+            assert reader.gettimeout() is None
+            frame = encode_frame({"ok": True, "result": {"n": 1}})
+            fd = os.memfd_create("t", os.MFD_CLOEXEC)
+            try:
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+                agent.sendmsg([frame[:6]], rights)
+                timer = threading.Timer(0.2, agent.sendall, args=(frame[6:],))
+                timer.start()
+                fds: list[int] = []
+                got = read_frame(reader, fds=fds, deadline=time.monotonic() + 5)
+                timer.join()
+            finally:
+                os.close(fd)
+            assert got == {"ok": True, "result": {"n": 1}}
+            assert len(fds) == 1
+            os.close(fds[0])
+            assert reader.gettimeout() is None
+            assert os.get_blocking(client.fileno()) is False  # the client's timeout holds
+            # A frame begun and not finished by the deadline is a timeout, as before.
+            agent.sendall(frame[:6])
+            with pytest.raises(TimeoutError):
+                read_frame(reader, fds=[], deadline=time.monotonic() + 0.2)
+            assert os.get_blocking(client.fileno()) is False
 
 
 def test_request_round_trip() -> None:
