@@ -21,8 +21,16 @@ from typing import Any, Final
 from agent import hand_off
 from agent.event_writer import Outbox, send_within
 from agent.peer import Peer
-from agent.protocol import HelloArgs, Model, encode_error, encode_result, parse_request
+from agent.protocol import (
+    OPERATIONS,
+    HelloArgs,
+    Model,
+    encode_error,
+    encode_result,
+    parse_request,
+)
 from poold.errors import PoolError
+from poold.logs import RefusalLog
 
 log = logging.getLogger("agent.server")  # it logs as the server it was split from
 
@@ -68,8 +76,11 @@ def dispatch(
     methods: dict[str, Callable[[Peer, Model], Any]],
     connection: Connection,
     frame: dict[str, Any],
+    refusals: RefusalLog,
 ) -> tuple[bytes, int | None]:
-    """The reply frame (and fd) for one request; never raises."""
+    """The reply frame (and fd) for one request; never raises. A refusal is the tenant's
+    to read in its reply; the log has the first of each uid and code, then a summary a
+    minute (a tenant looping on one refused at socket speed wrote a line per request)."""
     peer = connection.peer
     op = "?"
     try:
@@ -91,15 +102,10 @@ def dispatch(
             )
         return encode_result(result), fd
     except PoolError as err:
-        log.info(
-            "connection %d (pid %d uid %d) %s: %s %s",
-            peer.connection_id,
-            peer.pid,
-            peer.uid,
-            op,
-            err.code,
-            err.message,
-        )
+        # Keyed by names the tenant cannot make up: an unknown op is "?".
+        asked = frame.get("op")
+        named = asked if isinstance(asked, str) and asked in OPERATIONS else op
+        refusals.refused(err, f"uid {peer.uid}, {named}")
         return encode_error(err), None
     except Exception:
         log.exception(

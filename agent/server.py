@@ -75,6 +75,7 @@ from agent.peer import read_peer as read_peer
 from agent.protocol import MAX_FRAME_BYTES, Event, encode_error, encode_event, read_frame
 from agent.socket_file import bind_listener, unlink_listener
 from poold.errors import AgentBusy, FrameTimeout, PoolError
+from poold.logs import RefusalLog
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class AgentServer:
         limits: SocketLimits | None = None,
     ) -> None:
         self._methods, self._disconnected = bind_handler(handler)
+        self._refusal_log = RefusalLog(log)  # tenants' refused requests, summarised
         holds: Callable[[Peer], bool] | None = getattr(handler, "holds_leases", None)
         self._holds_leases: Callable[[Peer], bool] = holds if callable(holds) else _holds_none
         sent: Callable[[Peer, int], None] | None = getattr(handler, "fd_sent", None)
@@ -613,7 +615,7 @@ class AgentServer:
             sock.settimeout(None)
         # What the handler left until after its reply runs as this block ends.
         with after_reply.serving():
-            reply, fd = dispatch(self._methods, connection, frame)
+            reply, fd = dispatch(self._methods, connection, frame, self._refusal_log)
             try:
                 with _Sending(connection):
                     if connection.wants_events and connection.outbox is None:

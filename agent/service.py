@@ -223,7 +223,10 @@ class AgentService:
         finally:
             # Held now, or aborted on the way: reconciliation may judge the lease from here.
             self.link.settled(lease.id)
-        log.info(
+        # Routine traffic (poold/logs.py): at INFO, a line per lease at a thousand leases
+        # a second passes journald's rate limit in seconds, and the lines it then drops
+        # are everyone's. poold's ledger keeps every lease with its events.
+        log.debug(
             "lease %s: %d bytes on %s for uid %d pid %d",
             lease.id,
             lease.length_bytes,

@@ -1,10 +1,12 @@
 """How both daemons log: one setup for poold and pool-agent, text or JSON lines on stderr.
 
 What an operator reads is the point: one INFO line per administrative change and per
-lease state change worth a look, one WARNING per outage (not per failed request), and
-routine traffic at DEBUG. So the chatty libraries are turned down here rather than in
-the modules that use them: httpx logs every request at INFO (an agent's heartbeat is
-one), alembic a line per migration step at every start, uvicorn its own banner.
+lease state change worth a look, one WARNING per outage (not per failed request), a
+caller's repeated refusals as one line and then a summary a minute (:class:`RefusalLog`),
+and routine traffic at DEBUG (an agent's grant of a lease among them). So the chatty
+libraries are turned down here rather than in the modules that use them: httpx logs
+every request at INFO (an agent's heartbeat is one), alembic a line per migration step
+at every start, uvicorn its own banner.
 
 Under systemd, stderr goes to the journal, which stamps every line itself: when
 ``JOURNAL_STREAM`` names the stream stderr is (sd_journal_stream_fd(3)), text lines
@@ -21,12 +23,16 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
+from collections.abc import Callable
 from datetime import UTC, datetime
 from types import FrameType
 from typing import Annotated, Any, Final, Literal, TextIO
 
 from pydantic import BeforeValidator
+
+from poold.errors import PoolError
 
 
 def _lower(value: Any) -> Any:
@@ -155,3 +161,78 @@ def dump_stacks_on_sigusr1() -> None:
         )
 
     signal.signal(signal.SIGUSR1, dump)
+
+
+REFUSAL_SUMMARY_EVERY_S = 60.0
+_REFUSAL_KEYS_MAX = 4096  # callers remembered; past it the oldest windows are dropped
+
+
+class RefusalLog:
+    """One INFO line for the first refusal of a caller with a code, then at most one
+    summary per `every_s` ("N more in the last 60s"), on ``logger``: an agent with a
+    revoked credential retries every heartbeat, and a line per request buried everything
+    else (issue 15: one line per outage); a tenant looping on a refused lease did the same
+    to the agent's log, at socket speed. An administrator's refusals (caller ``admin``) are
+    each logged once per distinct message, since each is a different mistake worth
+    reading."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        every_s: float = REFUSAL_SUMMARY_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.every_s = every_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        # key -> [window start, refusals since it began not logged, the last message]
+        self._windows: dict[tuple[str, ...], list[Any]] = {}
+        self._flushed_at = float("-inf")
+
+    def refused(self, err: PoolError, caller: str) -> None:
+        key = (caller, err.code) + ((err.message,) if caller == "admin" else ())
+        now = self.clock()
+        with self._lock:
+            due = self._flush(now, key)
+            window = self._windows.get(key)
+            if window is None or (now - window[0] >= self.every_s and window[1] == 0):
+                # The first, or the first after a quiet window: said as it is.
+                if window is None and len(self._windows) >= _REFUSAL_KEYS_MAX:
+                    self._windows.pop(next(iter(self._windows)))
+                self._windows[key] = [now, 0, err.message]
+                due.append(("refused: %s (%s): %s", err.code, caller, err.message))
+            elif now - window[0] >= self.every_s:  # the window closed: this one ends it
+                due.append(self._summary(key, window[1] + 1, now - window[0], err.message))
+                self._windows[key] = [now, 0, err.message]
+            else:
+                window[1] += 1
+                window[2] = err.message
+        for line in due:
+            self.logger.info(*line)
+
+    @staticmethod
+    def _summary(key: tuple[str, ...], count: int, span_s: float, latest: str) -> tuple[Any, ...]:
+        return (
+            "refused: %s (%s): %d more in the last %.0fs, the latest: %s",
+            key[1],
+            key[0],
+            count,
+            span_s,
+            latest,
+        )
+
+    def _flush(self, now: float, skip: tuple[str, ...]) -> list[tuple[Any, ...]]:
+        """The summaries of other callers' windows past `every_s` (under the lock), at most
+        once a second; a window quiet since its line is forgotten."""
+        if now - self._flushed_at < 1.0:
+            return []
+        self._flushed_at = now
+        due: list[tuple[Any, ...]] = []
+        for key, window in list(self._windows.items()):
+            if key == skip or now - window[0] < self.every_s:
+                continue
+            if window[1]:
+                due.append(self._summary(key, window[1], now - window[0], window[2]))
+            del self._windows[key]
+        return due

@@ -40,6 +40,7 @@ from poold.errors import (
 )
 from poold.ledger import hosts
 from poold.ledger.db import Ledger
+from poold.logs import RefusalLog
 from poold.wire.routes import (
     ROUTES,
     Auth,
@@ -157,10 +158,6 @@ class Outage:
             )
 
 
-REFUSAL_SUMMARY_EVERY_S = 60.0
-_REFUSAL_KEYS_MAX = 4096  # callers remembered; past it the oldest windows are dropped
-
-
 def _caller(scope: Scope | None) -> str:
     """Who a refusal was for, as a log reads it: the host, the administrator, or (not
     authenticated) the address it came from."""
@@ -171,71 +168,6 @@ def _caller(scope: Scope | None) -> str:
         return "admin" if found.admin else f"host {found.host}"
     client = scope.get("client")
     return f"from {client[0]}" if client else "?"
-
-
-class RefusalLog:
-    """One INFO line for the first refusal of a caller with a code, then at most one
-    summary per `every_s` ("N more in the last 60s"): an agent with a revoked credential
-    retries every heartbeat, and a line per request buried everything else (issue 15:
-    one line per outage). An administrator's refusals are each logged once per distinct
-    message, since each is a different mistake worth reading."""
-
-    def __init__(
-        self, every_s: float = REFUSAL_SUMMARY_EVERY_S, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.every_s = every_s
-        self.clock = clock
-        self._lock = threading.Lock()
-        # key -> [window start, refusals since it began not logged, the last message]
-        self._windows: dict[tuple[str, ...], list[Any]] = {}
-        self._flushed_at = float("-inf")
-
-    def refused(self, err: PoolError, caller: str) -> None:
-        key = (caller, err.code) + ((err.message,) if caller == "admin" else ())
-        now = self.clock()
-        with self._lock:
-            due = self._flush(now, key)
-            window = self._windows.get(key)
-            if window is None or (now - window[0] >= self.every_s and window[1] == 0):
-                # The first, or the first after a quiet window: said as it is.
-                if window is None and len(self._windows) >= _REFUSAL_KEYS_MAX:
-                    self._windows.pop(next(iter(self._windows)))
-                self._windows[key] = [now, 0, err.message]
-                due.append(("refused: %s (%s): %s", err.code, caller, err.message))
-            elif now - window[0] >= self.every_s:  # the window closed: this one ends it
-                due.append(self._summary(key, window[1] + 1, now - window[0], err.message))
-                self._windows[key] = [now, 0, err.message]
-            else:
-                window[1] += 1
-                window[2] = err.message
-        for line in due:
-            log.info(*line)
-
-    @staticmethod
-    def _summary(key: tuple[str, ...], count: int, span_s: float, latest: str) -> tuple[Any, ...]:
-        return (
-            "refused: %s (%s): %d more in the last %.0fs, the latest: %s",
-            key[1],
-            key[0],
-            count,
-            span_s,
-            latest,
-        )
-
-    def _flush(self, now: float, skip: tuple[str, ...]) -> list[tuple[Any, ...]]:
-        """The summaries of other callers' windows past `every_s` (under the lock), at most
-        once a second; a window quiet since its line is forgotten."""
-        if now - self._flushed_at < 1.0:
-            return []
-        self._flushed_at = now
-        due: list[tuple[Any, ...]] = []
-        for key, window in list(self._windows.items()):
-            if key == skip or now - window[0] < self.every_s:
-                continue
-            if window[1]:
-                due.append(self._summary(key, window[1], now - window[0], window[2]))
-            del self._windows[key]
-        return due
 
 
 class Refusals:
@@ -250,7 +182,7 @@ class Refusals:
             self.total.labels(code)
         self.outage = Outage()
         self._tracebacks: dict[str, float] = {}  # exception type -> when one was last logged
-        self.log = RefusalLog()
+        self.log = RefusalLog(log)
 
     def response(self, err: PoolError, scope: Scope | None = None) -> JSONResponse:
         self.total.labels(err.code).inc()

@@ -264,6 +264,25 @@ def test_invalid_requests_get_a_code_and_the_connection_stays_up(
         assert call(sock, "hello")["ok"] is True
 
 
+def test_a_tenant_looping_on_a_refusal_is_one_log_line(
+    server: AgentServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every refusal reaches the tenant in its reply; the agent's log gets the first of
+    a uid and code, not one line per request (the rest are summarised a minute later)."""
+    with caplog.at_level("INFO", logger="agent.server"), connect(server.socket_path) as sock:
+        for _ in range(200):
+            reply = call(sock, "lease", {"size_bytes": 0})
+            assert error_code(reply) == "invalid_size"
+        assert error_code(call(sock, "renew", {"lease_id": "nope"})) != ""
+        for n in range(50):  # names it makes up are one key, not one line each
+            assert error_code(call(sock, f"op-{n}")) == "bad_request"
+    refused = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused:")]
+    assert len(refused) == 3, refused
+    assert refused[0].startswith(f"refused: invalid_size (uid {os.getuid()}, lease): ")
+    assert f"(uid {os.getuid()}, renew)" in refused[1]
+    assert refused[2].startswith(f"refused: bad_request (uid {os.getuid()}, ?): ")
+
+
 def test_handler_bug_is_internal_and_the_connection_survives(
     server: AgentServer, caplog: pytest.LogCaptureFixture
 ) -> None:

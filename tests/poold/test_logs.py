@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from poold import procs
-from poold.logs import setup_logging, stderr_is_journal
+from poold.errors import Unauthorized, UnknownLease
+from poold.logs import RefusalLog, setup_logging, stderr_is_journal
 
 
 @pytest.fixture
@@ -176,3 +177,34 @@ def test_sigusr1_dumps_every_thread_and_the_daemons_go_on(tmp_path: Path) -> Non
             assert admin.health() is not None  # still answering
     for child, frame in frames:
         assert dumped(child, frame), child.log_tail(60)
+
+
+def test_refusals_are_summarised_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    refusals = RefusalLog(logging.getLogger("poold.api"), every_s=60, clock=lambda: now[0])
+    err = Unauthorized("unknown agent credential")
+    with caplog.at_level(logging.INFO, logger="poold.api"):
+        for step in range(41):  # one every 0.75 s for 30 s
+            now[0] = step * 0.75
+            refusals.refused(err, "host h1")
+        refusals.refused(UnknownLease("no lease 'x'"), "host h1")  # another code: its own line
+        now[0] = 61.0
+        refusals.refused(err, "host h1")  # the window closed: this one ends it, summarised
+        now[0] = 200.0
+        refusals.refused(err, "host h1")  # after a quiet window: a first again
+        now[0] = 230.0
+        refusals.refused(err, "host h1")
+        refusals.refused(Unauthorized("unknown agent credential"), "host h2")
+        now[0] = 300.0  # another caller's refusal flushes h1's window
+        refusals.refused(err, "host h2")
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused: unauthorized (host h1): unknown agent credential",
+        "refused: unknown_lease (host h1): no lease 'x'",
+        "refused: unauthorized (host h1): 41 more in the last 61s, the latest: "
+        "unknown agent credential",
+        "refused: unauthorized (host h1): unknown agent credential",
+        "refused: unauthorized (host h2): unknown agent credential",
+        "refused: unauthorized (host h1): 1 more in the last 100s, the latest: "
+        "unknown agent credential",
+        "refused: unauthorized (host h2): unknown agent credential",
+    ]
