@@ -464,7 +464,9 @@ class Revocations:
                 continue
             if self.held.unwatch(m.lease_id) is None:
                 continue
-            log.info("lease %s: no process maps its memfd any more; its bytes are free", m.lease_id)
+            log.debug(
+                "lease %s: no process maps its memfd any more; its bytes are free", m.lease_id
+            )
             self.link.enqueue(
                 LeaseOp(lease_id=m.lease_id, op="unmapped", reason="no process maps its memfd")
             )

@@ -478,7 +478,7 @@ class AgentService:
             )
         )
         self.admission.capacity_changed()
-        log.info("lease %s shrunk from %d to %d bytes", lease.id, old, new)
+        log.debug("lease %s shrunk from %d to %d bytes", lease.id, old, new)  # in the ledger
         return p.ShrinkResult(lease_id=lease.id, length_bytes=new, freed_bytes=old - new)
 
     def list(self, peer: Peer, args: p.ListArgs) -> p.ListResult:
