@@ -43,7 +43,7 @@ from agent.refill import (
 )
 from poold import placement
 from poold.errors import DelegationExpired
-from poold.extents import Extent
+from poold.extents import Extent, align_up
 from poold.lease_states import LeaseState
 from poold.wire.agent import BudgetSpent, GrantRequest
 from poold.wire.common import LeaseOut
@@ -292,17 +292,21 @@ class DelegatedCapacity:
                         grant.epoch,
                     )
                 )
-                seen = self._epoch_seen.get(grant.reservation_id, 0)
-                self._epoch_seen[grant.reservation_id] = max(seen, grant.epoch)
+                self._epoch_spent(grant.reservation_id, grant.epoch)
 
     def note_epoch(self, reservation_id: str, epoch: int) -> None:
         """An epoch the journal says was granted (of a lease since ended): never again."""
         with self._lock:
-            seen = self._epoch_seen.get(reservation_id, 0)
-            self._epoch_seen[reservation_id] = max(seen, epoch)
-            held = self._reservations.get(reservation_id)
-            if held is not None and epoch >= held.reservation.epoch_base:
-                held.epochs_used = max(held.epochs_used, epoch - held.reservation.epoch_base + 1)
+            self._epoch_spent(reservation_id, epoch)
+
+    def _epoch_spent(self, reservation_id: str, epoch: int) -> None:
+        """(Under the lock.) Whether the reservation is held yet or not: the journalled
+        delegation is held again before its leases are restored."""
+        seen = self._epoch_seen.get(reservation_id, 0)
+        self._epoch_seen[reservation_id] = max(seen, epoch)
+        held = self._reservations.get(reservation_id)
+        if held is not None and epoch >= held.reservation.epoch_base:
+            held.epochs_used = max(held.epochs_used, epoch - held.reservation.epoch_base + 1)
 
     # --- reading ----------------------------------------------------------------------
     def holds_any(self) -> bool:
@@ -459,12 +463,16 @@ class DelegatedCapacity:
                 ]
             live = [h for h in usable if h.deadline > now]
             choice = self._place(req, budget, live)
+            reused: str | None = None  # the released lease whose extent this one takes
             if choice is None:
-                expired = [h for h in usable if h.deadline <= now]
-                if expired and self._place(req, budget, expired) is not None:
-                    self._paths["expired"] += 1
-                    raise _expired(req, "reservations")
-                return self._central("no_room")
+                found = self._reuse(req, budget, live)
+                if found is None:
+                    expired = [h for h in usable if h.deadline <= now]
+                    if expired and self._place(req, budget, expired) is not None:
+                        self._paths["expired"] += 1
+                        raise _expired(req, "reservations")
+                    return self._central("no_room")
+                choice, reused = found
             held, extent = choice
             if used_bytes + extent.length > view_bytes:
                 return self._central("budget_bytes")
@@ -476,6 +484,8 @@ class DelegatedCapacity:
             epoch = res.epoch_base + held.epochs_used
             held.epochs_used += 1
             lease_id = new_lease_id()
+            if reused is not None:
+                self._leases.pop(reused)  # its release stays queued; its extent is this one's
             self._leases.add(
                 LocalLease(lease_id, res.id, budget.tenant, extent.offset, extent.length, epoch)
             )
@@ -601,6 +611,49 @@ class DelegatedCapacity:
         if isinstance(choice, placement.Refusal):
             return None
         return held[choice.candidate.device_id], choice.extent
+
+    def _reuse(
+        self, req: GrantRequest, budget: Budget, held: list[_Held]
+    ) -> tuple[tuple[_Held, Extent], str] | None:
+        """No reservation has room: the extent of one of this tenant's own leases whose
+        release is queued for poold and not yet applied, if it is exactly as long as this
+        request's lease would be and may hold it (media, health). Such an extent waits
+        for poold (LocalLeases.release) because another tenant's grant could reach poold
+        ahead of the release, riding on a central grant; this tenant's own ops reach poold
+        one request at a time in the order they were queued (agent/op_queue.py), and
+        poold applies a batch's releases before its grants, so its release is applied
+        before the grant that takes its bytes. Without it, a tenant churning leases
+        through a poold outage was refused once it had released its reservations' worth.
+        The placement and the released lease's id, or None."""
+        by_id = {h.reservation.id: (index, h) for index, h in enumerate(held)}
+        wanted = placement.Request(
+            size_bytes=req.size_bytes,
+            media=req.media,
+            allowed_media=frozenset(budget.allowed_media),
+        )
+        for lease in self._leases.released_of(budget.tenant):
+            found = by_id.get(lease.reservation_id)
+            if found is None:
+                continue
+            index, h = found
+            res = h.reservation
+            if lease.length_bytes != align_up(req.size_bytes, max(res.alignment_bytes, 1)):
+                continue
+            if not lease.released or not self._leases.taken_only_by_releases(lease):
+                continue  # a lease that took its bytes before a restart still holds them
+            candidate = placement.Candidate(
+                device_id=index,
+                kind=res.kind,
+                media=res.media,
+                state="online",
+                health=res.health,
+                capacity_bytes=res.offset_bytes + res.length_bytes,
+                alignment_bytes=res.alignment_bytes,
+            )
+            if not placement.eligible(wanted, [candidate]):
+                continue
+            return (h, Extent(lease.offset_bytes, lease.length_bytes)), lease.lease_id
+        return None
 
     def abandon(self, lease_id: str) -> None:
         """A local grant whose memory could not be made: its extent is free again (its

@@ -158,6 +158,25 @@ class LocalLeases:
         self._holes[reservation_id] = (start, end, holes)
         return holes
 
+    def released_of(self, tenant: str) -> list[LocalLease]:
+        """The tenant's leases whose release is queued for poold, their extents still
+        occupied here (:meth:`release`), oldest first."""
+        return [x for x in self._by_id.values() if x.released and x.tenant == tenant]
+
+    def taken_only_by_releases(self, lease: LocalLease) -> bool:
+        """Whether every other local lease overlapping ``lease``'s extent is, like it
+        should be, its tenant's and released: after a restart the journal restores a
+        chain of released leases on the same bytes, and perhaps the live one that took
+        them last."""
+        start, end = lease.offset_bytes, lease.offset_bytes + lease.length_bytes
+        for other_id, e in self._in_res.get(lease.reservation_id, {}).items():
+            if other_id == lease.lease_id or not (e.offset < end and start < e.offset + e.length):
+                continue
+            other = self._by_id[other_id]
+            if not other.released or other.tenant != lease.tenant:
+                return False
+        return True
+
     def used_in(self, reservation_id: str) -> int:
         """Bytes of the reservation local leases occupy."""
         return self._res_used.get(reservation_id, 0)

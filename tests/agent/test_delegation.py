@@ -125,6 +125,49 @@ def test_release_frees_the_extent_only_once_delivered(clock: Clock) -> None:
     assert b.grant.epoch > a.grant.epoch  # monotonic per byte range
 
 
+def test_a_full_reservation_reuses_the_same_tenants_released_extent(clock: Clock) -> None:
+    """Its own release is queued before the grant that takes its bytes, and poold applies
+    them in that order; another tenant's grant could overtake the release."""
+    d = held(clock, [reservation(length=4 * MiB)], [budget("kv"), budget("other", uids=[1001])])
+    a = d.grant_locally(ask(2 * MiB))
+    b = d.grant_locally(ask(2 * MiB))
+    assert a is not None and b is not None
+    d.released(a.lease.id)  # queued for poold, not applied: its extent still occupied
+    assert d.grant_locally(ask(2 * MiB, uid=1001)) is None  # not another tenant's
+    assert d.grant_locally(ask(4 * MiB)) is None  # not a lease of another length
+    c = d.grant_locally(ask(2 * MiB))
+    assert c is not None and c.grant.offset_bytes == a.grant.offset_bytes
+    assert c.grant.epoch > b.grant.epoch > a.grant.epoch  # monotonic per byte range
+    assert d.grant_locally(ask(2 * MiB)) is None  # a's extent is c's now: taken once
+    d.delivered(a.lease.id, "release")  # poold applied a's release: c keeps the bytes
+    assert d.grant_locally(ask(2 * MiB)) is None
+    d.released(c.lease.id)
+    d.delivered(c.lease.id, "release")
+    e = d.grant_locally(ask(2 * MiB))
+    assert e is not None and e.grant.offset_bytes == a.grant.offset_bytes
+
+
+def test_a_released_extent_restored_beside_its_successor_is_not_reused(clock: Clock) -> None:
+    """After a restart the journal restores a released lease whose release poold has not
+    applied and the lease that took its bytes: the bytes are taken, not free twice, until
+    that one is released too."""
+    d = held(clock, [reservation(length=2 * MiB)], [budget()])
+    a = d.grant_locally(ask(2 * MiB))
+    assert a is not None
+    d.released(a.lease.id)
+    b = d.grant_locally(ask(2 * MiB))
+    assert b is not None and b.grant.offset_bytes == a.grant.offset_bytes
+    again = DelegatedCapacity("h1", clock=clock)
+    again.replace(delegation([reservation(length=2 * MiB)], [budget()]))
+    again.restore([a.grant, b.grant])
+    again.released(a.lease.id)  # its release op queued again from the journal
+    assert again.grant_locally(ask(2 * MiB)) is None
+    again.released(b.lease.id)  # a chain of releases on the bytes: all queued before
+    c = again.grant_locally(ask(2 * MiB))
+    assert c is not None and c.grant.offset_bytes == a.grant.offset_bytes
+    assert c.grant.epoch > b.grant.epoch
+
+
 def test_budget_bytes_and_lease_count(clock: Clock) -> None:
     d = held(clock, [reservation(length=64 * MiB)], [budget(bytes_=8 * MiB, leases=3)])
     assert d.grant_locally(ask(6 * MiB)) is not None

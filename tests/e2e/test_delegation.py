@@ -271,6 +271,59 @@ def test_agent_killed_mid_way_journal_readopts(pool: Pool) -> None:
     assert audit.returncode == 0, audit.stdout + audit.stderr
 
 
+@pytest.fixture
+def small_device_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pool]:
+    """A 256 MiB device: its 25 % cap keeps the host's reservations at 64 MiB at most."""
+    yield from _pool(tmp_path, monkeypatch, capacity_bytes=256 * MiB, min_reserve="16MiB")
+
+
+def test_poold_down_a_tenant_churning_past_its_reservations_keeps_leasing(
+    small_device_pool: Pool,
+) -> None:
+    """A released local lease's bytes wait for poold to apply the release; with poold
+    down, the same tenant's next lease of that length takes them (its release reaches
+    poold first), so an engine churning leases through an outage is not refused once it
+    has released its reservations' worth. Also across a kill -9 of the agent."""
+    pool = small_device_pool
+    with PoolClient(pool.sock, timeout_s=10) as client:
+        _delegated(pool, client)
+        reserved = sum(r[0] for r in pool.query("SELECT length_bytes FROM reservations"))
+        pool.poold.kill()
+        rounds = 2 * reserved // LEASE + 10  # twice what the reservations hold, and more
+        ids: list[str] = []
+        for _ in range(rounds):
+            lease = client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False)
+            ids.append(lease.lease_id)
+            lease.release()
+        pool.kill_agent_and_restart()  # the journal restores what poold has not heard
+        for _ in range(rounds):
+            lease = client.lease(LEASE, tenant=TENANT, ttl_s=60, renew=False)
+            ids.append(lease.lease_id)
+            lease.release()
+        assert len(set(ids)) == 2 * rounds
+        pool.start_poold()
+        _wait_committed(pool, set(ids), timeout_s=10.0)
+    events = _events_of(pool, set(ids))
+    for lease_id, kinds in events.items():
+        assert kinds[:2] == ["lease.grant", "lease.activate"], (lease_id, kinds)
+        assert kinds.count("lease.release") == 1, (lease_id, kinds)
+    # The same bytes, one lease after another, in the order they were granted.
+    rows = pool.query(
+        "SELECT id, reservation_id, offset_bytes, epoch FROM leases WHERE reservation_id "
+        "IS NOT NULL"
+    )
+    by_id = {r[0]: r[1:] for r in rows}
+    place = collections.defaultdict(list)
+    for lease_id in ids:
+        reservation_id, offset, epoch = by_id[lease_id]
+        place[(reservation_id, offset)].append(epoch)
+    assert max(len(epochs) for epochs in place.values()) > 1  # bytes were taken again
+    for epochs in place.values():
+        assert epochs == sorted(set(epochs)), epochs  # epochs rise per byte range
+    audit = _poolctl(pool, "audit")
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+
+
 def test_reservation_ttl_passes_with_poold_down(short_ttl_pool: Pool) -> None:
     pool = short_ttl_pool
     with PoolClient(pool.sock, timeout_s=10) as client:
