@@ -290,7 +290,8 @@ class DelegatedCapacity:
                         grant.offset_bytes,
                         grant.length_bytes,
                         grant.epoch,
-                    )
+                    ),
+                    restored=True,
                 )
                 self._epoch_spent(grant.reservation_id, grant.epoch)
 

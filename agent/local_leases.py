@@ -47,6 +47,11 @@ class LocalLeases:
         self._use: dict[str, list[int]] = {}  # tenant -> [bytes, leases]
         # reservation -> (window start, window end, the window's free extents in order)
         self._holes: dict[str, tuple[int, int, list[Extent]]] = {}
+        # tenant -> its leases whose release is queued (see release), oldest first
+        self._released: dict[str, dict[str, LocalLease]] = {}
+        # Reservations a restart restored leases into: only there may leases overlap
+        # (a chain of released leases on the same bytes, see taken_only_by_releases).
+        self._restored_in: set[str] = set()
 
     def __contains__(self, lease_id: object) -> bool:
         return lease_id in self._by_id
@@ -57,11 +62,14 @@ class LocalLeases:
     def get(self, lease_id: str) -> LocalLease | None:
         return self._by_id.get(lease_id)
 
-    def add(self, lease: LocalLease) -> None:
-        """Add ``lease`` (one of the same id goes first)."""
+    def add(self, lease: LocalLease, *, restored: bool = False) -> None:
+        """Add ``lease`` (one of the same id goes first); ``restored``: from the journal,
+        after a restart."""
         self.pop(lease.lease_id)
         self._by_id[lease.lease_id] = lease
         rid = lease.reservation_id
+        if restored:
+            self._restored_in.add(rid)
         self._in_res.setdefault(rid, {})[lease.lease_id] = Extent(
             lease.offset_bytes, lease.length_bytes
         )
@@ -104,7 +112,13 @@ class LocalLeases:
         if not inside:
             del self._in_res[rid]
             del self._res_used[rid]
-        if not lease.released:
+            self._restored_in.discard(rid)
+        if lease.released:
+            queued = self._released[lease.tenant]
+            del queued[lease_id]
+            if not queued:
+                del self._released[lease.tenant]
+        else:
             self._unuse(lease)
         return lease
 
@@ -119,6 +133,7 @@ class LocalLeases:
         if lease is None or lease.released:
             return
         lease.released = True
+        self._released.setdefault(lease.tenant, {})[lease_id] = lease
         self._unuse(lease)
 
     def _unuse(self, lease: LocalLease) -> None:
@@ -161,13 +176,15 @@ class LocalLeases:
     def released_of(self, tenant: str) -> list[LocalLease]:
         """The tenant's leases whose release is queued for poold, their extents still
         occupied here (:meth:`release`), oldest first."""
-        return [x for x in self._by_id.values() if x.released and x.tenant == tenant]
+        return list(self._released.get(tenant, {}).values())
 
     def taken_only_by_releases(self, lease: LocalLease) -> bool:
         """Whether every other local lease overlapping ``lease``'s extent is, like it
         should be, its tenant's and released: after a restart the journal restores a
         chain of released leases on the same bytes, and perhaps the live one that took
         them last."""
+        if lease.reservation_id not in self._restored_in:
+            return True  # placement and reuse never overlap leases; only a restore may
         start, end = lease.offset_bytes, lease.offset_bytes + lease.length_bytes
         for other_id, e in self._in_res.get(lease.reservation_id, {}).items():
             if other_id == lease.lease_id or not (e.offset < end and start < e.offset + e.length):
