@@ -789,15 +789,21 @@ class DelegatedCapacity:
     def delivered(self, lease_id: str, op: str, length_bytes: int | None = None) -> None:
         """poold applied ``op`` of a local lease: a freeing op frees its extent; a shrink
         frees its tail."""
+        self.delivered_all([(lease_id, op, length_bytes)])
+
+    def delivered_all(self, ops: Iterable[tuple[str, str, int | None]]) -> None:
+        """:meth:`delivered` for each (lease id, op, length) of a batch, in its order,
+        under one taking of the lock (a batch is hundreds of ops)."""
         with self._lock:
-            lease = self._leases.get(lease_id)
-            if lease is None:
-                return
-            if op in FREEING_OPS:
-                self._leases.pop(lease_id)
-                self._freed_in(lease.reservation_id)
-            elif op == "shrink" and length_bytes is not None:
-                self._leases.shrink(lease_id, length_bytes)
+            for lease_id, op, length_bytes in ops:
+                lease = self._leases.get(lease_id)
+                if lease is None:
+                    continue
+                if op in FREEING_OPS:
+                    self._leases.pop(lease_id)
+                    self._freed_in(lease.reservation_id)
+                elif op == "shrink" and length_bytes is not None:
+                    self._leases.shrink(lease_id, length_bytes)
 
     # --- refill and give-back ----------------------------------------------------------
     def note_demand(self, tenant: str, media: str, length_bytes: int) -> None:

@@ -160,8 +160,11 @@ class LocalGrants:
     def is_local(self, lease_id: str) -> bool:
         return self.capacity.is_local(lease_id)
 
-    def tenant_of(self, lease_id: str) -> str | None:
-        return self.capacity.tenant_of(lease_id)
+    @property
+    def tenant_of(self) -> Callable[[str], str | None]:
+        """The tenant of a local lease (None: not one), as the op queue asks it per op:
+        the delegation's own method, without a call through this one."""
+        return self.capacity.tenant_of
 
     def on_enqueue(self, op: LeaseOp) -> None:
         journal = self.journal
@@ -187,8 +190,7 @@ class LocalGrants:
                     seqs.append(known[1])
                 if op.op == "local_grant":
                     self._uncommitted.discard(op.lease_id)
-        for op in ops:
-            self.capacity.delivered(op.lease_id, op.op, op.length_bytes)
+        self.capacity.delivered_all((op.lease_id, op.op, op.length_bytes) for op in ops)
         with self._changed:
             self._changed.notify_all()
         journal = self.journal
