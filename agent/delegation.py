@@ -485,10 +485,12 @@ class DelegatedCapacity:
             epoch = res.epoch_base + held.epochs_used
             held.epochs_used += 1
             lease_id = new_lease_id()
-            if reused is not None:
-                self._leases.pop(reused)  # its release stays queued; its extent is this one's
+            # A lease taking a released one's bytes leaves it listed until poold applies
+            # its release: its tenant stays known (tenant_of), so the queue still holds the
+            # tenant's later ops (this lease's commit among them) behind that release.
             self._leases.add(
-                LocalLease(lease_id, res.id, budget.tenant, extent.offset, extent.length, epoch)
+                LocalLease(lease_id, res.id, budget.tenant, extent.offset, extent.length, epoch),
+                taking=reused,
             )
             self._note_demand(budget.tenant, res.media, extent.length)
         wall = datetime.now(UTC) if wall is None else wall

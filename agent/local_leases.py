@@ -62,9 +62,11 @@ class LocalLeases:
     def get(self, lease_id: str) -> LocalLease | None:
         return self._by_id.get(lease_id)
 
-    def add(self, lease: LocalLease, *, restored: bool = False) -> None:
+    def add(self, lease: LocalLease, *, restored: bool = False, taking: str | None = None) -> None:
         """Add ``lease`` (one of the same id goes first); ``restored``: from the journal,
-        after a restart."""
+        after a restart; ``taking``: a released lease of its tenant whose extent it takes
+        (:meth:`taken_only_by_releases`), which stays, its release still to be applied by
+        poold, but is taken no more."""
         self.pop(lease.lease_id)
         self._by_id[lease.lease_id] = lease
         rid = lease.reservation_id
@@ -77,6 +79,14 @@ class LocalLeases:
         use = self._use.setdefault(lease.tenant, [0, 0])
         use[0] += lease.length_bytes
         use[1] += 1
+        if taking is not None:
+            # Its bytes were occupied already: the kept free extents stand as they are.
+            queued = self._released.get(lease.tenant)
+            if queued is not None:
+                queued.pop(taking, None)
+                if not queued:
+                    del self._released[lease.tenant]
+            return
         self._cut(rid, lease.offset_bytes, lease.length_bytes)
 
     def _cut(self, rid: str, offset: int, length: int) -> None:
@@ -114,10 +124,11 @@ class LocalLeases:
             del self._res_used[rid]
             self._restored_in.discard(rid)
         if lease.released:
-            queued = self._released[lease.tenant]
-            del queued[lease_id]
-            if not queued:
-                del self._released[lease.tenant]
+            queued = self._released.get(lease.tenant)  # not there once its bytes were taken
+            if queued is not None:
+                queued.pop(lease_id, None)
+                if not queued:
+                    del self._released[lease.tenant]
         else:
             self._unuse(lease)
         return lease
@@ -175,16 +186,19 @@ class LocalLeases:
 
     def released_of(self, tenant: str) -> list[LocalLease]:
         """The tenant's leases whose release is queued for poold, their extents still
-        occupied here (:meth:`release`), oldest first."""
+        occupied here (:meth:`release`) and not taken by another lease yet, oldest
+        first."""
         return list(self._released.get(tenant, {}).values())
 
     def taken_only_by_releases(self, lease: LocalLease) -> bool:
         """Whether every other local lease overlapping ``lease``'s extent is, like it
-        should be, its tenant's and released: after a restart the journal restores a
-        chain of released leases on the same bytes, and perhaps the live one that took
-        them last."""
+        should be, its tenant's and released. A lease that takes a released one's bytes
+        (``add(taking=)``) makes a chain of them on one extent, each but the last released;
+        only the last is offered again (:meth:`released_of`), so outside a reservation a
+        restart restored leases into (where the journal gives back every lease of a chain,
+        offered again as their releases are queued again) the answer is yes."""
         if lease.reservation_id not in self._restored_in:
-            return True  # placement and reuse never overlap leases; only a restore may
+            return True
         start, end = lease.offset_bytes, lease.offset_bytes + lease.length_bytes
         for other_id, e in self._in_res.get(lease.reservation_id, {}).items():
             if other_id == lease.lease_id or not (e.offset < end and start < e.offset + e.length):

@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.delegation import DelegatedCapacity, new_lease_id
+from agent.op_queue import OpQueue, new_request_id
 from agent.refill import RefillPolicy
 from poold.errors import DelegationExpired
-from poold.wire.agent import GrantRequest
+from poold.wire.agent import AgentOps, GrantRequest, LeaseOp
 from poold.wire.delegation import EPOCH_BLOCK, Budget, Delegation, LocalGrant, Reservation
 
 MiB = 1 << 20
@@ -146,6 +147,53 @@ def test_a_full_reservation_reuses_the_same_tenants_released_extent(clock: Clock
     d.delivered(c.lease.id, "release")
     e = d.grant_locally(ask(2 * MiB))
     assert e is not None and e.grant.offset_bytes == a.grant.offset_bytes
+
+
+def test_a_reused_extents_release_still_goes_before_the_lease_that_took_it(
+    clock: Clock,
+) -> None:
+    """The lease whose bytes were taken stays listed (its tenant known) until poold
+    applies its release, so the queue keeps its tenant's later ops behind that release:
+    here a release that rode on a central grant whose answer was lost (put back, to be
+    sent again first) holds back the new lease's commit from the next central grant."""
+    d = held(clock, [reservation(length=2 * MiB)], [budget()])
+    a = d.grant_locally(ask(2 * MiB))
+    assert a is not None
+    queue = OpQueue()
+    queue.add(LeaseOp(lease_id=a.lease.id, op="local_grant", grant=a.grant))
+    queue.delivered(queue.take(d.tenant_of))  # committed
+    queue.add(LeaseOp(lease_id=a.lease.id, op="release", reason="holder released"))
+    d.released(a.lease.id)
+    riding = queue.take(d.tenant_of, for_tenant="kv")  # on a central grant of kv ...
+    assert [op.op for op in riding] == ["release"]
+    queue.put_back(AgentOps(ops=riding, request_id=new_request_id()))  # ... unanswered
+    c = d.grant_locally(ask(2 * MiB))
+    assert c is not None and c.grant.offset_bytes == a.grant.offset_bytes
+    assert d.tenant_of(a.lease.id) == "kv"
+    queue.add(LeaseOp(lease_id=c.lease.id, op="local_grant", grant=c.grant))
+    assert queue.take(d.tenant_of, for_tenant="kv") == []  # the next central grant of kv
+    first = queue.next_batch(d.tenant_of, fresh=True)
+    assert first is not None and [op.op for op in first[0].ops] == ["release"]
+    queue.delivered(first[0].ops)
+    d.delivered(a.lease.id, "release")
+    second = queue.next_batch(d.tenant_of, fresh=True)
+    assert second is not None and [op.lease_id for op in second[0].ops] == [c.lease.id]
+
+
+def test_an_abandoned_reuse_leaves_the_bytes_to_the_release_not_to_others(clock: Clock) -> None:
+    """A lease that took a released one's bytes and whose memory could not be made: the
+    bytes stay the released lease's until poold applies its release (another tenant's
+    grant could reach poold before it)."""
+    d = held(clock, [reservation(length=2 * MiB)], [budget(), budget("other", uids=[1001])])
+    a = d.grant_locally(ask(2 * MiB))
+    assert a is not None
+    d.released(a.lease.id)
+    c = d.grant_locally(ask(2 * MiB))
+    assert c is not None
+    d.abandon(c.lease.id)
+    assert d.grant_locally(ask(2 * MiB, uid=1001)) is None
+    d.delivered(a.lease.id, "release")
+    assert d.grant_locally(ask(2 * MiB, uid=1001)) is not None
 
 
 def test_a_released_extent_restored_beside_its_successor_is_not_reused(clock: Clock) -> None:
