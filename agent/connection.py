@@ -82,10 +82,12 @@ def dispatch(
     to read in its reply; the log has the first of each uid and code, then a summary a
     minute (a tenant looping on one refused at socket speed wrote a line per request)."""
     peer = connection.peer
-    op = "?"
+    # Named only by what the agent knows: the log keys refusals by it (an op a tenant
+    # made up is "?", so made-up names are one key, not one line each).
+    asked = frame.get("op")
+    op = asked if isinstance(asked, str) and asked in OPERATIONS else "?"
     try:
         spec, args = parse_request(frame)
-        op = spec.name
         outcome = methods[op](peer, args)
         if isinstance(args, HelloArgs) and args.events:
             connection.wants_events = True
@@ -102,10 +104,7 @@ def dispatch(
             )
         return encode_result(result), fd
     except PoolError as err:
-        # Keyed by names the tenant cannot make up: an unknown op is "?".
-        asked = frame.get("op")
-        named = asked if isinstance(asked, str) and asked in OPERATIONS else op
-        refusals.refused(err, f"uid {peer.uid}, {named}")
+        refusals.refused(err, f"uid {peer.uid}, {op}")
         return encode_error(err), None
     except Exception:
         log.exception(

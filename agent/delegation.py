@@ -62,6 +62,13 @@ from poold.wire.trusted import trusted
 log = logging.getLogger("pool_agent.delegation")
 
 
+def _wanted(req: GrantRequest, budget: Budget) -> placement.Request:
+    """What placement is asked for ``req`` under ``budget``'s allowed media."""
+    return placement.Request(
+        size_bytes=req.size_bytes, media=req.media, allowed_media=frozenset(budget.allowed_media)
+    )
+
+
 def new_lease_id() -> str:
     """A random (version 4) UUID as text, as ``str(uuid.uuid4())`` makes it at a third of
     the cost (its UUID object is pure Python; one is made per local lease)."""
@@ -603,14 +610,7 @@ class DelegatedCapacity:
                     distance=res.distance,
                 )
             candidates.append(made)
-        choice = placement.place(
-            placement.Request(
-                size_bytes=req.size_bytes,
-                media=req.media,
-                allowed_media=frozenset(budget.allowed_media),
-            ),
-            candidates,
-        )
+        choice = placement.place(_wanted(req, budget), candidates)
         if isinstance(choice, placement.Refusal):
             return None
         return held[choice.candidate.device_id], choice.extent
@@ -628,32 +628,19 @@ class DelegatedCapacity:
         before the grant that takes its bytes. Without it, a tenant churning leases
         through a poold outage was refused once it had released its reservations' worth.
         The placement and the released lease's id, or None."""
-        by_id = {h.reservation.id: (index, h) for index, h in enumerate(held)}
-        wanted = placement.Request(
-            size_bytes=req.size_bytes,
-            media=req.media,
-            allowed_media=frozenset(budget.allowed_media),
-        )
+        by_id = {h.reservation.id: h for h in held}
+        wanted = _wanted(req, budget)
         for lease in self._leases.released_of(budget.tenant):
-            found = by_id.get(lease.reservation_id)
-            if found is None:
+            h = by_id.get(lease.reservation_id)
+            # _place, just run over ``held``, made each one's candidate.
+            if h is None or h.candidate is None:
                 continue
-            index, h = found
-            res = h.reservation
-            if lease.length_bytes != align_up(req.size_bytes, max(res.alignment_bytes, 1)):
+            step = max(h.reservation.alignment_bytes, 1)
+            if lease.length_bytes != align_up(req.size_bytes, step):
                 continue
-            if not lease.released or not self._leases.taken_only_by_releases(lease):
+            if not self._leases.taken_only_by_releases(lease):
                 continue  # a lease that took its bytes before a restart still holds them
-            candidate = placement.Candidate(
-                device_id=index,
-                kind=res.kind,
-                media=res.media,
-                state="online",
-                health=res.health,
-                capacity_bytes=res.offset_bytes + res.length_bytes,
-                alignment_bytes=res.alignment_bytes,
-            )
-            if not placement.eligible(wanted, [candidate]):
+            if not placement.eligible(wanted, [h.candidate]):
                 continue
             return (h, Extent(lease.offset_bytes, lease.length_bytes)), lease.lease_id
         return None

@@ -115,14 +115,20 @@ def _client_proc(sock: str, seconds: float, start_at: float, out: Any) -> None:
     out.put(done)
 
 
-def cpu_per_cycle(client: PoolClient, cycles: int) -> dict[str, float]:
-    """ms of CPU (user + system) per lease+release: the agent's, poold's, this client's."""
+def _processes(client: PoolClient) -> tuple[psutil.Process, list[psutil.Process]]:
+    """The agent behind ``client`` and the poold process(es) this run started."""
     agent = psutil.Process(client.hello().agent_pid)
     poolds = [
         p
         for p in psutil.Process().children(recursive=True)
         if p.pid != agent.pid and any("poold" in part for part in p.cmdline())
     ]
+    return agent, poolds
+
+
+def cpu_per_cycle(client: PoolClient, cycles: int) -> dict[str, float]:
+    """ms of CPU (user + system) per lease+release: the agent's, poold's, this client's."""
+    agent, poolds = _processes(client)
 
     def used(proc: psutil.Process) -> float:
         t = proc.cpu_times()
@@ -144,12 +150,7 @@ def split_cpus(client: PoolClient, poold_cpu: int) -> None:
     rest = everything - {poold_cpu}
     if poold_cpu not in everything or not rest:
         raise SystemExit(f"--poold-cpu {poold_cpu}: need it and another CPU of {everything}")
-    agent = psutil.Process(client.hello().agent_pid)
-    poolds = [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if p.pid != agent.pid and any("poold" in part for part in p.cmdline())
-    ]
+    agent, poolds = _processes(client)
     placed = [*((p, {poold_cpu}) for p in poolds), (agent, rest), (psutil.Process(), rest)]
     for proc, cpus in placed:
         for thread in proc.threads():
