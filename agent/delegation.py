@@ -860,8 +860,12 @@ class DelegatedCapacity:
             budgets: list[BudgetWant] = []
             for tenant, rates in sorted(by_tenant.items()):
                 used_bytes, used_leases = self._leases.used_by(tenant)
+                # Its leases poold has yet to hear the end of: an ask below them, applied
+                # before the outbox delivers their commits, would have poold refuse those
+                # (a lease its tenant was granted, used and released lost from the ledger).
+                listed = self._leases.listed_of(tenant)
                 idle = now - self._last_demand.get(tenant, now)
-                if idle > p.idle_budget_s and not used_bytes:
+                if idle > p.idle_budget_s and not listed[1]:
                     # No lease of it here for long: its budget goes back to the quota
                     # (other hosts' fair shares grow), and its next lease starts central.
                     budgets.append(BudgetWant(tenant=tenant, bytes=0, leases=0))
@@ -876,7 +880,7 @@ class DelegatedCapacity:
                 share = None
                 if entry is not None and entry.budget.share_bytes is not None:
                     share = (entry.budget.share_bytes, entry.budget.share_leases or 0)
-                want = budget_want(p, rates, (used_bytes, used_leases), held, share)
+                want = budget_want(p, rates, (used_bytes, used_leases), held, share, listed)
                 raw = (0, 0) if entry is None else (entry.budget.bytes, entry.budget.leases)
                 if want is not None and not budget_ask_moves(
                     p, want, raw, self._raised.get(tenant), now

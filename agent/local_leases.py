@@ -45,6 +45,8 @@ class LocalLeases:
         self._in_res: dict[str, dict[str, Extent]] = {}  # reservation -> lease id -> extent
         self._res_used: dict[str, int] = {}  # reservation -> bytes of its leases
         self._use: dict[str, list[int]] = {}  # tenant -> [bytes, leases]
+        # tenant -> [bytes, leases] of every lease of it listed, released ones too
+        self._listed: dict[str, list[int]] = {}
         # reservation -> (window start, window end, the window's free extents in order)
         self._holes: dict[str, tuple[int, int, list[Extent]]] = {}
         # tenant -> its leases whose release is queued (see release), oldest first
@@ -76,9 +78,10 @@ class LocalLeases:
             lease.offset_bytes, lease.length_bytes
         )
         self._res_used[rid] = self._res_used.get(rid, 0) + lease.length_bytes
-        use = self._use.setdefault(lease.tenant, [0, 0])
-        use[0] += lease.length_bytes
-        use[1] += 1
+        for sums in (self._use, self._listed):
+            use = sums.setdefault(lease.tenant, [0, 0])
+            use[0] += lease.length_bytes
+            use[1] += 1
         if taking is not None:
             # Its bytes were occupied already: the kept free extents stand as they are.
             queued = self._released.get(lease.tenant)
@@ -131,6 +134,7 @@ class LocalLeases:
                     del self._released[lease.tenant]
         else:
             self._unuse(lease)
+        self._unuse(lease, self._listed)
         return lease
 
     def release(self, lease_id: str) -> None:
@@ -147,12 +151,13 @@ class LocalLeases:
         self._released.setdefault(lease.tenant, {})[lease_id] = lease
         self._unuse(lease)
 
-    def _unuse(self, lease: LocalLease) -> None:
-        use = self._use[lease.tenant]
+    def _unuse(self, lease: LocalLease, sums: dict[str, list[int]] | None = None) -> None:
+        sums = self._use if sums is None else sums
+        use = sums[lease.tenant]
         use[0] -= lease.length_bytes
         use[1] -= 1
         if not use[1]:
-            del self._use[lease.tenant]
+            del sums[lease.tenant]
 
     def shrink(self, lease_id: str, length_bytes: int) -> None:
         """The lease's tail given back: it holds at most ``length_bytes`` now."""
@@ -164,6 +169,7 @@ class LocalLeases:
         self._holes.pop(lease.reservation_id, None)
         self._in_res[lease.reservation_id][lease_id] = Extent(lease.offset_bytes, length_bytes)
         self._res_used[lease.reservation_id] -= cut
+        self._listed[lease.tenant][0] -= cut
         if not lease.released:
             self._use[lease.tenant][0] -= cut
 
@@ -219,4 +225,11 @@ class LocalLeases:
         """(bytes, leases) of the tenant's local leases, those whose release is queued
         left out."""
         use = self._use.get(tenant)
+        return (0, 0) if use is None else (use[0], use[1])
+
+    def listed_of(self, tenant: str) -> tuple[int, int]:
+        """(bytes, leases) of every listed lease of the tenant, those whose release is
+        queued included: at most what poold's local use of it can reach while it applies
+        the tenant's queued ops in order, grants and releases alike."""
+        use = self._listed.get(tenant)
         return (0, 0) if use is None else (use[0], use[1])

@@ -126,12 +126,15 @@ def budget_want(
     used: tuple[int, int],
     held: tuple[int, int] | None,
     share: tuple[int, int] | None,
+    floor: tuple[int, int] = (0, 0),
 ) -> tuple[int, int] | None:
     """The (bytes, leases) budget to ask for one tenant, or None: what is held will do.
 
     ``rates``: its demand (bytes, leases per interval); ``used``: what its local leases
     here hold; ``held``: the agent's view of its budget (None: no budget); ``share``:
-    poold's fair share of it when other hosts of the tenant want some too.
+    poold's fair share of it when other hosts of the tenant want some too; ``floor``:
+    never ask less (its local leases poold has yet to hear the end of: their commits,
+    queued, must still fit the budget when poold applies them after this ask).
     """
     used_bytes, used_leases = used
     head_bytes = policy.headroom_bytes(rates[0])
@@ -154,7 +157,7 @@ def budget_want(
         want_leases = min(want_leases, max(used_leases, share_leases))
         high = high or held_bytes > want_bytes or held_leases > want_leases
     if low or high:
-        return want_bytes, want_leases
+        return max(want_bytes, floor[0]), max(want_leases, floor[1])
     return None
 
 
