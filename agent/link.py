@@ -6,7 +6,8 @@ the next grant or is flushed within a few milliseconds by a background thread,
 so a tenant's release costs no poold round trip, yet a release just before a
 grant is applied before that grant (its bytes and quota are free in time). The ops
 of local leases (granted inside the delegation) ride only on a grant of their own
-tenant; the rest go in a batch at most LOCAL_FLUSH_S after they were queued.
+tenant; the rest go in a batch at most LOCAL_FLUSH_S after they were queued (so does a
+central lease's plain release while the host delegates, if no grant carries it first).
 The queue and its order are agent/op_queue.py's; this module sends it. When poold is
 down, or answers with an error, the outbox, renewals and reports are kept and replayed
 in order; grants and op batches carry request ids so that a retry
@@ -115,6 +116,8 @@ def inventory_digest(inventory: list[InventoryDevice]) -> str:
 
 class LocalOps(Protocol):
     """What the link tells the agent's local grants (agent/local_grants.py LocalGrants)."""
+
+    enabled: bool  # this host grants inside a delegation
 
     def is_local(self, lease_id: str) -> bool:
         """The lease was granted inside the delegation (its ops are journalled)."""
@@ -493,8 +496,13 @@ class PooldLink:
         if local:
             assert self.local is not None
             self.local.on_queued(op)  # in line now: what it frees may be spent after it
-        if not local or crowded:
-            self._wake.set()  # a local lease's op goes within LOCAL_FLUSH_S instead
+        # A local lease's op goes within LOCAL_FLUSH_S, and so does a central lease's
+        # release while this host delegates: its tenant's next grant carries it (its
+        # quota freed in time), and a batch woken per central release was most of
+        # poold's batches, and a third of its CPU, under delegation (bench/scale.py).
+        lazy = local or (op.op == "release" and self.local is not None and self.local.enabled)
+        if crowded or not lazy:
+            self._wake.set()
 
     def renew_later(self, lease_id: str, ttl_s: int) -> None:
         self.ops.renew_later(lease_id, ttl_s)

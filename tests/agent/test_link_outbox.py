@@ -154,9 +154,10 @@ def test_a_refused_final_flush_is_one_line_without_a_traceback(
 class _LocalOf:
     """The link's view of the agent's local leases (agent/local_grants.py), by tenant."""
 
-    def __init__(self, tenants: dict[str, str]) -> None:
+    def __init__(self, tenants: dict[str, str], *, enabled: bool = True) -> None:
         self.tenants = tenants
         self.queued: list[str] = []
+        self.enabled = enabled
 
     def is_local(self, lease_id: str) -> bool:
         return lease_id in self.tenants
@@ -236,3 +237,21 @@ def test_a_central_grant_wakes_the_outbox_only_for_the_ops_it_held_back(
     assert link._wake.is_set()  # the scrub that waited for the release goes now
     assert {op.lease_id for op in link.ops.queued()} == {"elsewhere", first.id}
     client.close()
+
+
+@pytest.mark.parametrize("delegating", [True, False])
+def test_a_central_release_waits_for_the_flush_interval_only_while_the_host_delegates(
+    delegating: bool,
+) -> None:
+    """Under delegation a batch woken per central lease's release was most of poold's
+    batches (bench/scale.py --delegation): it waits for the next flush, or rides on its
+    tenant's next grant. Other ops of central leases, and every op without delegation,
+    still wake the outbox at once."""
+    with PooldClient("http://127.0.0.1:9", "x" * 32) as client:  # never asked here
+        link = PooldLink(client, "test")
+        link.local = _LocalOf({}, enabled=delegating)  # type: ignore[assignment]
+        link.enqueue(LeaseOp(lease_id="central", op="release", reason="holder released"))
+        assert link._wake.is_set() is not delegating
+        link._wake.clear()
+        link.enqueue(LeaseOp(lease_id="other", op="release_dirty", reason="holder released"))
+        assert link._wake.is_set()
