@@ -704,8 +704,11 @@ class DelegatedCapacity:
                 return None
             size = -(-req.size_bytes // max(1, alignment_bytes)) * max(1, alignment_bytes)
             # Read with the debit under one lock: every local grant after it fits the
-            # lowered view, every one before it is in this count.
-            limit = _Limit(tenant, size, 1, local_use=self._leases.used_by(tenant))
+            # lowered view, every one before it is in this count. Its released leases
+            # too, until poold has applied their release: a commit still queued must
+            # find the budget poold leaves here (the link takes out those whose release
+            # rides on this grant, applied before it: `released_among`).
+            limit = _Limit(tenant, size, 1, local_use=self._leases.listed_of(tenant))
             self._limits.append(limit)
             return limit
 
@@ -768,6 +771,18 @@ class DelegatedCapacity:
             self._asked_give = set()
             self._giving = set()
             return given
+
+    def released_among(self, tenant: str, lease_ids: Iterable[str]) -> tuple[int, int]:
+        """(bytes, leases) of the tenant's listed local leases among ``lease_ids`` whose
+        release is queued (the releases riding on a central grant)."""
+        nbytes = nleases = 0
+        with self._lock:
+            for lease_id in set(lease_ids):
+                lease = self._leases.get(lease_id)
+                if lease is not None and lease.released and lease.tenant == tenant:
+                    nbytes += lease.length_bytes
+                    nleases += 1
+        return nbytes, nleases
 
     def released(self, lease_id: str) -> None:
         """A local lease's release is in the outbox: its tenant's budget is free of it

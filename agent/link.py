@@ -52,6 +52,7 @@ from poold.wire.agent import (
     LeaseOpResult,
     LeaseReport,
     LeftoverSubDevice,
+    LocalUse,
     Renewal,
 )
 from poold.wire.common import LeaseOut
@@ -141,6 +142,10 @@ class LocalOps(Protocol):
 
     def uncommitted(self, lease_id: str) -> bool:
         """A local lease poold has not heard of yet (its renewals wait for the grant)."""
+        ...
+
+    def riding_use(self, use: LocalUse, riding: list[LeaseOp]) -> LocalUse:
+        """A central grant's local use less the released leases whose release rides."""
         ...
 
     def abandon(self, lease_id: str) -> bool:
@@ -334,6 +339,10 @@ class PooldLink:
         # under delegation (bench/scale.py --delegation, py-spy). The grant's own
         # tenant's go: one at its quota frees it in time by releasing a local lease.
         pending = self.ops.take(self._tenant_of(), for_tenant=req.tenant or "")
+        if pending and req.local_use is not None and self.local is not None:
+            req = req.model_copy(
+                update={"local_use": self.local.riding_use(req.local_use, pending)}
+            )
         with self._lock:
             token = next(self._grant_tokens)
             self._grants_in_flight.add(token)

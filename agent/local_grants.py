@@ -197,6 +197,18 @@ class LocalGrants:
         if journal is not None and seqs:
             journal.local.acked(seqs)
 
+    def riding_use(self, use: LocalUse, riding: list[LeaseOp]) -> LocalUse:
+        """``use`` (a central grant's count of its tenant's local leases, released ones
+        listed) less those whose release rides on that grant: poold applies the ride
+        first, so the budget need not be kept for them."""
+        ids = [op.lease_id for op in riding if op.op == "release"]
+        if not ids:
+            return use
+        nbytes, nleases = self.capacity.released_among(use.tenant, ids)
+        return LocalUse(
+            tenant=use.tenant, bytes=max(0, use.bytes - nbytes), leases=max(0, use.leases - nleases)
+        )
+
     def uncommitted(self, lease_id: str) -> bool:
         return lease_id in self._uncommitted
 

@@ -108,6 +108,29 @@ def test_a_debit_carries_the_tenants_local_use_uncommitted_grants_included() -> 
     assert d.budget_view("kv") == (6 * MiB, 3)
 
 
+def test_a_debit_counts_released_leases_until_poold_applies_their_release() -> None:
+    """A released local lease's commit may still be queued, or on its way in a batch,
+    when a central grant spends the tenant's budget here: poold must leave it room, or
+    it refuses that commit (a lease its tenant used, lost from the ledger). Only the
+    releases riding on the grant itself (applied before it) come off the count."""
+    clock = Clock()
+    d = _capacity(clock)
+    d.replace(
+        delegation([reservation(length=16 * MiB)], [budget(bytes_=8 * MiB, leases=4)]), sent_at=1.0
+    )
+    kept = d.grant_locally(ask(2 * MiB, tenant="kv"))
+    gone = d.grant_locally(ask(4 * MiB, tenant="kv"))
+    assert kept is not None and gone is not None
+    d.released(gone.lease.id)  # queued, not yet applied by poold
+    limit = d.debit(ask(2 * MiB, tenant="kv"), alignment_bytes=2 * MiB)
+    assert limit is not None and limit.local_use == (6 * MiB, 2)
+    assert d.released_among("kv", [gone.lease.id, kept.lease.id, "unknown"]) == (4 * MiB, 1)
+    assert d.released_among("other", [gone.lease.id]) == (0, 0)
+    d.delivered(gone.lease.id, "release")
+    again = d.debit(ask(2 * MiB, tenant="kv"), alignment_bytes=2 * MiB)
+    assert again is not None and again.local_use == (2 * MiB, 1)
+
+
 def test_a_reply_to_an_older_request_is_dropped() -> None:
     clock = Clock()
     d = _capacity(clock)

@@ -12,7 +12,7 @@ from agent.link import PooldLink
 from poold.api.client import PooldClient
 from poold.errors import QuotaExceeded, Unauthorized
 from poold.wire.admin import TenantSpec
-from poold.wire.agent import GrantRequest, LeaseOp, LeaseOpResult
+from poold.wire.agent import GrantRequest, LeaseOp, LeaseOpResult, LocalUse
 from poold.wire.common import LeaseOut
 from tests.conftest import ThreadedServer
 from tests.poold.conftest import UID, device
@@ -173,6 +173,9 @@ class _LocalOf:
 
     def on_delivered(self, ops: list[LeaseOp]) -> None:
         pass
+
+    def riding_use(self, use: LocalUse, riding: list[LeaseOp]) -> LocalUse:
+        return use
 
 
 def test_a_tenants_local_ops_reach_poold_one_request_at_a_time_in_queue_order() -> None:

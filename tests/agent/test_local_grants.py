@@ -208,10 +208,13 @@ def test_a_central_grant_carries_its_tenants_ops_and_leaves_other_local_ones_to_
         service, link, client = linked.service, linked.link, linked.client
         service.delegation.replace(delegation())  # a budget of t only: u's leases go central
         carried: list[list[tuple[str, str]]] = []
+        counted: list[tuple[int, int] | None] = []  # the local use each grant told poold
         grant = client.grant
 
         def granting(req: GrantRequest, **kw: Any) -> GrantReply:
             carried.append([(op.op, op.lease_id) for op in req.pending])
+            use = req.local_use
+            counted.append(None if use is None else (use.bytes, use.leases))
             return grant(req, **kw)
 
         client.grant = granting  # type: ignore[method-assign]
@@ -228,6 +231,21 @@ def test_a_central_grant_carries_its_tenants_ops_and_leaves_other_local_ones_to_
         # A central grant of t itself (larger than its reservation) takes them along.
         lease(service, 96 * MiB, "t")
         assert carried[-1] == t_ops
+        assert link.outbox_size() == 0
+        # The released local lease rode, applied before the grant: not counted as t's
+        # local use (poold may spend the budget it held).
+        assert counted[-1] == (0, 0)
+        # Released, its ops on their way in a batch when t's next central grant leaves:
+        # they cannot ride, so the count keeps the lease (poold leaves its commit room
+        # in the budget the grant may spend, instead of refusing it when it lands).
+        second = lease(service, 2 * MiB, "t")
+        service.release(PEER, p.ReleaseArgs(lease_id=second.lease_id))
+        on_its_way = link.ops.next_batch(link._tenant_of(), fresh=True)
+        assert on_its_way is not None
+        lease(service, 96 * MiB, "t")
+        assert carried[-1] == [] and counted[-1] == (2 * MiB, 1)
+        link.ops.put_back(on_its_way[0])
+        link.flush()  # (this delegation is made up: poold refuses its commits)
         assert link.outbox_size() == 0
 
 
