@@ -17,6 +17,7 @@ is logged once when it starts and once when the ledger answers again.
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 import threading
@@ -25,6 +26,7 @@ from collections import namedtuple
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -496,22 +498,7 @@ class Prepared:
             bound = self._params(plan, params)
         else:
             bound = [self._params(plan, p) for p in params]
-        cursor = conn.connection.cursor()
-        try:
-            if many:
-                cursor.executemany(plan.sql, bound)
-            else:
-                cursor.execute(plan.sql, bound)
-            conn.info[_USED] = True  # as the after_cursor_execute event would (`make_engine`)
-        except Exception as exc:
-            cursor.close()
-            if not isinstance(exc, conn.dialect.loaded_dbapi.Error):
-                raise
-            # SQLAlchemy's own handler (private, but what every execute calls): it
-            # invalidates a connection the error killed and raises the wrapped error.
-            conn._handle_dbapi_exception(exc, plan.sql, bound, cursor, None)
-            raise  # not reached: the handler raises
-        return plan, cursor, bound
+        return plan, _on_cursor(conn, plan.sql, bound, many=many), bound
 
     def rows(self, conn: Connection, params: Mapping[str, Any] | None = None) -> list[Any]:
         """Every row, as namedtuples with the selected columns' names."""
@@ -549,6 +536,77 @@ class Prepared:
             return int(cursor.rowcount)
         finally:
             cursor.close()
+
+
+def _on_cursor(conn: Connection, sql: str, bound: Any, *, many: bool = False) -> Any:
+    """Run ``sql`` on the driver's cursor of ``conn``; the open cursor. A driver error
+    goes through SQLAlchemy's own handler, as `Connection.execute`'s would."""
+    cursor = conn.connection.cursor()
+    try:
+        if many:
+            cursor.executemany(sql, bound)
+        else:
+            cursor.execute(sql, bound)
+        conn.info[_USED] = True  # as the after_cursor_execute event would (`make_engine`)
+    except Exception as exc:
+        cursor.close()
+        if not isinstance(exc, conn.dialect.loaded_dbapi.Error):
+            raise
+        # SQLAlchemy's own handler (private, but what every execute calls): it
+        # invalidates a connection the error killed and raises the wrapped error.
+        conn._handle_dbapi_exception(exc, sql, bound, cursor, None)
+        raise  # not reached: the handler raises
+    return cursor
+
+
+def _json_value(value: Any) -> Any:
+    """What `json.dumps` cannot write of an `InsertRows` row: datetimes, as the
+    UTCDateTime column type takes them (aware, in UTC)."""
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to the ledger; use aware UTC")
+        return value.astimezone(UTC).isoformat()
+    raise TypeError(f"cannot write {type(value).__name__} to the ledger as JSON")
+
+
+class InsertRows:
+    """Many rows of one INSERT (of every one of ``columns``) in one statement.
+
+    On PostgreSQL the rows go as one JSON parameter that `json_to_recordset` expands,
+    typed by the table's own columns: an executemany (pipelined by psycopg) costs ~35 µs
+    of poold's CPU a row, this ~6 µs a row past ~80 µs a statement (an op batch's
+    events, measured on this machine). Elsewhere, and for one row, `Prepared`'s
+    executemany or execute.
+    """
+
+    def __init__(self, stmt: Insert, columns: Sequence[str]) -> None:
+        self.columns = tuple(columns)
+        self._table = stmt.table
+        self._prepared = Prepared(stmt, column_keys=self.columns)
+        self._sql: str | None = None
+
+    def _recordset_sql(self, dialect: Dialect) -> str:
+        quote = dialect.identifier_preparer.quote
+        cols = [self._table.c[name] for name in self.columns]
+        names = ", ".join(quote(c.name) for c in cols)
+        typed = ", ".join(f"{quote(c.name)} {c.type.compile(dialect=dialect)}" for c in cols)
+        # Names and types of the table's own columns, quoted; the rows are the parameter.
+        return (
+            f"INSERT INTO {quote(self._table.name)} ({names}) SELECT {names} "  # noqa: S608
+            f"FROM json_to_recordset(%(rows)s::json) AS t({typed})"
+        )
+
+    def write(self, conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
+        if not rows:
+            return
+        if len(rows) == 1 or conn.dialect.name != "postgresql":
+            self._prepared.write(conn, rows[0] if len(rows) == 1 else rows)
+            return
+        if self._sql is None:
+            self._sql = self._recordset_sql(conn.dialect)
+        keys = self.columns
+        payload = json.dumps([{k: row[k] for k in keys} for row in rows], default=_json_value)
+        _on_cursor(conn, self._sql, {"rows": payload}).close()
 
 
 def _any_of(column: Any, name: str) -> ColumnElement[bool]:

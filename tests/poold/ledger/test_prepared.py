@@ -5,15 +5,17 @@ retried instead of answered `ledger_unavailable`?"""
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime, timedelta, timezone
 
 import psycopg
 import pytest
-from sqlalchemy import bindparam, select, text, update
+from sqlalchemy import bindparam, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 
+from poold.errors import BadRequest
 from poold.ledger import agent_requests, db, hosts, leases, op_batches, transitions
 from poold.ledger.db import Ledger, Prepared, PreparedIn, classify
-from poold.ledger.models import Lease
+from poold.ledger.models import Event, Lease
 from poold.wire.agent import GrantRequest, LeaseOp
 from tests.poold.conftest import UID, MiB, seed
 
@@ -99,6 +101,49 @@ def test_prepared_errors_are_sqlalchemy_errors(ledger: Ledger) -> None:
     assert classify(caught.value) is None  # a constraint, not an outage
     with ledger.read() as s:  # nothing of the failed transaction stayed
         assert agent_requests.recall(s.connection(), host_id, "r-1", "grant") is None
+
+
+def test_rows_inserted_in_one_statement_read_back_as_core_inserted_them(ledger: Ledger) -> None:
+    """`InsertRows` (one json_to_recordset statement on PostgreSQL): the same events,
+    in order, as SQLAlchemy's own INSERT of them, datetimes in UTC, nulls, nested JSON
+    and text JSON would escape; a value the column cannot hold is the ledger's
+    bad_request and writes nothing; a naive datetime is refused as Core's type does."""
+    seed(ledger)
+    at = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone(timedelta(hours=2)))
+    rows = [
+        transitions.event_row(
+            actor="agent:h1",
+            kind=f"test.{i}",
+            at=at + timedelta(seconds=i),
+            lease_id=None if i % 2 else f"L{i}",
+            tenant_id=i,
+            reason='a "quoted" reason,\nover é lines\\' if i else None,
+            detail={"n": i, "nested": {"list": [1, None, "ü"]}, "flag": True} if i else {},
+        )
+        for i in range(5)
+    ]
+    writer = db.InsertRows(insert(Event), transitions._EVENT_COLUMNS)
+    columns = [getattr(Event, c) for c in transitions._EVENT_COLUMNS]
+    with ledger.write_conn() as conn:
+        writer.write(conn, rows)
+        conn.execute(insert(Event), [{**r, "kind": "core." + r["kind"]} for r in rows])
+    with ledger.read() as s:
+        ours = s.execute(select(*columns).where(Event.kind.like("test.%")).order_by(Event.id))
+        core = s.execute(select(*columns).where(Event.kind.like("core.%")).order_by(Event.id))
+        got = [{**r._asdict(), "kind": r.kind[len("test.") :]} for r in ours]
+        assert got == [{**r._asdict(), "kind": r.kind[len("core.test.") :]} for r in core]
+    assert [r["kind"] for r in got] == ["0", "1", "2", "3", "4"]
+    assert got[1]["at"] == at.astimezone(UTC) + timedelta(seconds=1)
+    assert got[1]["detail"] == {"n": 1, "nested": {"list": [1, None, "ü"]}, "flag": True}
+    assert got[1]["reason"] == 'a "quoted" reason,\nover é lines\\'
+    if ledger.engine.dialect.name == "postgresql":  # SQLite keeps any length
+        too_long = [dict(rows[0], actor="x" * 200), rows[1]]
+        with pytest.raises(BadRequest, match="too long"), ledger.write_conn() as conn:
+            writer.write(conn, too_long)
+    with ledger.read() as s:
+        assert s.scalar(select(func.count()).where(Event.kind.like("test.%"))) == 5
+    with pytest.raises(ValueError, match="naive"), ledger.write_conn() as conn:
+        writer.write(conn, [dict(rows[0], at=datetime(2026, 1, 1)), rows[1]])
 
 
 def test_a_repeated_grant_request_is_answered_from_the_stored_reply(ledger: Ledger) -> None:
