@@ -605,8 +605,18 @@ class InsertRows:
         if self._sql is None:
             self._sql = self._recordset_sql(conn.dialect)
         keys = self.columns
-        payload = json.dumps([{k: row[k] for k in keys} for row in rows], default=_json_value)
-        _on_cursor(conn, self._sql, {"rows": payload}).close()
+        run_json(conn, self._sql, [{k: row[k] for k in keys} for row in rows])
+
+
+def run_json(conn: Connection, sql: str, rows: Sequence[Mapping[str, Any]]) -> int:
+    """Run ``sql`` (PostgreSQL, the driver's paramstyle) whose one parameter,
+    ``%(rows)s``, is ``rows`` as a JSON array (for `json_to_recordset`); its rowcount."""
+    payload = json.dumps(rows, default=_json_value)
+    cursor = _on_cursor(conn, sql, {"rows": payload})
+    try:
+        return int(cursor.rowcount)
+    finally:
+        cursor.close()
 
 
 def _any_of(column: Any, name: str) -> ColumnElement[bool]:

@@ -31,7 +31,7 @@ from poold.extents import Extent
 from poold.lease_states import LIVE_STATES_SQL
 from poold.ledger import devices
 from poold.ledger.budgets import QuotaUse
-from poold.ledger.db import Prepared, PreparedIn
+from poold.ledger.db import InsertRows, Prepared, PreparedIn
 from poold.ledger.models import Budget, Device, DevicePath, Lease, Quarantine, Reservation
 
 _LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
@@ -147,6 +147,8 @@ _NEW_LEASE_COLUMNS = (
     "reservation_id",
 )
 INSERT_LEASE = Prepared(insert(Lease), column_keys=_NEW_LEASE_COLUMNS)
+# Several at once (an op batch's local grants: poold/ledger/write_behind.py).
+INSERT_LEASES = InsertRows(insert(Lease), _NEW_LEASE_COLUMNS)
 
 
 def quota_use(conn: Connection, tenant_id: int) -> QuotaUse:

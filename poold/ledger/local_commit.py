@@ -29,7 +29,7 @@ from poold.errors import (
     UnknownReservation,
 )
 from poold.lease_states import LIVE_STATES_SQL, LeaseState
-from poold.ledger import budgets, held_lease, tenants, transitions
+from poold.ledger import budgets, held_lease, tenants, transitions, write_behind
 from poold.ledger.db import Prepared, PreparedIn
 from poold.ledger.granting import INSERT_LEASE, quota_use
 from poold.ledger.held_lease import Held
@@ -235,6 +235,7 @@ class BatchReads:
 
     def as_recorded(self, conn: Connection, lease_id: str) -> Any:
         if self.recorded is None:
+            write_behind.flush(conn)  # a grant sent twice in the batch, a release before it
             return _LOCAL_GRANT_AS_RECORDED.one_or_none(conn, {"lease_id": lease_id})
         return self.recorded.get(lease_id)
 
@@ -277,6 +278,7 @@ class BatchReads:
         (`op_batches.apply_ops`), and what goes between one tenant's first grant and another's
         acts on leases the batch granted, never on the other tenant's use."""
         if tenant_id not in self.spent:
+            write_behind.flush(conn)  # the batch's releases before its grants' use
             ids = {tenant_id} | {t.id for t in self.tenants.values()}
             ids |= {t.id for t in (self.named or {}).values() if t is not None}
             ids -= set(self.spent)
@@ -367,6 +369,7 @@ def commit(
         )
 
     def refuse_if_overlapping() -> None:
+        write_behind.flush(conn)  # the batch's own leases count
         other = _OVERLAPPING.scalar(
             conn, {"device_id": res.device_id, "offset": grant.offset_bytes, "end": end_bytes}
         )
@@ -393,12 +396,17 @@ def commit(
         check_ints_fit(Lease.__table__, {"holder_uid": grant.uid, "holder_pid": grant.pid})
         budget, spent = batch.budget_and_spent(conn, tenant.id, host_id)
         spent_bytes, spent_leases = spent
+        past = budget is not None and (
+            spent_leases + 1 > budget.leases or spent_bytes + grant.length_bytes > budget.bytes
+        )
+        if past:
+            write_behind.flush(conn)  # the quota read below counts the batch's writes
         # The budget is a mechanism, the quota the invariant: a grant its agent made before
         # hearing its budget was lowered (a quota cut, a central grant of this host, a fair
         # share) is kept when the quota has room for it (budgets.fit_local_grant). No budget
         # row at all: the agent never held one here, or asked it back having capped its view.
         if budget is None or (
-            (spent_leases + 1 > budget.leases or spent_bytes + grant.length_bytes > budget.bytes)
+            past
             and not budgets.fit_local_grant(
                 conn,
                 tenant_id=tenant.id,
@@ -428,33 +436,35 @@ def commit(
         raise
     batch.to_swap.setdefault(tenant.id, int(tenant.generation))
     expires_at = grant.granted_at + timedelta(seconds=grant.ttl_s)
-    INSERT_LEASE.write(
-        conn,
-        {
-            "id": grant.lease_id,
-            "tenant_id": tenant.id,
-            "host_id": host_id,
-            "device_id": res.device_id,
-            "offset_bytes": grant.offset_bytes,
-            "length_bytes": grant.length_bytes,
-            "requested_bytes": grant.requested_bytes,
-            "state": LeaseState.ACTIVE.value,
-            "ttl_s": grant.ttl_s,
-            "epoch": grant.epoch,
-            "granted_at": grant.granted_at,
-            "activated_at": grant.granted_at,
-            "expires_at": expires_at,
-            "ended_at": None,
-            "holder_uid": grant.uid,
-            "holder_gid": grant.gids[0] if grant.gids else None,
-            "holder_pid": grant.pid,
-            "labels": dict(grant.labels),
-            "exclusive_bytes": 0,
-            "replica_bytes": 0,
-            "reported_at": None,
-            "reservation_id": res.id,
-        },
-    )
+    row = {
+        "id": grant.lease_id,
+        "tenant_id": tenant.id,
+        "host_id": host_id,
+        "device_id": res.device_id,
+        "offset_bytes": grant.offset_bytes,
+        "length_bytes": grant.length_bytes,
+        "requested_bytes": grant.requested_bytes,
+        "state": LeaseState.ACTIVE.value,
+        "ttl_s": grant.ttl_s,
+        "epoch": grant.epoch,
+        "granted_at": grant.granted_at,
+        "activated_at": grant.granted_at,
+        "expires_at": expires_at,
+        "ended_at": None,
+        "holder_uid": grant.uid,
+        "holder_gid": grant.gids[0] if grant.gids else None,
+        "holder_pid": grant.pid,
+        "labels": dict(grant.labels),
+        "exclusive_bytes": 0,
+        "replica_bytes": 0,
+        "reported_at": None,
+        "reservation_id": res.id,
+    }
+    behind = write_behind.held(conn)
+    if behind is not None:
+        behind.insert(conn, row)  # written at the batch's end, with its others
+    else:
+        INSERT_LEASE.write(conn, row)
     if batch.recorded is not None:
         batch.recorded[grant.lease_id] = _Recorded(
             host_id,

@@ -20,7 +20,14 @@ from sqlalchemy.exc import IntegrityError
 
 from poold.errors import GenerationConflict, InvalidSize, LeaseNotActive, PoolError, UnknownLease
 from poold.lease_states import LIVE_STATES, LeaseEvent, LeaseState, next_state
-from poold.ledger import agent_requests, held_lease, hosts, local_commit, transitions
+from poold.ledger import (
+    agent_requests,
+    held_lease,
+    hosts,
+    local_commit,
+    transitions,
+    write_behind,
+)
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Lease, Quarantine
 from poold.ledger.transitions import event_row
@@ -144,7 +151,12 @@ def _apply_batch(
     now = utcnow()
     reads = local_commit.BatchReads.for_batch(conn, ops, host_name, first_attempt=first_attempt)
     results: list[LeaseOpResult | None] = [None] * len(ops)
-    with transitions.events_at_end(conn):
+    # Its lease inserts and plain moves written at its end, in a statement each
+    # (poold/ledger/write_behind.py: the first attempt on PostgreSQL), before its events.
+    with (
+        transitions.events_at_end(conn),
+        write_behind.holding(conn, hold=reads.overlap_by_constraint),
+    ):
         for i in order:
             op = ops[i]
             try:
@@ -170,15 +182,15 @@ def _apply_op(
     """One op of a batch; a PoolError is that op's refusal (raised before it writes)."""
     if op.grant is not None:
         return local_commit.commit(conn, host_id, host_name, op.grant, now, actor, reads)
-    lease = (
-        reads.inserted.get(op.lease_id)
-        or reads.held.pop(op.lease_id, None)
-        or held_lease.read(conn, op.lease_id)
-    )
+    lease = reads.inserted.get(op.lease_id) or reads.held.pop(op.lease_id, None)
+    if lease is None:
+        write_behind.flush(conn)  # read (again) as the batch left it
+        lease = held_lease.read(conn, op.lease_id)
     if lease is None:
         raise UnknownLease(f"no lease {op.lease_id!r}", lease_id=op.lease_id)
     held_lease.owned_by_host(lease, host_id, host_name)
     if op.op == "shrink":
+        write_behind.flush(conn)  # it reads and writes the row itself
         old_length = lease.length_bytes
         _shrink(conn, op, lease, now, actor)
         assert op.length_bytes is not None  # LeaseOp's validator

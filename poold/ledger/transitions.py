@@ -366,6 +366,10 @@ def update_leases(db: Connection | Session, where: Sequence[Any], values: dict[s
 
 # --- lease transitions -----------------------------------------------------------------
 
+# Where an op batch's write-behind (poold/ledger/write_behind.py) sits on its connection:
+# `move_if` hands it the plain moves, and writes what it holds before any other.
+MOVES_HELD = "poold.moves_held"
+
 _MOVE_WHERE = (Lease.id == bindparam("move_id"), Lease.state == bindparam("move_expected"))
 _MOVE_LIVE = Prepared(update(Lease).where(*_MOVE_WHERE).values(state=bindparam("state")))
 _MOVE_ENDED = Prepared(
@@ -406,6 +410,10 @@ def move_if(
     and device_id (saves a query).
     """
     after = next_state(expected, event)
+    behind = conn.info.get(MOVES_HELD)
+    if behind is not None and (where or values or not behind.can_hold(lease)):
+        behind.flush(conn)  # this move reads the row as the batch left it
+        behind = None
     if lease is None:
         lease = conn.execute(_LEASE_IDS, {"lease_id": lease_id}).one_or_none()
         if lease is None:
@@ -414,7 +422,11 @@ def move_if(
     ended = after.value not in LIVE_STATE_VALUES
     if ended:
         changes["ended_at"] = now
-    if not where and not values:
+    if behind is not None:
+        # Held for the batch's end (checked there: write_behind.WriteBehind.flush).
+        behind.move(lease_id, lease, expected.value, after.value, now if ended else None)
+        changed = 1
+    elif not where and not values:
         # The common move, as a statement built once: building an UPDATE costs
         # tens of microseconds of Python per call (and its cache key as much again).
         changed = (_MOVE_ENDED if ended else _MOVE_LIVE).write(
