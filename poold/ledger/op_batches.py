@@ -195,6 +195,9 @@ def _apply_op(
         _shrink(conn, op, lease, now, actor)
         assert op.length_bytes is not None  # LeaseOp's validator
         reads.local_use_fell(lease, old_length - op.length_bytes, 0)
+        # Kept in step: a later op of the batch on this lease (its release) frees what it
+        # holds now, not what it held (a lease granted in the batch is not read again).
+        lease.length_bytes = op.length_bytes
         return LeaseOpResult(lease_id=op.lease_id, state=lease.state)
     event = _OP_EVENTS[op.op]
     event = held_lease.release_event(conn, lease, event, now, by_its_agent=True)

@@ -134,6 +134,29 @@ def test_a_lease_granted_and_released_in_one_batch_is_recorded_as_two_batches_wo
         assert list(kinds) == ["lease.grant", "lease.activate"]  # recorded once
 
 
+def test_a_lease_shrunk_then_released_in_one_batch_frees_only_what_it_held(
+    ledger: Ledger,
+) -> None:
+    """Found by review: the batch's copy of a lease it granted kept its length across a
+    shrink, so its release then freed the bytes the shrink had already freed, and later
+    grants of the batch passed a budget (here the quota) they exceeded."""
+    seed(ledger, quota_bytes=6 * MiB, quota_leases=10)
+    d = _delegated(ledger, reserve=16 * MiB, budget=6 * MiB, leases=10)
+    ops = [
+        local_grant_op(d, "S", 0, length=4 * MiB, epoch=0),
+        LeaseOp(lease_id="S", op="shrink", length_bytes=2 * MiB, reason="gave back"),
+        LeaseOp(lease_id="S", op="release", reason="released"),
+        local_grant_op(d, "X", 4 * MiB, length=4 * MiB, epoch=1),
+        local_grant_op(d, "Y", 8 * MiB, length=4 * MiB, epoch=2),
+    ]
+    got = _ops(ledger, ops)
+    assert got[:4] == [("active", None)] * 2 + [("released", None), ("active", None)]
+    assert got[4] == (None, "budget_exceeded")
+    with ledger.read() as s:
+        live = s.execute(select(Lease.id, Lease.length_bytes).where(Lease.state == "active"))
+        assert sorted(live) == [("X", 4 * MiB)]
+
+
 def test_an_overlapping_local_grant_is_refused_alone_the_rest_of_its_batch_kept(
     ledger: Ledger,
 ) -> None:
