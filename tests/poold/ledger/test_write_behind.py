@@ -67,7 +67,7 @@ def test_a_batch_reusing_released_bytes_and_acting_twice_on_a_lease_records_each
         ("active", None),
         ("active", None),
     ]
-    assert got[9][0] is None and got[9][1] is not None  # A had ended: refused alone
+    assert got[9] == (None, "lease_not_active")  # A had ended: refused alone
     with ledger.read() as s:
         rows = {r.id: r for r in s.execute(select(Lease.id, Lease.state, Lease.length_bytes))}
     assert {k: r.state for k, r in rows.items()} == {
