@@ -76,6 +76,16 @@ def test_budget_want(
     assert budget_want(POLICY, (0.0, 0.0), (2 * MiB, 1), held, share) == want
 
 
+def test_budget_want_never_goes_below_the_floor() -> None:
+    """The floor: local leases poold has yet to hear the end of (released ones included),
+    whose commits must still fit when poold applies them after the ask."""
+    share = (0, 0)  # other hosts hold the quota
+    assert budget_want(POLICY, (0.0, 0.0), (0, 0), (8 * MiB, 1), share) == (0, 0)
+    floor = (8 * MiB, 1)
+    assert budget_want(POLICY, (0.0, 0.0), (0, 0), (8 * MiB, 1), share, floor) == floor
+    assert budget_want(POLICY, (0.0, 0.0), (0, 0), (64 * MiB, 9), share, floor) == floor
+
+
 @pytest.mark.parametrize(
     ("want", "budget", "last_raise", "moves"),
     [
