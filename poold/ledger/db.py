@@ -26,7 +26,7 @@ from collections import namedtuple
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -45,6 +45,7 @@ from sqlalchemy.sql.dml import Insert
 
 from poold.errors import BadRequest, LedgerUnavailable
 from poold.ledger import news
+from poold.ledger.types import as_utc
 
 log = logging.getLogger("poold.ledger")
 
@@ -560,13 +561,19 @@ def _on_cursor(conn: Connection, sql: str, bound: Any, *, many: bool = False) ->
 
 
 def _json_value(value: Any) -> Any:
-    """What `json.dumps` cannot write of an `InsertRows` row: datetimes, as the
-    UTCDateTime column type takes them (aware, in UTC)."""
+    """What `json.dumps` cannot write of a `run_json` row: datetimes, as the UTCDateTime
+    column type takes them (types.as_utc)."""
     if isinstance(value, datetime):
-        if value.tzinfo is None:
-            raise ValueError("naive datetime given to the ledger; use aware UTC")
-        return value.astimezone(UTC).isoformat()
+        return as_utc(value).isoformat()
     raise TypeError(f"cannot write {type(value).__name__} to the ledger as JSON")
+
+
+def recordset_of(dialect: Dialect, columns: Sequence[Any]) -> str:
+    """``json_to_recordset(%(rows)s::json) AS t(...)`` with ``columns``' own names and
+    types (quoted), for a statement `run_json` runs: the rows are its one parameter."""
+    quote = dialect.identifier_preparer.quote
+    typed = ", ".join(f"{quote(c.name)} {c.type.compile(dialect=dialect)}" for c in columns)
+    return f"json_to_recordset(%(rows)s::json) AS t({typed})"
 
 
 class InsertRows:
@@ -589,11 +596,10 @@ class InsertRows:
         quote = dialect.identifier_preparer.quote
         cols = [self._table.c[name] for name in self.columns]
         names = ", ".join(quote(c.name) for c in cols)
-        typed = ", ".join(f"{quote(c.name)} {c.type.compile(dialect=dialect)}" for c in cols)
         # Names and types of the table's own columns, quoted; the rows are the parameter.
         return (
             f"INSERT INTO {quote(self._table.name)} ({names}) SELECT {names} "  # noqa: S608
-            f"FROM json_to_recordset(%(rows)s::json) AS t({typed})"
+            f"FROM {recordset_of(dialect, cols)}"
         )
 
     def write(self, conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:

@@ -26,9 +26,7 @@ class UTCDateTime(TypeDecorator[datetime]):
     def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
-        if value.tzinfo is None:
-            raise ValueError("naive datetime given to the ledger; use aware UTC")
-        value = value.astimezone(UTC)
+        value = as_utc(value)
         return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
 
     def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
@@ -36,6 +34,13 @@ class UTCDateTime(TypeDecorator[datetime]):
             return None
         assert isinstance(value, datetime)
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def as_utc(value: datetime) -> datetime:
+    """``value`` in UTC; a naive datetime is the ledger's caller's bug."""
+    if value.tzinfo is None:
+        raise ValueError("naive datetime given to the ledger; use aware UTC")
+    return value.astimezone(UTC)
 
 
 def utcnow() -> datetime:

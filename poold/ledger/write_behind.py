@@ -3,7 +3,7 @@
 An agent's op batch commits the leases it granted alone (an INSERT each) and moves the
 leases its ops end (an UPDATE each): on PostgreSQL each statement costs poold ~80 µs of
 CPU in the driver, most of its CPU per lease under delegation. Held here, the inserts
-go as one statement and the moves as another (`granting.INSERT_LEASES`, `_MOVES`), written
+go as one statement and the moves as another (`granting.INSERT_LEASES`, `_moves`), written
 before anything in the batch reads the leases table again (`flush`: the batch's local
 use, a quota read, an overlap check, a lease read a second time, a conditional move of
 its own) and at its end, inserts first.
@@ -22,23 +22,50 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection
+from sqlalchemy.engine import Dialect
 
 from poold.ledger import transitions
-from poold.ledger.db import run_json
+from poold.ledger.db import recordset_of, run_json
 from poold.ledger.granting import INSERT_LEASES
+from poold.ledger.models import Lease
 
-# Each lease's first expected state, its state after the batch's last move of it, and
-# when it ended (null: a live state, ended_at as it is).
-_MOVES = (
-    "UPDATE leases SET state = t.state, ended_at = coalesce(t.ended_at, leases.ended_at) "
-    "FROM json_to_recordset(%(rows)s::json) AS t(id VARCHAR(36), expected VARCHAR(16), "
-    "state VARCHAR(16), ended_at TIMESTAMP WITH TIME ZONE) "
-    "WHERE leases.id = t.id AND leases.state = t.expected"
+
+@dataclass
+class _Move:
+    """A lease's moves in the batch: the state it was read in, the state after its last
+    move, and when it ended (None: a live state, its ended_at as it is)."""
+
+    expected: str
+    state: str
+    ended_at: datetime | None
+
+
+# Typed as the leases table's own columns (`db.recordset_of`), built once per dialect.
+_MOVE_COLUMNS = (
+    Lease.id,
+    Lease.state.label("expected"),
+    Lease.state,
+    Lease.ended_at,
 )
+_moves_sql: dict[str, str] = {}
+
+
+def _moves(dialect: Dialect) -> str:
+    sql = _moves_sql.get(dialect.name)
+    if sql is None:
+        # The leases table's own column names and types; the moves are the parameter.
+        sql = _moves_sql[dialect.name] = (
+            "UPDATE leases SET state = t.state, "  # noqa: S608
+            "ended_at = coalesce(t.ended_at, leases.ended_at) "
+            f"FROM {recordset_of(dialect, _MOVE_COLUMNS)} "
+            "WHERE leases.id = t.id AND leases.state = t.expected"
+        )
+    return sql
 
 
 class WriteBehind:
@@ -47,7 +74,7 @@ class WriteBehind:
 
     def __init__(self) -> None:
         self.inserts: list[Mapping[str, Any]] = []
-        self.moves: dict[str, list[Any]] = {}  # lease id -> [expected, state, ended_at]
+        self.moves: dict[str, _Move] = {}  # by lease id
         # (device, start, end) of every lease held here: an insert over one flushes.
         self.extents: list[tuple[int, int, int]] = []
 
@@ -77,14 +104,14 @@ class WriteBehind:
         a later move of the same lease continues from there."""
         held = self.moves.get(lease_id)
         if held is None:
-            self.moves[lease_id] = [expected, state, ended_at]
+            self.moves[lease_id] = _Move(expected, state, ended_at)
             start = lease.offset_bytes
             self.extents.append((lease.device_id, start, start + lease.length_bytes))
             return
-        if held[1] != expected:  # not what this batch left it in: a bug, not a race
-            raise AssertionError(f"lease {lease_id} moved from {expected}, held at {held[1]}")
-        held[1] = state
-        held[2] = ended_at or held[2]
+        if held.state != expected:  # not what this batch left it in: a bug, not a race
+            raise AssertionError(f"lease {lease_id} moved from {expected}, held at {held.state}")
+        held.state = state
+        held.ended_at = ended_at or held.ended_at
 
     def flush(self, conn: Connection) -> None:
         """Write what is held: the inserts, then the moves."""
@@ -93,10 +120,10 @@ class WriteBehind:
             self.inserts = []
         if self.moves:
             rows = [
-                {"id": lease_id, "expected": m[0], "state": m[1], "ended_at": m[2]}
+                {"id": lease_id, "expected": m.expected, "state": m.state, "ended_at": m.ended_at}
                 for lease_id, m in self.moves.items()
             ]
-            moved = run_json(conn, _MOVES, rows)
+            moved = run_json(conn, _moves(conn.dialect), rows)
             self.moves = {}
             if moved != len(rows):
                 raise transitions.LostRace("leases")
