@@ -17,13 +17,15 @@ than any agent retries one request.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, delete, insert, select
 from sqlalchemy.exc import IntegrityError
 
-from poold.errors import BadRequest
+from poold.errors import BadRequest, PoolError
 from poold.ledger import transitions
 from poold.ledger.db import Ledger, Prepared
 from poold.ledger.models import AgentRequest
@@ -69,6 +71,37 @@ def remember(conn: Connection, host_id: int, request_id: str, kind: str, respons
             "created_at": utcnow(),
         },
     )
+
+
+class Answered(Exception):
+    """The request was answered before (`refused_unless_answered`): raised out of the
+    transaction, so that what its rerun wrote rolls back; the caller answers
+    ``stored``."""
+
+    def __init__(self, stored: Any) -> None:
+        super().__init__("answered before")
+        self.stored = stored
+
+
+@contextmanager
+def refused_unless_answered(
+    conn: Connection, host_id: int, request_id: str, kind: str
+) -> Iterator[None]:
+    """A refusal (`PoolError`) inside, unless the request was answered before: then
+    `Answered` with the stored answer.
+
+    For a writer that does not `recall` first (a round trip on every request, for
+    the rare retry): a retry whose first run committed either meets the stored
+    answer's unique key when it remembers its own (`is_duplicate`: its rerun recalls),
+    or is refused on the way, e.g. by the quota its first run took; this asks then.
+    """
+    try:
+        yield
+    except PoolError:
+        stored = recall(conn, host_id, request_id, kind)
+        if stored is None:
+            raise
+        raise Answered(stored) from None
 
 
 def is_duplicate(exc: IntegrityError) -> bool:

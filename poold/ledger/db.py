@@ -568,6 +568,11 @@ def _json_value(value: Any) -> Any:
     raise TypeError(f"cannot write {type(value).__name__} to the ledger as JSON")
 
 
+def json_rows(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``rows`` as the JSON array `json_to_recordset` expands (datetimes in ISO form)."""
+    return json.dumps(rows, default=_json_value)
+
+
 def recordset_of(dialect: Dialect, columns: Sequence[Any]) -> str:
     """``json_to_recordset(%(rows)s::json) AS t(...)`` with ``columns``' own names and
     types (quoted), for a statement `run_json` runs: the rows are its one parameter."""
@@ -617,8 +622,7 @@ class InsertRows:
 def run_json(conn: Connection, sql: str, rows: Sequence[Mapping[str, Any]]) -> int:
     """Run ``sql`` (PostgreSQL, the driver's paramstyle) whose one parameter,
     ``%(rows)s``, is ``rows`` as a JSON array (for `json_to_recordset`); its rowcount."""
-    payload = json.dumps(rows, default=_json_value)
-    cursor = _on_cursor(conn, sql, {"rows": payload})
+    cursor = _on_cursor(conn, sql, {"rows": json_rows(rows)})
     try:
         return int(cursor.rowcount)
     finally:

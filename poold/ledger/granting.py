@@ -122,7 +122,7 @@ _USED = Prepared(
     )
 )
 # Every column a new lease row is given (central and local grants give the same).
-_NEW_LEASE_COLUMNS = (
+NEW_LEASE_COLUMNS = (
     "id",
     "tenant_id",
     "host_id",
@@ -146,9 +146,9 @@ _NEW_LEASE_COLUMNS = (
     "reported_at",
     "reservation_id",
 )
-INSERT_LEASE = Prepared(insert(Lease), column_keys=_NEW_LEASE_COLUMNS)
+INSERT_LEASE = Prepared(insert(Lease), column_keys=NEW_LEASE_COLUMNS)
 # Several at once (an op batch's local grants: poold/ledger/write_behind.py).
-INSERT_LEASES = InsertRows(insert(Lease), _NEW_LEASE_COLUMNS)
+INSERT_LEASES = InsertRows(insert(Lease), NEW_LEASE_COLUMNS)
 
 
 def quota_use(conn: Connection, tenant_id: int) -> QuotaUse:

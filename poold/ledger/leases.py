@@ -55,6 +55,7 @@ from poold.ledger import (
     agent_requests,
     budgets,
     central_room,
+    grant_write,
     granting,
     held_lease,
     hosts,
@@ -64,7 +65,7 @@ from poold.ledger import (
     transitions,
 )
 from poold.ledger.db import Ledger, Prepared
-from poold.ledger.models import Device, Host, Lease, Tenant
+from poold.ledger.models import Host, Lease
 from poold.ledger.transitions import event_row
 from poold.ledger.types import check_ints_fit, utcnow
 from poold.wire.agent import (
@@ -109,25 +110,29 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Gran
     # A refusal that only hosts' unspent budgets caused: (tenant id, size) to keep room for.
     blocked: list[tuple[int, int]] = []
 
+    # Whether an attempt asks first if the request was answered already: not the first
+    # (agent_requests.refused_unless_answered), every rerun.
+    ask_first = False
+
     def attempt() -> tuple[LeaseOut, BudgetSpent | None]:
+        nonlocal ask_first
         blocked.clear()
         try:
             with ledger.write_conn() as conn:
                 if request_id is None:
                     return _grant_once(ledger, conn, host_name, req, actor, blocked)
                 host_id = hosts.host_id(ledger, conn, host_name)
-                stored = agent_requests.recall(conn, host_id, request_id, agent_requests.GRANT)
-                if stored is not None:
-                    # The first answer, what it spent included (absent: stored before
-                    # replies said it).
-                    first = dict(stored)
-                    said = first.pop("budget_spent", None)
-                    spent = None if said is None else BudgetSpent.model_validate(said)
-                    return LeaseOut.model_validate(first), spent
-                out, spent = _grant_once(ledger, conn, host_name, req, actor, blocked)
-                answer = {**out.model_dump(mode="json"), "budget_spent": spent.model_dump()}
-                agent_requests.remember(conn, host_id, request_id, agent_requests.GRANT, answer)
-                return out, spent
+                if ask_first:
+                    stored = agent_requests.recall(conn, host_id, request_id, agent_requests.GRANT)
+                    if stored is not None:
+                        return _stored(stored)
+                ask_first = True
+                with agent_requests.refused_unless_answered(
+                    conn, host_id, request_id, agent_requests.GRANT
+                ):
+                    return _grant_once(ledger, conn, host_name, req, actor, blocked)
+        except agent_requests.Answered as answered:
+            return _stored(answered.stored)
         except IntegrityError as exc:
             if not op_batches.lost_to_a_concurrent_writer(exc):
                 raise
@@ -151,6 +156,15 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Gran
             err.detail["pending"] = [r.model_dump(mode="json") for r in pending]
         raise
     return GrantReply.model_construct(**dict(lease), pending=pending, budget_spent=spent)
+
+
+def _stored(stored: Any) -> tuple[LeaseOut, BudgetSpent | None]:
+    """A grant's stored first answer, what it spent included (absent: stored before
+    replies said it)."""
+    first = dict(stored)
+    said = first.pop("budget_spent", None)
+    spent = None if said is None else BudgetSpent.model_validate(said)
+    return LeaseOut.model_validate(first), spent
 
 
 def _grant_once(
@@ -257,21 +271,6 @@ def _grant_once(
         "reported_at": None,
         "reservation_id": None,  # central
     }
-    # Claim the generations *before* inserting the lease. On PostgreSQL the
-    # conditional UPDATE takes the device row lock, so racing grants queue
-    # here and each loser sees a zero-row update the moment the winner
-    # commits. Inserting first lets two grants of the same range both reach
-    # the exclusion constraint, where each waits for the other: a deadlock
-    # PostgreSQL only breaks after deadlock_timeout (1 s), again every round.
-    # The host first, as the heartbeat locks it before the devices.
-    for model, row_id, seen in (
-        (Host, host_id, host_generation),
-        (Device, dev.device_id, dev.generation),
-        (Tenant, tenant.id, tenant.generation),
-    ):
-        transitions.swap_or_rerun(conn, model, row_id, seen)
-    central_room.renew(conn, tenant, length, now)  # the tenant's row, locked by its swap
-    granting.INSERT_LEASE.write(conn, values)
     common: dict[str, Any] = {
         "at": now,
         "actor": actor,
@@ -301,7 +300,6 @@ def _grant_once(
         rows.append(
             event_row(**common, kind="lease.activate", from_state="granted", to_state="active")
         )
-    transitions.record(conn, *rows)
     out = lease_views.lease_out(
         {
             **values,
@@ -315,7 +313,28 @@ def _grant_once(
             "local_name": path["local_name"],
         }
     )
-    return out, BudgetSpent.model_construct(bytes=spent[0], leases=spent[1])
+    budget_spent = BudgetSpent.model_construct(bytes=spent[0], leases=spent[1])
+    answer = None
+    if req.request_id is not None:
+        response = {**out.model_dump(mode="json"), "budget_spent": budget_spent.model_dump()}
+        answer = (host_id, req.request_id, response)
+    # The generations are claimed *before* the lease is inserted. On PostgreSQL the
+    # conditional UPDATE takes the device row lock, so racing grants queue there
+    # and each loser sees a zero-row update the moment the winner commits.
+    # Inserting first lets two grants of the same range both reach the exclusion
+    # constraint, where each waits for the other: a deadlock PostgreSQL only breaks
+    # after deadlock_timeout (1 s), again every round. The host first, as the
+    # heartbeat locks it before the devices.
+    grant_write.write(
+        conn,
+        (host_id, dev.device_id, tenant.id),
+        (host_generation, dev.generation, tenant.generation),
+        values,
+        rows,
+        answer,
+    )
+    central_room.renew(conn, tenant, length, now)  # the tenant's row, locked by its swap
+    return out, budget_spent
 
 
 def _refuse(

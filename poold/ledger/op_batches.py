@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import Connection, bindparam, insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -114,28 +115,43 @@ def apply_ops(
         try:
             with ledger.write_conn() as conn:
                 host_id = hosts.host_id(ledger, conn, host_name)
-                if request_id is not None:
+                if request_id is None:
+                    return _apply_batch(
+                        conn, host_id, host_name, ops, order, actor, first_attempt=attempts == 1
+                    )
+                # Asked first on a rerun only (agent_requests.refused_unless_answered):
+                # a replayed batch's ops are refused or answered as replays, and its
+                # remembered answer meets the first one's unique key.
+                if attempts > 1:
                     stored = agent_requests.recall(conn, host_id, request_id, agent_requests.OPS)
                     if stored is not None:
-                        return [LeaseOpResult.model_validate(x) for x in stored]
-                results = _apply_batch(
-                    conn, host_id, host_name, ops, order, actor, first_attempt=attempts == 1
-                )
-                if request_id is not None:
-                    agent_requests.remember(
-                        conn,
-                        host_id,
-                        request_id,
-                        agent_requests.OPS,
-                        [r.model_dump(mode="json") for r in results],
+                        return _stored(stored)
+                with agent_requests.refused_unless_answered(
+                    conn, host_id, request_id, agent_requests.OPS
+                ):
+                    results = _apply_batch(
+                        conn, host_id, host_name, ops, order, actor, first_attempt=attempts == 1
                     )
+                agent_requests.remember(
+                    conn,
+                    host_id,
+                    request_id,
+                    agent_requests.OPS,
+                    [r.model_dump(mode="json") for r in results],
+                )
                 return results
+        except agent_requests.Answered as answered:
+            return _stored(answered.stored)
         except IntegrityError as exc:
             if not lost_to_a_concurrent_writer(exc):
                 raise
             raise transitions.LostRace("constraint") from exc  # the rerun answers the winner's
 
     return transitions.retrying(attempt, what="op batch")
+
+
+def _stored(stored: Any) -> list[LeaseOpResult]:
+    return [LeaseOpResult.model_validate(x) for x in stored]
 
 
 def _apply_batch(

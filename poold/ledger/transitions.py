@@ -76,7 +76,7 @@ def chunks(items: Sequence[T], size: int = IN_CHUNK) -> Iterator[Sequence[T]]:
 # --- the journal ---------------------------------------------------------------------
 
 _INSERT_EVENT = insert(Event)
-_EVENT_COLUMNS = (
+EVENT_COLUMNS = (
     "at",
     "actor",
     "kind",
@@ -91,7 +91,7 @@ _EVENT_COLUMNS = (
 )
 # The same INSERT on the driver's cursor, for a bare Connection (the lease hot path);
 # several rows in one statement.
-_INSERT_EVENT_FAST = InsertRows(_INSERT_EVENT, _EVENT_COLUMNS)
+_INSERT_EVENT_FAST = InsertRows(_INSERT_EVENT, EVENT_COLUMNS)
 # Where `record` leaves the kinds of the events a transaction wrote, on a connection
 # of an engine that counts them at COMMIT (metrics_views.count_committed_events).
 PENDING_EVENTS = "poold.pending_event_kinds"
@@ -145,7 +145,12 @@ def record(db: Connection | Session, *rows: dict[str, Any]) -> None:
         db.execute(_INSERT_EVENT, rows[0])
     else:
         db.execute(_INSERT_EVENT, list(rows))
-    conn = db if isinstance(db, Connection) else db.connection()
+    noted(db if isinstance(db, Connection) else db.connection(), rows)
+
+
+def noted(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    """What recording events does beside writing them, for a writer that wrote them in
+    a statement of its own (poold/ledger/grant_write.py): news, and their count."""
     # What an agent did not do itself (the reaper, an administrator, pressure) is
     # news for the lease's host: its agent is told at commit (poold/ledger/news.py).
     told = {

@@ -122,8 +122,8 @@ def test_rows_inserted_in_one_statement_read_back_as_core_inserted_them(ledger: 
         )
         for i in range(5)
     ]
-    writer = db.InsertRows(insert(Event), transitions._EVENT_COLUMNS)
-    columns = [getattr(Event, c) for c in transitions._EVENT_COLUMNS]
+    writer = db.InsertRows(insert(Event), transitions.EVENT_COLUMNS)
+    columns = [getattr(Event, c) for c in transitions.EVENT_COLUMNS]
     with ledger.write_conn() as conn:
         writer.write(conn, rows)
         conn.execute(insert(Event), [{**r, "kind": "core." + r["kind"]} for r in rows])

@@ -68,6 +68,19 @@ def test_a_refused_grant_stores_nothing_and_its_retry_runs_again(ledger: Ledger)
     assert _count(ledger, AgentRequest) == 1
 
 
+def test_a_retried_grant_its_rerun_would_refuse_gets_the_first_lease(ledger: Ledger) -> None:
+    # The first attempt of a grant does not ask whether its id was answered: a retry
+    # whose grant the quota now refuses must still find the first answer.
+    seed(ledger, quota_leases=1)
+    first = leases.grant(ledger, "h1", _grant("req-1"), "agent:h1")
+    again = leases.grant(ledger, "h1", _grant("req-1"), "agent:h1")
+    assert again == first
+    assert (_count(ledger, Lease), _count(ledger, AgentRequest)) == (1, 1)
+    with ledger.read() as s:
+        lease_events = select(func.count()).where(Event.lease_id.is_not(None))
+        assert s.scalar(lease_events) == 2  # the first grant's and activate
+
+
 def test_another_host_reusing_the_id_is_independent(ledger: Ledger) -> None:
     seed(ledger)
     seed(ledger, host="h2", devices=[device("dev-1")], tenant=None)
@@ -96,6 +109,26 @@ def test_a_retried_op_batch_gets_the_first_answer(ledger: Ledger) -> None:
     with ledger.read() as s:
         releases = s.scalar(select(func.count()).where(Event.kind == "lease.release"))
     assert releases == 2
+
+
+def test_a_retried_op_batch_writes_nothing_again(ledger: Ledger) -> None:
+    # A batch's first attempt does not ask whether its id was answered: a replay
+    # runs its ops, meets the first answer's key and rolls back, events and all.
+    seed(ledger)
+    a = leases.grant(ledger, "h1", _grant(size_bytes=4 * MiB), "agent:h1")
+    b = leases.grant(ledger, "h1", _grant(), "agent:h1")
+    ops = [
+        LeaseOp(lease_id=a.id, op="shrink", length_bytes=2 * MiB),
+        LeaseOp(lease_id=b.id, op="release"),
+    ]
+    first = op_batches.apply_ops(ledger, "h1", ops, "agent:h1", request_id="batch-1")
+    assert [r.code for r in first] == [None, None]
+    with ledger.read() as s:
+        before = s.scalar(select(func.count()).select_from(Event))
+    assert op_batches.apply_ops(ledger, "h1", ops, "agent:h1", request_id="batch-1") == first
+    with ledger.read() as s:
+        assert s.scalar(select(func.count()).select_from(Event)) == before
+        assert s.scalar(select(Lease.length_bytes).where(Lease.id == a.id)) == 2 * MiB
 
 
 def test_ops_of_one_lease_keep_their_order(ledger: Ledger) -> None:
