@@ -86,7 +86,7 @@ def serve(settings: PooldSettings) -> None:
             why = " ".join(str(getattr(exc, "orig", None) or exc).split())
             redacted = make_url(url).render_as_string(hide_password=True)
             raise LedgerUnavailable(f"cannot open the ledger at {redacted}: {why}") from None
-    ledger = Ledger(url)
+    ledger = Ledger(url, pool_size=settings.db_pool_size, max_overflow=0)
     app = create_app(
         ledger, settings.resolved_admin_token(), max_body_bytes=settings.max_body_bytes
     )

@@ -64,6 +64,16 @@ class PooldSettings(DaemonSettings):
         description="the admin token; default read (or created) at state_dir/admin.token",
     )
     upgrade_db: bool = Field(default=True, description="apply pending alembic migrations at start")
+    # Kept open, all of them: a connection opened for a burst and closed after it (what
+    # SQLAlchemy's default pool, 5 kept + 10 overflow, does) costs a PostgreSQL
+    # connection start, several round trips and authentication, per burst.
+    db_pool_size: int = Field(
+        default=15,
+        ge=1,
+        le=1000,
+        description="ledger connections kept open; also how many requests do ledger work "
+        "at once",
+    )
     # Request bodies past this are refused unread (413 body_too_large); the default is a
     # little above the biggest legitimate one, a 100,000-lease heartbeat (poold/api/app.py).
     max_body_bytes: ByteCount = Field(

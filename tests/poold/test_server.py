@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
+import psycopg
 import pytest
 
-from poold import server
+from poold import procs, server
+from tests import conftest, pg
 
 
 @pytest.fixture
@@ -31,3 +36,45 @@ def test_the_collector_is_tuned_and_what_was_made_before_serving_frozen() -> Non
     del a
     assert gc.collect() >= 1
     assert len(gc.get_objects()) <= ref_count_before
+
+
+@pytest.mark.postgres
+def test_ledger_connections_are_kept_across_bursts(
+    pg_server: pg.PgServer, pg_template: str, tmp_path: Path
+) -> None:
+    # SQLAlchemy's default pool keeps 5 connections and opens up to 10 more for a burst,
+    # closing each after it: a PostgreSQL connection start per request past the fifth.
+    name = conftest.new_pg_database(pg_server, pg_template)
+    child = procs.start_poold(
+        tmp_path / "state",
+        procs.free_port(),
+        database_url=pg_server.url(name),
+        env={"POOLD_DB_POOL_SIZE": "4", "POOLD_REAP_INTERVAL_S": "0"},
+        extra=["--no-upgrade-db"],
+    )
+    token = (tmp_path / "state" / "admin.token").read_text().strip()
+    port = child.proc.args[child.proc.args.index("--port") + 1]  # type: ignore[index, union-attr]
+    url = f"http://127.0.0.1:{port}/v1/tenants"
+
+    def burst() -> set[int]:
+        with (
+            httpx.Client(headers={"authorization": f"Bearer {token}"}) as http,
+            concurrent.futures.ThreadPoolExecutor(16) as pool,
+        ):
+            codes = list(pool.map(lambda _: http.get(url).status_code, range(64)))
+        assert set(codes) == {200}
+        with psycopg.connect(pg_server.url(name).replace("+psycopg", ""), autocommit=True) as c:
+            rows = c.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()"
+                " AND query NOT LIKE 'LISTEN%%'",  # the news listener's (poold/ledger/news.py)
+                (name,),
+            ).fetchall()
+        return {int(r[0]) for r in rows}
+
+    try:
+        first = burst()
+        assert 1 <= len(first) <= 4
+        assert burst() == first  # the same backends: kept, not closed and opened again
+    finally:
+        child.stop()
+        conftest.drop_pg_database(pg_server, name)
