@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any, NoReturn
 
-from sqlalchemy import Connection, bindparam, select, update
+from sqlalchemy import Connection, bindparam, update
 from sqlalchemy.exc import IntegrityError
 
 from poold import extents, placement
@@ -64,8 +64,8 @@ from poold.ledger import (
     tenants,
     transitions,
 )
-from poold.ledger.db import Ledger, Prepared
-from poold.ledger.models import Host, Lease
+from poold.ledger.db import Ledger
+from poold.ledger.models import Lease
 from poold.ledger.transitions import event_row
 from poold.ledger.types import check_ints_fit, utcnow
 from poold.wire.agent import (
@@ -80,7 +80,6 @@ from poold.wire.common import LeaseOut
 
 # The hot path's statements, built once: constructing a Select costs tens of
 # microseconds of Python each time, and a grant runs about ten of them.
-_HOST_STATUS = Prepared(select(Host.status, Host.generation).where(Host.id == bindparam("host_id")))
 _RENEW = (
     update(Lease)
     .where(Lease.id == bindparam("lease_id"))
@@ -181,18 +180,18 @@ def _grant_once(
     # and the reply built from values already in hand (measured: the ORM
     # version spent ~4 ms per grant in Python on the CI machine).
     host_id = hosts.host_id(ledger, conn, host_name)
-    host_generation = _refuse_if_host_draining(conn, host_id, host_name)
+    devices = granting.host_devices(conn, host_id)
+    host_generation = _refuse_if_host_draining(conn, host_id, host_name, devices)
     tenant = tenants.resolve(conn, req.tenant, req.uid, req.gids, host_name)
     # Budgets delegated to hosts are used quota, whether spent there yet or not.
     use = granting.quota_use(conn, tenant.id)
     used_bytes, used_leases = use.bytes(), use.leases()
     reported = req.local_use.use_for(tenant.name) if req.local_use else None
-    rows = granting.host_devices(conn, host_id)
     # The least a lease of it can be: its size rounded up to the finest alignment here.
     least = extents.align_up(
-        req.size_bytes, max(1, min((int(r.alignment_bytes) for r in rows), default=1))
+        req.size_bytes, max(1, min((int(r.alignment_bytes) for r in devices), default=1))
     )
-    fits_a_device = any(least <= r.capacity_bytes for r in rows)  # else: no_capacity
+    fits_a_device = any(least <= r.capacity_bytes for r in devices)  # else: no_capacity
     if (
         fits_a_device
         and budgets.over_quota(tenant, used_bytes, used_leases, least)
@@ -205,7 +204,7 @@ def _grant_once(
         # occupies the host's devices, which a tenant pushing against its quota makes in
         # vain on every try.
         _refuse(conn, tenant, use, host_id, least, reported, blocked)
-    candidates, paths = granting.candidates(conn, host_id, rows)
+    candidates, paths = granting.candidates(conn, host_id, devices)
     choice = placement.place(
         placement.Request(
             size_bytes=req.size_bytes,
@@ -358,10 +357,12 @@ def _refuse(
     )
 
 
-def _refuse_if_host_draining(conn: Connection, host_id: int, host_name: str) -> int:
+def _refuse_if_host_draining(
+    conn: Connection, host_id: int, host_name: str, devices: list[Any]
+) -> int:
     """A draining host (`poolctl hosts drain`) keeps its leases but gets no new ones; the
     host's generation this grant read (it swaps it, so a drain in between is noticed)."""
-    status, generation = _HOST_STATUS.rows(conn, {"host_id": host_id})[0]
+    status, generation = granting.host_state(conn, host_id, devices)
     if status == "draining":
         raise NoCapacity(
             f"host {host_name!r} is draining: no new leases are placed on it",

@@ -8,9 +8,12 @@ tests/poold/ledger/test_draining.py).
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Any
 
+import pytest
 from sqlalchemy import select
 
+from poold.errors import NoCapacity
 from poold.ledger import draining, heartbeat, hosts, lease_views, leases
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Host
@@ -112,3 +115,13 @@ def test_undrain_cancels_the_deadline_and_a_plain_drain_has_none(ledger: Ledger)
             s.scalars(select(Event.kind).where(Event.host_id.is_not(None)).order_by(Event.id))
         )
     assert kinds[-3:] == ["host.drain", "host.undrain", "host.drain"]
+
+
+@pytest.mark.parametrize("devices", [[device()], []], ids=["with devices", "without"])
+def test_a_draining_host_gets_no_new_lease(ledger: Ledger, devices: list[Any]) -> None:
+    # A grant reads the host's status with its devices; one without any, alone.
+    seed(ledger, devices=devices)
+    draining.drain_host(ledger, "h1", "admin", now_=False, revoke_deadline_s=20)
+    with pytest.raises(NoCapacity) as refused:
+        grant(ledger)
+    assert refused.value.detail["host_status"] == "draining"
