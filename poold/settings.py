@@ -71,8 +71,7 @@ class PooldSettings(DaemonSettings):
         default=15,
         ge=1,
         le=1000,
-        description="ledger connections kept open; also how many requests do ledger work "
-        "at once",
+        description="ledger connections kept open; also how many requests do ledger work at once",
     )
     # Request bodies past this are refused unread (413 body_too_large); the default is a
     # little above the biggest legitimate one, a 100,000-lease heartbeat (poold/api/app.py).

@@ -116,9 +116,10 @@ def worker_threads(ledger: Ledger) -> int:
     """How many requests may do ledger work at once: as many as the pool has connections.
 
     More threads than connections would only queue inside the pool (and time out there
-    after 30 s as a 500); fewer would leave connections idle. SQLite gets the same
-    bound (SQLAlchemy's default QueuePool, 5 + 10 overflow): its writers serialise on
-    BEGIN IMMEDIATE whatever the bound, and its readers run in parallel under WAL.
+    as `ledger_unavailable`); fewer would leave connections idle. `poold serve` keeps
+    `db_pool_size` connections and no overflow (poold/settings.py); SQLite gets the same
+    bound: its writers serialise on BEGIN IMMEDIATE whatever the bound, and its readers
+    run in parallel under WAL.
     """
     pool = ledger.engine.pool
     if isinstance(pool, QueuePool):

@@ -4,7 +4,10 @@ An agent names each grant and each op batch with a request id and sends the same
 id again when it did not get the reply (a timeout, a poold killed mid-request,
 another poold behind the balancer). The answer is stored in the transaction that
 made the change (`remember`), so either both commit or neither; a repeated id from
-the same host is answered from the stored row (`recall`) and changes nothing.
+the same host is answered from the stored row (`recall`) and changes nothing. A
+writer's first attempt does not ask (`refused_unless_answered`: a retry is rare, and is
+found all the same, at the stored row's unique key or at a refusal), so a retry costs
+a run of the request that rolls back, counted as a rerun (`request_id`).
 
 Two poolds receiving the same retry at once both run it; the unique constraint on
 (host_id, request_id) lets only one commit. The other's insert fails

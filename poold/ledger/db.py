@@ -39,6 +39,7 @@ from sqlalchemy.exc import (
     InterfaceError,
     OperationalError,
 )
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.sql import ClauseElement, ColumnElement
 from sqlalchemy.sql.dml import Insert
@@ -373,6 +374,12 @@ class Ledger:
         """
         try:
             yield
+        except PoolTimeout as exc:
+            # Every connection busy for the pool's timeout (work outside the request
+            # limiter, e.g. the reaper's, took one): busy, not down; retry later.
+            raise LedgerUnavailable(
+                f"no ledger connection came free: {exc}", reason="busy"
+            ) from exc
         except DBAPIError as exc:
             failure = classify(exc)
             if failure is None:

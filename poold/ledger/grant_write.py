@@ -74,6 +74,8 @@ def _statement(remember: bool) -> Prepared:
     lease_cols = list(granting.NEW_LEASE_COLUMNS)
     # The columns a new lease takes the model's defaults for, as INSERT_LEASE gives them.
     defaults = [c for c in table.c if c.key not in lease_cols and c.default is not None]
+    if not all(c.default.is_scalar for c in defaults):
+        raise ValueError("a lease column's default is not a value: give it in NEW_LEASE_COLUMNS")
     values = _typed(table, lease_cols, "lease_")
     values += [literal(c.default.arg, type_=c.type).label(c.key) for c in defaults]
     lease = (
@@ -127,6 +129,8 @@ def write(
     the generations read), insert ``lease`` and ``events``, and remember ``answer``
     ((host id, request id, response) of a grant request) — or `transitions.LostRace`
     naming the first swap lost, with nothing written."""
+    # Its events go in the statement: not for a caller deferring them (events_at_end).
+    assert not transitions.deferring_events(conn)
     if conn.dialect.name != "postgresql":
         for (model, _name), row_id, generation in zip(_SWAPS, swaps, seen, strict=True):
             transitions.swap_or_rerun(conn, model, row_id, generation)

@@ -135,7 +135,7 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Gran
         except IntegrityError as exc:
             if not op_batches.lost_to_a_concurrent_writer(exc):
                 raise
-            raise transitions.LostRace("constraint") from exc
+            raise transitions.LostRace(op_batches.lost_race_row(exc)) from exc
 
     # Grants for one host race for the same host and device generations: inside
     # one poold they take turns instead, so its worker threads do not make each

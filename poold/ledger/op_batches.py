@@ -49,6 +49,13 @@ _OP_EVENTS = {
 }
 
 
+def lost_race_row(exc: IntegrityError) -> str:
+    """What `transitions.LostRace` counts a `lost_to_a_concurrent_writer` rerun under:
+    ``request_id`` for a request answered before (a retry, or the same retry run by two
+    poolds at once: agent_requests.refused_unless_answered), else ``constraint``."""
+    return "request_id" if agent_requests.is_duplicate(exc) else "constraint"
+
+
 def lost_to_a_concurrent_writer(exc: IntegrityError) -> bool:
     """A constraint a concurrent writer's commit made this transaction meet: the rerun
     reads what it committed (a lost race, not an error).
@@ -145,7 +152,7 @@ def apply_ops(
         except IntegrityError as exc:
             if not lost_to_a_concurrent_writer(exc):
                 raise
-            raise transitions.LostRace("constraint") from exc  # the rerun answers the winner's
+            raise transitions.LostRace(lost_race_row(exc)) from exc  # the rerun answers
 
     return transitions.retrying(attempt, what="op batch")
 

@@ -166,6 +166,11 @@ def noted(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
         pending.extend(row["kind"] for row in rows)
 
 
+def deferring_events(conn: Connection) -> bool:
+    """Whether `record` on ``conn`` holds its events for `events_at_end`."""
+    return _DEFERRED_EVENTS in conn.info
+
+
 @contextmanager
 def events_at_end(conn: Connection) -> Iterator[None]:
     """Write the events `record` appends on `conn` inside this block in one statement

@@ -66,6 +66,7 @@ def test_ledger_connections_are_kept_across_bursts(
         with psycopg.connect(pg_server.url(name).replace("+psycopg", ""), autocommit=True) as c:
             rows = c.execute(
                 "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()"
+                " AND backend_type = 'client backend'"
                 " AND query NOT LIKE 'LISTEN%%'",  # the news listener's (poold/ledger/news.py)
                 (name,),
             ).fetchall()
@@ -74,7 +75,8 @@ def test_ledger_connections_are_kept_across_bursts(
     try:
         first = burst()
         assert 1 <= len(first) <= 4
-        assert burst() == first  # the same backends: kept, not closed and opened again
+        second = burst()
+        assert first <= second and len(second) <= 4  # kept, not closed and opened again
     finally:
         child.stop()
         conftest.drop_pg_database(pg_server, name)

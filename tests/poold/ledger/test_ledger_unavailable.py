@@ -54,6 +54,21 @@ def test_sqlite_file_that_cannot_be_opened_is_unavailable(tmp_path: Path) -> Non
         ledger.dispose()
 
 
+def test_no_connection_free_in_time_is_ledger_unavailable(ledger_url: str) -> None:
+    # Every pooled connection busy past the pool's timeout (a 500 before): retryable.
+    ledger = Ledger(ledger_url, pool_size=1, max_overflow=0, pool_timeout=0.2)
+    try:
+        with ledger.read() as s:
+            s.execute(select(Host.id)).all()  # holds the one connection
+            with pytest.raises(LedgerUnavailable) as caught, ledger.write_conn():
+                pass
+        assert caught.value.detail["reason"] == "busy"
+        with ledger.write_conn() as conn:  # free again
+            conn.execute(select(Host.id)).all()
+    finally:
+        ledger.dispose()
+
+
 def test_contention_past_the_bound_is_ledger_unavailable() -> None:
     calls = 0
 
