@@ -5,7 +5,7 @@ id again when it did not get the reply (a timeout, a poold killed mid-request,
 another poold behind the balancer). The answer is stored in the transaction that
 made the change (`remember`), so either both commit or neither; a repeated id from
 the same host is answered from the stored row (`recall`) and changes nothing. A
-writer's first attempt does not ask (`refused_unless_answered`: a retry is rare, and is
+writer's first attempt does not ask (`unless_answered`: a retry is rare, and is
 found all the same, at the stored row's unique key or at a refusal), so a retry costs
 a run of the request that rolls back, counted as a rerun (`request_id`).
 
@@ -43,9 +43,9 @@ _RECALL = Prepared(
         AgentRequest.request_id == bindparam("request_id"),
     )
 )
-_REMEMBER = Prepared(
-    insert(AgentRequest), column_keys=("host_id", "request_id", "kind", "response", "created_at")
-)
+# What `remember` writes (and poold/ledger/grant_write.py, in a grant's one statement).
+REQUEST_COLUMNS = ("host_id", "request_id", "kind", "response", "created_at")
+_REMEMBER = Prepared(insert(AgentRequest), column_keys=REQUEST_COLUMNS)
 _CONSTRAINT = "uq_agent_requests_host_request"
 
 
@@ -77,7 +77,7 @@ def remember(conn: Connection, host_id: int, request_id: str, kind: str, respons
 
 
 class Answered(Exception):
-    """The request was answered before (`refused_unless_answered`): raised out of the
+    """The request was answered before (`unless_answered`): raised out of the
     transaction, so that what its rerun wrote rolls back; the caller answers
     ``stored``."""
 
@@ -87,17 +87,22 @@ class Answered(Exception):
 
 
 @contextmanager
-def refused_unless_answered(
-    conn: Connection, host_id: int, request_id: str, kind: str
+def unless_answered(
+    conn: Connection, host_id: int, request_id: str, kind: str, *, rerun: bool
 ) -> Iterator[None]:
-    """A refusal (`PoolError`) inside, unless the request was answered before: then
-    `Answered` with the stored answer.
+    """Run the request inside, unless it was answered before: then `Answered` with the
+    stored answer.
 
-    For a writer that does not `recall` first (a round trip on every request, for
-    the rare retry): a retry whose first run committed either meets the stored
-    answer's unique key when it remembers its own (`is_duplicate`: its rerun recalls),
-    or is refused on the way, e.g. by the quota its first run took; this asks then.
+    Asked first on a ``rerun`` only: a round trip on every request, for the rare retry.
+    A first attempt that is a retry whose first run committed is found all the same:
+    it meets the stored answer's unique key when it remembers its own (`is_duplicate`:
+    its rerun asks first), or it is refused on the way (a `PoolError`, e.g. the quota
+    its first run took), and this asks then.
     """
+    if rerun:
+        stored = recall(conn, host_id, request_id, kind)
+        if stored is not None:
+            raise Answered(stored)
     try:
         yield
     except PoolError:

@@ -45,7 +45,6 @@ from poold.ledger.models import AgentRequest, Device, Event, Host, Lease, Tenant
 
 # The swaps in the order they lock (host, device, tenant), as (model, CTE name).
 _SWAPS: tuple[tuple[Any, str], ...] = ((Host, "h"), (Device, "d"), (Tenant, "t"))
-_REQUEST_COLUMNS = ("host_id", "request_id", "kind", "response", "created_at")
 
 
 def _swap(model: Any, name: str, after: CTE | None) -> CTE:
@@ -102,7 +101,7 @@ def _statement(remember: bool) -> Prepared:
     )
     extra = [events]
     if remember:
-        cols = list(_REQUEST_COLUMNS)
+        cols = list(agent_requests.REQUEST_COLUMNS)
         extra.append(
             insert(AgentRequest)
             .from_select(cols, select(*_typed(AgentRequest.__table__, cols, "req_")).where(written))

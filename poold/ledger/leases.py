@@ -109,25 +109,19 @@ def grant(ledger: Ledger, host_name: str, req: GrantRequest, actor: str) -> Gran
     # A refusal that only hosts' unspent budgets caused: (tenant id, size) to keep room for.
     blocked: list[tuple[int, int]] = []
 
-    # Whether an attempt asks first if the request was answered already: not the first
-    # (agent_requests.refused_unless_answered), every rerun.
-    ask_first = False
+    attempts = 0
 
     def attempt() -> tuple[LeaseOut, BudgetSpent | None]:
-        nonlocal ask_first
+        nonlocal attempts
+        attempts += 1
         blocked.clear()
         try:
             with ledger.write_conn() as conn:
                 if request_id is None:
                     return _grant_once(ledger, conn, host_name, req, actor, blocked)
                 host_id = hosts.host_id(ledger, conn, host_name)
-                if ask_first:
-                    stored = agent_requests.recall(conn, host_id, request_id, agent_requests.GRANT)
-                    if stored is not None:
-                        return _stored(stored)
-                ask_first = True
-                with agent_requests.refused_unless_answered(
-                    conn, host_id, request_id, agent_requests.GRANT
+                with agent_requests.unless_answered(
+                    conn, host_id, request_id, agent_requests.GRANT, rerun=attempts > 1
                 ):
                     return _grant_once(ledger, conn, host_name, req, actor, blocked)
         except agent_requests.Answered as answered:
@@ -317,13 +311,7 @@ def _grant_once(
     if req.request_id is not None:
         response = {**out.model_dump(mode="json"), "budget_spent": budget_spent.model_dump()}
         answer = (host_id, req.request_id, response)
-    # The generations are claimed *before* the lease is inserted. On PostgreSQL the
-    # conditional UPDATE takes the device row lock, so racing grants queue there
-    # and each loser sees a zero-row update the moment the winner commits.
-    # Inserting first lets two grants of the same range both reach the exclusion
-    # constraint, where each waits for the other: a deadlock PostgreSQL only breaks
-    # after deadlock_timeout (1 s), again every round. The host first, as the
-    # heartbeat locks it before the devices.
+    # The generations swapped before the lease is inserted, host first (grant_write.py).
     grant_write.write(
         conn,
         (host_id, dev.device_id, tenant.id),

@@ -52,7 +52,7 @@ _OP_EVENTS = {
 def lost_race_row(exc: IntegrityError) -> str:
     """What `transitions.LostRace` counts a `lost_to_a_concurrent_writer` rerun under:
     ``request_id`` for a request answered before (a retry, or the same retry run by two
-    poolds at once: agent_requests.refused_unless_answered), else ``constraint``."""
+    poolds at once: agent_requests.unless_answered), else ``constraint``."""
     return "request_id" if agent_requests.is_duplicate(exc) else "constraint"
 
 
@@ -126,15 +126,10 @@ def apply_ops(
                     return _apply_batch(
                         conn, host_id, host_name, ops, order, actor, first_attempt=attempts == 1
                     )
-                # Asked first on a rerun only (agent_requests.refused_unless_answered):
-                # a replayed batch's ops are refused or answered as replays, and its
+                # A replayed batch's ops are refused or answered as replays, and its
                 # remembered answer meets the first one's unique key.
-                if attempts > 1:
-                    stored = agent_requests.recall(conn, host_id, request_id, agent_requests.OPS)
-                    if stored is not None:
-                        return _stored(stored)
-                with agent_requests.refused_unless_answered(
-                    conn, host_id, request_id, agent_requests.OPS
+                with agent_requests.unless_answered(
+                    conn, host_id, request_id, agent_requests.OPS, rerun=attempts > 1
                 ):
                     results = _apply_batch(
                         conn, host_id, host_name, ops, order, actor, first_attempt=attempts == 1
