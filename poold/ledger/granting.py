@@ -15,9 +15,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Connection,
     bindparam,
     case,
+    cast,
     func,
     insert,
     literal_column,
@@ -29,28 +31,43 @@ from sqlalchemy import (
 from poold import placement
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATES_SQL
-from poold.ledger import devices
+from poold.ledger import devices, tenants
 from poold.ledger.budgets import QuotaUse
 from poold.ledger.db import InsertRows, Prepared, PreparedIn
-from poold.ledger.models import Budget, Device, DevicePath, Host, Lease, Quarantine, Reservation
+from poold.ledger.models import (
+    Budget,
+    Device,
+    DevicePath,
+    Host,
+    Lease,
+    Quarantine,
+    Reservation,
+    Tenant,
+)
 
 _LIVE_SQL = text(f"leases.state IN {LIVE_STATES_SQL}")
 _CENTRAL = Lease.reservation_id.is_(None)
 
 
-def _tenant_use(lease_tenant: Any, budget_tenant: Any) -> Any:
-    """What counts against quotas, in one statement: per tenant and host its live leases,
-    central and local (granted inside a reservation) ("lease" rows), and its budgets
-    ("budget" rows: bytes, leases). The arguments filter on the tenant column of
-    each."""
-    return union_all(
+def _sum(value: Any) -> Any:
+    # BIGINT, not PostgreSQL's numeric SUM(bigint): the union it is in then has one type
+    # per column, so the offsets of `_USE_AND_USED` come back as ints, not Decimals.
+    return cast(func.coalesce(func.sum(value), 0), BigInteger)
+
+
+def _tenant_use_rows(lease_tenant: Any, budget_tenant: Any) -> tuple[Any, Any]:
+    """What counts against quotas: per tenant and host its live leases, central and
+    local (granted inside a reservation) ("lease" rows), and its budgets ("budget" rows:
+    bytes, leases); two selects of one shape, for a union. The arguments filter on the
+    tenant column of each."""
+    return (
         select(
             literal_column("'lease'").label("kind"),
             Lease.tenant_id,
             Lease.host_id,
-            func.coalesce(func.sum(case((_CENTRAL, Lease.length_bytes), else_=0)), 0),
+            _sum(case((_CENTRAL, Lease.length_bytes), else_=0)),
             func.count(case((_CENTRAL, 1))),
-            func.coalesce(func.sum(case((_CENTRAL, 0), else_=Lease.length_bytes)), 0),
+            _sum(case((_CENTRAL, 0), else_=Lease.length_bytes)),
             func.count(case((_CENTRAL, None), else_=1)),
         )
         .where(lease_tenant, _LIVE_SQL)
@@ -65,6 +82,11 @@ def _tenant_use(lease_tenant: Any, budget_tenant: Any) -> Any:
             literal_column("0"),
         ).where(budget_tenant),
     )
+
+
+def _tenant_use(lease_tenant: Any, budget_tenant: Any) -> Any:
+    """`_tenant_use_rows` in one statement."""
+    return union_all(*_tenant_use_rows(lease_tenant, budget_tenant))
 
 
 # One tenant's, on every grant; many tenants' at once in `quota_uses`.
@@ -82,7 +104,7 @@ _TENANTS_USE = PreparedIn(
 )
 _HOST_ROW = select(Host.id).where(Host.id == bindparam("host_id"))
 _HOST_STATE = Prepared(_HOST_ROW.with_only_columns(Host.status, Host.generation))
-_HOST_DEVICES = Prepared(
+_HOST_DEVICES_READ = (
     select(
         Device.id,
         Device.uid,
@@ -107,23 +129,51 @@ _HOST_DEVICES = Prepared(
     .join(DevicePath, DevicePath.device_id == Device.id)
     .where(DevicePath.host_id == bindparam("host_id"), DevicePath.present.is_(True))
 )
+_HOST_DEVICES = Prepared(_HOST_DEVICES_READ)
+# With the row of the tenant a grant names after the device's own columns, on every row
+# (NULLs: no such tenant): one round trip less on every grant that names its tenant.
+_HOST_DEVICES_AND_TENANT = Prepared(
+    _HOST_DEVICES_READ.add_columns(
+        *(column.label(f"tenant_{column.key}") for column in tenants.TENANT_COLUMNS)
+    ).outerjoin(Tenant, Tenant.name == bindparam("tenant"))
+)
+_DEVICE_COLUMNS = len(_HOST_DEVICES_READ.selected_columns)
+# `host_devices_and_tenant`: the tenant was not read (the caller resolves it).
+UNREAD: Any = object()
 _HOST_DEVICE_IDS = select(DevicePath.device_id).where(
     DevicePath.host_id == bindparam("host_id"), DevicePath.present.is_(True)
 )
-# What occupies the host's devices, in one statement: live leases, quarantined ranges,
-# and every reservation: a reservation occupies its bytes for a central grant, the
-# requesting host's own too (its agent places local leases there without asking, so a
-# central lease in them would collide with a local one not yet committed).
-_USED = Prepared(
+# What occupies the host's devices: live leases, quarantined ranges, and every
+# reservation: a reservation occupies its bytes for a central grant, the requesting
+# host's own too (its agent places local leases there without asking, so a central
+# lease in them would collide with a local one not yet committed). Each select gives
+# (device id, offset, length).
+_OCCUPYING = tuple(
+    select(table.device_id, table.offset_bytes, table.length_bytes).where(
+        table.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery()), *where
+    )
+    for table, where in ((Lease, (_LIVE_SQL,)), (Quarantine, ()), (Reservation, ()))
+)
+_USED = Prepared(union_all(*_OCCUPYING))
+# A central grant's two reads after the host's devices, in one statement (one round trip
+# less on every grant): the tenant's quota use ("lease" and "budget" rows) and what
+# occupies the devices ("used" rows: device id twice, offset, length).
+_USE_AND_USED = Prepared(
     union_all(
-        select(Lease.device_id, Lease.offset_bytes, Lease.length_bytes).where(
-            Lease.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery()), _LIVE_SQL
+        *_tenant_use_rows(
+            Lease.tenant_id == bindparam("tenant_id"), Budget.tenant_id == bindparam("tenant_id")
         ),
-        select(Quarantine.device_id, Quarantine.offset_bytes, Quarantine.length_bytes).where(
-            Quarantine.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery())
-        ),
-        select(Reservation.device_id, Reservation.offset_bytes, Reservation.length_bytes).where(
-            Reservation.device_id.in_(_HOST_DEVICE_IDS.scalar_subquery())
+        *(
+            occupying.with_only_columns(
+                literal_column("'used'"),
+                occupying.selected_columns[0],
+                occupying.selected_columns[0],
+                occupying.selected_columns[1],
+                occupying.selected_columns[2],
+                literal_column("0"),
+                literal_column("0"),
+            )
+            for occupying in _OCCUPYING
         ),
     )
 )
@@ -195,9 +245,39 @@ def _fold(rows: Iterable[Any]) -> dict[int, QuotaUse]:
     }
 
 
+def use_and_occupancy(
+    conn: Connection, tenant_id: int, host_id: int
+) -> tuple[QuotaUse, dict[int, list[Extent]]]:
+    """`quota_use` and what occupies the host's devices (for `candidates`), read in one
+    statement."""
+    use: list[Any] = []
+    used: dict[int, list[Extent]] = defaultdict(list)
+    for row in _USE_AND_USED.rows(conn, {"tenant_id": tenant_id, "host_id": host_id}):
+        if row[0] == "used":
+            used[row[1]].append(Extent(row[3], row[4]))
+        else:
+            use.append(row)
+    return _fold(use).get(tenant_id, QuotaUse()), used
+
+
 def host_devices(conn: Connection, host_id: int) -> list[Any]:
     """The devices a host reaches (rows `candidates` takes)."""
     return _HOST_DEVICES.rows(conn, {"host_id": host_id})
+
+
+def host_devices_and_tenant(
+    conn: Connection, host_id: int, tenant: str | None
+) -> tuple[list[Any], Any]:
+    """`host_devices`, and the row of the tenant named ``tenant`` (a `tenants.TenantRow`;
+    None: no such tenant), read in one statement. `UNREAD` instead of the row when no
+    tenant is named, or the host reaches no device (no row to carry it)."""
+    if tenant is None:
+        return host_devices(conn, host_id), UNREAD
+    rows = _HOST_DEVICES_AND_TENANT.rows(conn, {"host_id": host_id, "tenant": tenant})
+    if not rows:
+        return rows, UNREAD
+    named = rows[0][_DEVICE_COLUMNS:]
+    return rows, None if named[0] is None else tenants.TenantRow._make(named)
 
 
 def host_state(conn: Connection, host_id: int, rows: list[Any]) -> tuple[str, int]:
@@ -209,18 +289,25 @@ def host_state(conn: Connection, host_id: int, rows: list[Any]) -> tuple[str, in
 
 
 def candidates(
-    conn: Connection, host_id: int, rows: list[Any] | None = None
+    conn: Connection,
+    host_id: int,
+    rows: list[Any] | None = None,
+    used: dict[int, list[Extent]] | None = None,
 ) -> tuple[list[placement.Candidate], dict[int, dict[str, Any]]]:
     """The devices a host reaches (``rows``: as `host_devices` read them), with what
-    occupies them, and how the host names them."""
+    occupies them (``used``: as `use_and_occupancy` read it; taken over), and how the
+    host names them."""
     params = {"host_id": host_id}
     if rows is None:
         rows = host_devices(conn, host_id)
     if not rows:
         return [], {}
-    used: dict[int, list[Extent]] = defaultdict(list)
-    for device_id, offset, length in _USED.rows(conn, params):
-        used[device_id].append(Extent(offset, length))
+    if used is None:
+        used = defaultdict(list)
+        for device_id, offset, length in _USED.rows(conn, params):
+            used[device_id].append(Extent(offset, length))
+    else:
+        used = defaultdict(list, used)
     reserved: dict[int, tuple[Extent, ...]] = {}
     for row in rows:  # held by dax devices poold did not place (poold/ledger/devices.py)
         reserved[row.id] = tuple(devices.reserved(row.reserved_extents))

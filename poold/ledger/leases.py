@@ -174,11 +174,17 @@ def _grant_once(
     # and the reply built from values already in hand (measured: the ORM
     # version spent ~4 ms per grant in Python on the CI machine).
     host_id = hosts.host_id(ledger, conn, host_name)
-    devices = granting.host_devices(conn, host_id)
+    devices, named = granting.host_devices_and_tenant(conn, host_id, req.tenant)
     host_generation = _refuse_if_host_draining(conn, host_id, host_name, devices)
-    tenant = tenants.resolve(conn, req.tenant, req.uid, req.gids, host_name)
-    # Budgets delegated to hosts are used quota, whether spent there yet or not.
-    use = granting.quota_use(conn, tenant.id)
+    if named is granting.UNREAD:
+        tenant = tenants.resolve(conn, req.tenant, req.uid, req.gids, host_name)
+    else:
+        assert req.tenant is not None  # read with the devices only when named
+        tenant = tenants.check_named(named, req.tenant, req.uid, req.gids, host_name)
+    # Budgets delegated to hosts are used quota, whether spent there yet or not. Read
+    # with what occupies the host's devices: one round trip, though a tenant refused
+    # for its quota below does not place.
+    use, used = granting.use_and_occupancy(conn, tenant.id, host_id)
     used_bytes, used_leases = use.bytes(), use.leases()
     reported = req.local_use.use_for(tenant.name) if req.local_use else None
     # The least a lease of it can be: its size rounded up to the finest alignment here.
@@ -194,11 +200,10 @@ def _grant_once(
         )
         is None
     ):
-        # Refused wherever it is placed: before the placement's read of everything that
-        # occupies the host's devices, which a tenant pushing against its quota makes in
-        # vain on every try.
+        # Refused wherever it is placed: before the placement, which a tenant pushing
+        # against its quota makes in vain on every try.
         _refuse(conn, tenant, use, host_id, least, reported, blocked)
-    candidates, paths = granting.candidates(conn, host_id, devices)
+    candidates, paths = granting.candidates(conn, host_id, devices, used)
     choice = placement.place(
         placement.Request(
             size_bytes=req.size_bytes,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -174,8 +175,11 @@ _TENANT_ROWS = select(
     Tenant.central_room_bytes,
     Tenant.central_room_until,
 )
-# On the driver's cursor (db.Prepared): every grant reads it.
+# On the driver's cursor (db.Prepared): every grant reads it (most with the host's
+# devices: poold/ledger/granting.py, as a `TenantRow`).
 _TENANT_BY_NAME = Prepared(_TENANT_ROWS.where(Tenant.name == bindparam("name")))
+TENANT_COLUMNS = tuple(_TENANT_ROWS.selected_columns)
+TenantRow = namedtuple("TenantRow", [c.key for c in TENANT_COLUMNS])  # type: ignore[misc]
 
 
 # Several by name (every op batch with local grants, every delegation call), unlocked

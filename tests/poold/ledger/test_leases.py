@@ -178,6 +178,19 @@ def test_a_grant_over_quota_anywhere_is_refused_before_it_is_placed(ledger: Ledg
         grant(ledger, 2 * MiB)
 
 
+def test_a_central_grant_reads_the_ledger_twice(ledger: Ledger, statements: list[str]) -> None:
+    """The host's devices with the tenant it names, then the tenant's quota use with what
+    occupies the devices: two reads before the write (four round trips on PostgreSQL
+    before they were joined). A grant that names no tenant resolves it alone."""
+    seed(ledger)
+    grant(ledger, MiB)
+    for named, reads in (("t1", 2), (None, 3)):
+        statements.clear()
+        assert grant(ledger, MiB, tenant=named).tenant == "t1"
+        assert [sql.split()[0] for sql in statements[:reads]] == ["SELECT"] * reads
+        assert statements[reads].split()[0] != "SELECT", statements
+
+
 def test_quota_leases(ledger: Ledger) -> None:
     seed(ledger, quota_leases=2)
     first = grant(ledger, MiB)

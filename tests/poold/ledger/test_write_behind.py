@@ -5,13 +5,10 @@ PostgreSQL alike for the records; the count on PostgreSQL."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
-from sqlalchemy import event, select
+from sqlalchemy import select
 
-from poold.ledger import db, op_batches
+from poold.ledger import op_batches
 from poold.ledger.db import Ledger
 from poold.ledger.models import Event, Lease
 from poold.wire.agent import LeaseOp
@@ -82,25 +79,6 @@ def test_a_batch_reusing_released_bytes_and_acting_twice_on_a_lease_records_each
     assert events["A"] == events["B"] == ["lease.grant", "lease.activate", "lease.release"]
     assert events["old"][-2:] == ["lease.release_dirty", "lease.scrubbed"]
     assert events["S"] == ["lease.grant", "lease.activate", "lease.shrink"]
-
-
-@pytest.fixture
-def statements(ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """Every statement poold sends, through SQLAlchemy or on the driver's cursor."""
-    sent: list[str] = []
-    on_cursor = db._on_cursor
-
-    def counted(conn: Any, sql: str, bound: Any, *, many: bool = False) -> Any:
-        sent.append(sql)
-        return on_cursor(conn, sql, bound, many=many)
-
-    def before(conn: Any, cursor: Any, sql: str, *args: Any) -> None:
-        sent.append(sql)
-
-    monkeypatch.setattr(db, "_on_cursor", counted)
-    event.listen(ledger.engine, "before_cursor_execute", before)
-    yield sent
-    event.remove(ledger.engine, "before_cursor_execute", before)
 
 
 def test_a_batchs_statements_do_not_grow_with_its_leases(
