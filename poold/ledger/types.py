@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -29,11 +29,40 @@ class UTCDateTime(TypeDecorator[datetime]):
         value = as_utc(value)
         return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
 
+    def bind_processor(self, dialect: Dialect) -> Callable[[Any], Any] | None:
+        """On SQLite, `process_bind_param` and SQLite's own DATETIME format in one step:
+        the same text (`_SQLITE_DATETIME`), a fifth of the Python per value. Every lease
+        row and event binds several; in an op batch of local leases they were ~15 % of
+        poold's CPU."""
+        if dialect.name != "sqlite":
+            return super().bind_processor(dialect)
+
+        def process(value: datetime | None) -> str | None:
+            if value is None:
+                return None
+            if value.tzinfo is not UTC:
+                value = as_utc(value)
+            return _SQLITE_DATETIME % (
+                value.year,
+                value.month,
+                value.day,
+                value.hour,
+                value.minute,
+                value.second,
+                value.microsecond,
+            )
+
+        return process
+
     def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
         assert isinstance(value, datetime)
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+# SQLAlchemy's SQLite DATETIME storage format (its default), positionally.
+_SQLITE_DATETIME = "%04d-%02d-%02d %02d:%02d:%02d.%06d"
 
 
 def as_utc(value: datetime) -> datetime:
