@@ -419,17 +419,19 @@ class GrantLog:
         self._lock = threading.Lock()
         self.state, self._seq = replay_grant_log(path)
         self._fd = -1
-        self._compact_locked()
+        self._size = 0  # of the log file: every append adds its line
+        self._compacting = False
+        self._durable_since = False  # a durable record appended during a compaction
+        self._install_locked(self._write_new(self._snapshot_locked()), tail_from=None)
 
-    def _compact_locked(self) -> None:
-        """Rewrite the log with what replay needs (atomically: a new file renamed over)."""
+    def _snapshot_locked(self) -> list[bytes]:
+        """The lines replay needs to come to the state held now (and no more)."""
         state = self.state
         lines: list[bytes] = []
         for res, epoch in sorted(state.epochs.items()):
             lines.append(_line({"k": "n", "r": res, "n": epoch}))
         if state.delegation is not None:
             lines.append(_line({"k": "d", "d": state.delegation[0], "w": state.delegation[1]}))
-        pending = dict(state.pending)
         grant_seq = {_op_lease(op): seq for seq, op in state.pending if '"local_grant"' in op}
         for lease_id, grant in state.grants.items():
             entry = state.entries.get(lease_id)
@@ -448,20 +450,68 @@ class GrantLog:
         for seq, op in state.pending:
             if '"local_grant"' not in op:
                 lines.append(_line({"k": "o", "s": seq, "op": op}))
-        del pending
+        return lines
+
+    def _write_new(self, lines: list[bytes]) -> tuple[Path, int]:
+        """The compacted log written beside the log, and synced; (its path, its size).
+        Outside the lock when the log is in use: the fsync waits for the file system's
+        journal (ext4 writes out every dirty block of its transaction: tens of ms under a
+        busy log), and every lease the agent grants meanwhile appends."""
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        data = b"".join(lines)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, b"".join(lines))
+            os.write(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
+        return tmp, len(data)
+
+    def _install_locked(self, new: tuple[Path, int], tail_from: int | None) -> None:
+        """Rename the compacted log over the log. ``tail_from``: the log's size when the
+        compacted lines were taken; what was appended since is carried over after them
+        (replayed after them, it brings the state to what it is now)."""
+        tmp, size = new
+        if tail_from is not None and self._size > tail_from:
+            with open(self.path, "rb") as old:
+                old.seek(tail_from)
+                tail = old.read()
+            fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            try:
+                os.write(fd, tail)
+                if self._durable_since:  # synced in the old log: so in the new one
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            size += len(tail)
         os.replace(tmp, self.path)
         if self._fd >= 0:
             os.close(self._fd)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        self._size = sum(len(line) for line in lines)
+        self._size = size
+        self._durable_since = False
+
+    def _compact(self) -> None:
+        """Rewrite the log with what replay needs, appends going on meanwhile: the lines
+        are taken under the lock, written and synced outside it, and renamed over the log
+        under it again with whatever was appended in between."""
+        with self._lock:
+            if self._compacting or self._fd < 0:
+                return
+            self._compacting = True
+            lines = self._snapshot_locked()
+            taken_at = self._size
+        try:
+            new = self._write_new(lines)
+            with self._lock:
+                if self._fd < 0:  # closed meanwhile: the log stays as it is
+                    os.unlink(new[0])
+                    return
+                self._install_locked(new, tail_from=taken_at)
+        finally:
+            with self._lock:
+                self._compacting = False
 
     # --- appending ------------------------------------------------------------------
     def _append(self, rec: dict[str, Any], durable: bool = False) -> None:
@@ -469,6 +519,8 @@ class GrantLog:
         os.write(self._fd, line)
         if durable:
             os.fsync(self._fd)  # persistent media: see the note above GRANT_LOG_NAME
+            if self._compacting:
+                self._durable_since = True
         self._size += len(line)
 
     def grant(
@@ -526,14 +578,15 @@ class GrantLog:
             self._append({"k": "a", "s": seqs})
             done = set(seqs)
             self.state.pending = [(s, op) for s, op in self.state.pending if s not in done]
-            if self._size > GRANT_LOG_COMPACT_BYTES:
-                waiting = {_op_lease(op) for _, op in self.state.pending}
-                self.state.grants = {
-                    k: v
-                    for k, v in self.state.grants.items()
-                    if k in self.state.entries or k in waiting
-                }
-                self._compact_locked()
+            if self._size <= GRANT_LOG_COMPACT_BYTES or self._compacting:
+                return
+            waiting = {_op_lease(op) for _, op in self.state.pending}
+            self.state.grants = {
+                k: v
+                for k, v in self.state.grants.items()
+                if k in self.state.entries or k in waiting
+            }
+        self._compact()
 
     def delegation(self, delegation_json: str, received_wall: float) -> None:
         """The delegation held now, so that a restart without poold keeps granting."""
