@@ -29,7 +29,7 @@ from agent.refill import RefillPolicy
 from agent.server import AgentServer, SocketLimits
 from agent.service import AgentService
 from agent.warm import WarmPool
-from poold import __version__, notify
+from poold import __version__, collector, notify
 from poold.api.client import PooldClient
 from poold.errors import PoolError
 
@@ -165,6 +165,7 @@ def run(config: AgentConfig) -> int:
     print(f"pool-agent ready on {server.socket_path}", flush=True)
     notify.notify(notify.READY, f"STATUS=serving on {server.socket_path}")
     watchdog = feed_watchdog(server.socket_path, stop)
+    collector.tune()  # what the agent keeps for its life is made: out of every collection
     try:
         server.serve_forever()
     finally:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import socket
 import time
@@ -12,7 +11,7 @@ import uvicorn
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
-from poold import notify
+from poold import collector, notify
 from poold.api.app import create_app
 from poold.errors import LedgerUnavailable
 from poold.ledger import migrate
@@ -52,26 +51,6 @@ class NotifyingServer(uvicorn.Server):
         for hook in self.before_shutdown:
             hook()
         await super().shutdown(sockets)
-
-
-# Collections start every GC_THRESHOLDS[0] net allocations instead of CPython's 700.
-GC_THRESHOLDS = (50_000, 20, 100)
-
-
-def tune_gc() -> None:
-    """The garbage collector set for a service that makes many objects per request.
-
-    What poold made before serving (modules, routes, compiled statements) is frozen out of
-    every collection, and a collection starts after 50,000 allocations, not 700. A
-    100,000-item heartbeat makes that many objects that live until its reply; with the
-    defaults the collector scanned them again and again while pydantic held the GIL
-    (validating the body: 0.3 s instead of 0.1 s) and `/v1/health` waited (p99 179 ms
-    during the heartbeat, 75 ms with this; bench/scale.py, docs/benchmarks.md). Garbage
-    that only a collection frees (cycles) waits a little longer for it.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def serve(settings: PooldSettings) -> None:
@@ -129,7 +108,7 @@ def serve(settings: PooldSettings) -> None:
         access_log=False,
         lifespan="off",
     )
-    tune_gc()
+    collector.tune()
     server = NotifyingServer(config)
     server.before_shutdown.append(ledger.news.close)
     try:

@@ -3,39 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
-import gc
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import psycopg
 import pytest
 
-from poold import procs, server
+from poold import procs
 from tests import conftest, pg
-
-
-@pytest.fixture
-def collector() -> Iterator[None]:
-    before = gc.get_threshold()
-    yield
-    gc.unfreeze()
-    gc.set_threshold(*before)
-
-
-@pytest.mark.usefixtures("collector")
-def test_the_collector_is_tuned_and_what_was_made_before_serving_frozen() -> None:
-    kept = [object() for _ in range(10)]  # made before serving, like modules and routes
-    server.tune_gc()
-    assert gc.get_threshold() == server.GC_THRESHOLDS
-    assert gc.get_freeze_count() >= len(kept)
-    # Garbage in a cycle is still collected, by the next collection.
-    a: list[object] = []
-    a.append(a)
-    ref_count_before = len(gc.get_objects())
-    del a
-    assert gc.collect() >= 1
-    assert len(gc.get_objects()) <= ref_count_before
 
 
 @pytest.mark.postgres
