@@ -24,10 +24,11 @@ from poold.errors import (
 )
 from poold.extents import Extent
 from poold.lease_states import LIVE_STATES, LeaseEvent
-from poold.ledger import lease_views, leases, op_batches, tenants
+from poold.ledger import draining, lease_views, leases, op_batches, tenants
 from poold.ledger.db import Ledger
 from poold.ledger.models import Device, Event, Lease, Tenant
 from poold.ledger.types import utcnow
+from poold.wire.admin import TenantSpec
 from poold.wire.agent import GrantReply, GrantRequest, LeaseOp
 from poold.wire.common import LeaseOut
 from tests.poold.conftest import UID, GiB, MiB, device, seed, snapshot
@@ -154,7 +155,7 @@ def test_quota_bytes_counts_aligned_length(ledger: Ledger) -> None:
         "leased_bytes": 4 * MiB,
         "requested_bytes": 2 * MiB,
     }
-    # PostgreSQL's SUM() is a Decimal: the detail must still be plain ints (JSON).
+    # Plain ints, whatever the driver hands back for a SUM(): the detail is JSON.
     assert all(type(v) is int for v in info.value.detail.values())
     assert snapshot(ledger) == before
 
@@ -179,12 +180,14 @@ def test_a_grant_over_quota_anywhere_is_refused_before_it_is_placed(ledger: Ledg
 
 
 def test_a_central_grant_reads_the_ledger_twice(ledger: Ledger, statements: list[str]) -> None:
-    """The host's devices with the tenant it names, then the tenant's quota use with what
-    occupies the devices: two reads before the write (four round trips on PostgreSQL
-    before they were joined). A grant that names no tenant resolves it alone."""
+    """On PostgreSQL, the host's devices with the tenant it names, then the tenant's quota
+    use with what occupies the devices: two round trips before the write (four before
+    they were joined). A grant that names no tenant resolves it alone, and so does every
+    grant on SQLite, where a statement is a call (`granting.host_devices_and_tenant`)."""
     seed(ledger)
     grant(ledger, MiB)
-    for named, reads in (("t1", 2), (None, 3)):
+    joined = ledger.engine.dialect.name == "postgresql"
+    for named, reads in (("t1", 2 if joined else 3), (None, 3)):
         statements.clear()
         assert grant(ledger, MiB, tenant=named).tenant == "t1"
         assert [sql.split()[0] for sql in statements[:reads]] == ["SELECT"] * reads
@@ -217,6 +220,39 @@ def test_tenant_checks(ledger: Ledger) -> None:
     assert grant(ledger, MiB, tenant=None).tenant == "t1"
     with pytest.raises(NotOwner):
         grant(ledger, MiB, tenant=None, uid=UID + 1)
+
+
+@pytest.mark.parametrize("devices", [[device()], []], ids=["with devices", "without"])
+def test_a_grant_answers_for_its_tenant_first_then_for_the_host(
+    ledger: Ledger, devices: list[Any]
+) -> None:
+    """Read with the host's devices (PostgreSQL) or alone (no device; SQLite), the tenant a
+    grant names is checked the same way and in the same order: a draining host first,
+    then no such tenant, a uid or a host it does not allow, and only then the host's
+    capacity."""
+    seed(ledger, devices=devices)
+    with ledger.write() as s:
+        tenants.create(
+            s,
+            TenantSpec(name="elsewhere", quota_bytes=GiB, allowed_uids=[UID], allowed_hosts=["h2"]),
+            "test",
+        )
+    with pytest.raises(UnknownTenant):
+        grant(ledger, MiB, tenant="nobody")
+    with pytest.raises(NotOwner):
+        grant(ledger, MiB, uid=UID + 1)
+    with pytest.raises(NotOwner):
+        grant(ledger, MiB, tenant="elsewhere")
+    if devices:
+        assert grant(ledger, MiB).tenant == "t1"
+    else:
+        with pytest.raises(NoCapacity):
+            grant(ledger, MiB)
+    draining.drain_host(ledger, "h1", "admin", now_=False, revoke_deadline_s=20)
+    for named in ("nobody", "t1"):
+        with pytest.raises(NoCapacity) as refused:
+            grant(ledger, MiB, tenant=named)
+        assert refused.value.detail["host_status"] == "draining"
 
 
 def test_grant_from_unregistered_host(ledger: Ledger) -> None:
