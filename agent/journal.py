@@ -20,6 +20,7 @@ start destroys it, or the audit finds it (agent/leftovers.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -420,6 +421,7 @@ class GrantLog:
         self.state, self._seq = replay_grant_log(path)
         self._fd = -1
         self._size = 0  # of the log file: every append adds its line
+        self._dir_unsynced = False  # the log renamed in, its directory not synced since
         self._compacting = False
         self._durable_since = False  # a durable record appended during a compaction
         self._install_locked(self._write_new(self._snapshot_locked()), tail_from=None)
@@ -459,38 +461,44 @@ class GrantLog:
         busy log), and every lease the agent grants meanwhile appends."""
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.path.with_suffix(".tmp")
-        data = b"".join(lines)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, data)
+            size = _write_all(fd, b"".join(lines))
             os.fsync(fd)
         finally:
             os.close(fd)
-        return tmp, len(data)
+        return tmp, size
 
     def _install_locked(self, new: tuple[Path, int], tail_from: int | None) -> None:
         """Rename the compacted log over the log. ``tail_from``: the log's size when the
         compacted lines were taken; what was appended since is carried over after them
-        (replayed after them, it brings the state to what it is now)."""
+        (replayed after them, it brings the state to what it is now). The new file is
+        opened before anything changes: a failure leaves the log and its fd as they were
+        (and the compacted file removed)."""
         tmp, size = new
-        if tail_from is not None and self._size > tail_from:
-            with open(self.path, "rb") as old:
-                old.seek(tail_from)
-                tail = old.read()
+        fd = -1
+        try:
             fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-            try:
-                os.write(fd, tail)
+            if tail_from is not None and self._fd >= 0:
+                with open(f"/proc/self/fd/{self._fd}", "rb") as old:
+                    old.seek(tail_from)
+                    size += _write_all(fd, old.read())
                 if self._durable_since:  # synced in the old log: so in the new one
                     os.fsync(fd)
-            finally:
+            os.replace(tmp, self.path)
+        except BaseException:
+            if fd >= 0:
                 os.close(fd)
-            size += len(tail)
-        os.replace(tmp, self.path)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         if self._fd >= 0:
             os.close(self._fd)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        self._size = size
+        self._fd, self._size = fd, size
         self._durable_since = False
+        # The rename reaches the disk with the directory: before the next durable line
+        # counts on it (`_append`), not here, so volatile media never wait for it.
+        self._dir_unsynced = True
 
     def _compact(self) -> None:
         """Rewrite the log with what replay needs, appends going on meanwhile: the lines
@@ -501,7 +509,7 @@ class GrantLog:
                 return
             self._compacting = True
             lines = self._snapshot_locked()
-            taken_at = self._size
+            taken_at = os.fstat(self._fd).st_size  # the file's, whatever was counted
         try:
             new = self._write_new(lines)
             with self._lock:
@@ -516,12 +524,14 @@ class GrantLog:
     # --- appending ------------------------------------------------------------------
     def _append(self, rec: dict[str, Any], durable: bool = False) -> None:
         line = _line(rec)
-        os.write(self._fd, line)
+        self._size += _write_all(self._fd, line)
         if durable:
             os.fsync(self._fd)  # persistent media: see the note above GRANT_LOG_NAME
+            if self._dir_unsynced:  # the log was renamed in since the last durable line
+                _sync_dir(self.path.parent)
+                self._dir_unsynced = False
             if self._compacting:
                 self._durable_since = True
-        self._size += len(line)
 
     def grant(
         self, entry: Entry, grant_json: str, reservation_id: str, epoch: int, durable: bool
@@ -606,6 +616,23 @@ class GrantLog:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def _write_all(fd: int, data: bytes) -> int:
+    """Write all of ``data`` (a write may take less, e.g. on a nearly full disk); its
+    length. OSError (ENOSPC) when the file system will take no more."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    return len(data)
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _line(rec: dict[str, Any]) -> bytes:

@@ -148,6 +148,9 @@ def run(config: AgentConfig) -> int:
             client.close()
             return 2
         log.info("metrics on %s", metrics.url)
+    # What the agent keeps for its life is made: out of every collection from here, before
+    # its threads start and its socket is announced.
+    collector.tune()
     link.start(config.heartbeat_interval_s)
     service.start_holder_watch(config.holder_check_interval_s)
     watcher = InventoryWatcher(config, set(backends), link, journal=service.journal)
@@ -165,7 +168,6 @@ def run(config: AgentConfig) -> int:
     print(f"pool-agent ready on {server.socket_path}", flush=True)
     notify.notify(notify.READY, f"STATUS=serving on {server.socket_path}")
     watchdog = feed_watchdog(server.socket_path, stop)
-    collector.tune()  # what the agent keeps for its life is made: out of every collection
     try:
         server.serve_forever()
     finally:

@@ -1,9 +1,9 @@
 """What every grant of a lease reads and writes alike: the tenant's quota use as the
 granting transaction reads it (`quota_use`), the devices a host reaches with what
 occupies them (`candidates`), and the one insert of a new lease row (`INSERT_LEASE`).
-A central grant reads them in two statements: the host's devices with the tenant it
-names (`host_devices_and_tenant`), then the quota use with the occupancy
-(`use_and_occupancy`).
+On PostgreSQL a central grant reads them in two statements: the host's devices with
+the tenant it names (`host_devices_and_tenant`), then the quota use with the occupancy
+(`use_and_occupancy`); on SQLite the tenant alone besides.
 
 Its own module so that the central grant (poold/ledger/leases.py), the commit of a
 lease an agent granted alone (poold/ledger/local_commit.py) and the placing of a

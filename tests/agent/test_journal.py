@@ -33,6 +33,7 @@ def _assert_replays_to(log: GrantLog) -> None:
     assert state.entries == log.state.entries
     assert state.pending == log.state.pending
     assert state.epochs == log.state.epochs
+    assert state.delegation == log.state.delegation
     # Replay keeps a grant while its lease is live or has ops waiting (the log in use
     # prunes the others at its next compaction).
     waiting = {json.loads(op)["lease_id"] for _, op in log.state.pending}
@@ -90,5 +91,102 @@ def test_appends_go_on_while_a_compaction_syncs_and_are_kept(
     compacting.join(10)
     assert not compacting.is_alive()
     assert "L10" in log.state.entries and "L9" not in log.state.entries
+    _assert_replays_to(log)
+    log.close()
+
+
+def _held_in_fsync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[threading.Event, threading.Event, list[str]]:
+    """os.fsync of the compacted file waits for ``go_on`` the first time (``syncing`` set
+    meanwhile); every fsync's path is listed."""
+    syncing, go_on = threading.Event(), threading.Event()
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def held_fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith(".tmp") and not syncing.is_set():
+            syncing.set()
+            assert go_on.wait(10)
+        real_fsync(fd)
+        synced.append(path)
+
+    monkeypatch.setattr(journal, "GRANT_LOG_COMPACT_BYTES", 0)
+    monkeypatch.setattr(journal.os, "fsync", held_fsync)
+    return syncing, go_on, synced
+
+
+def test_a_durable_line_written_during_a_compaction_is_synced_in_the_new_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Persistent media: a grant journalled (and synced) while the compaction wrote its
+    file is carried over and synced there before the rename; the directory is synced
+    before the next durable line counts on the rename."""
+    log = GrantLog(tmp_path / journal.GRANT_LOG_NAME)
+    done = [_grant(log, f"L{i}", i) for i in range(4)]
+    syncing, go_on, synced = _held_in_fsync(monkeypatch)
+    compacting = threading.Thread(target=log.acked, args=(done,))
+    compacting.start()
+    assert syncing.wait(10)
+    _grant(log, "D1", 10, durable=True)
+    log.delegation('{"reservations": []}', 1.5)
+    log.update(_entry("L1"))
+    synced.clear()
+    go_on.set()
+    compacting.join(10)
+    assert [p.endswith(".tmp") for p in synced] == [True, True]  # snapshot, then the tail
+    _grant(log, "D2", 11, durable=True)
+    assert synced[2:] == [str(log.path), str(tmp_path)]  # the line, then the rename
+    _assert_replays_to(log)
+    assert "D1" in replay_grant_log(log.path)[0].entries
+    log.close()
+
+
+def test_a_log_closed_during_a_compaction_stays_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = GrantLog(tmp_path / journal.GRANT_LOG_NAME)
+    done = [_grant(log, f"L{i}", i) for i in range(4)]
+    syncing, go_on, _synced = _held_in_fsync(monkeypatch)
+    compacting = threading.Thread(target=log.acked, args=(done,))
+    compacting.start()
+    assert syncing.wait(10)
+    before = log.path.read_bytes()
+    log.close()
+    go_on.set()
+    compacting.join(10)
+    assert log.path.read_bytes() == before
+    assert not log.path.with_suffix(".tmp").exists()
+
+
+@pytest.mark.parametrize("fails", ["rename", "short writes"])
+def test_a_compaction_that_fails_or_writes_short_leaves_the_log_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str
+) -> None:
+    """A rename that fails leaves the log and its fd as they were (the compacted file
+    removed), and the next compaction works; writes the kernel takes in part (a nearly
+    full disk) are finished, never left torn."""
+    log = GrantLog(tmp_path / journal.GRANT_LOG_NAME)
+    done = [_grant(log, f"L{i}", i) for i in range(6)]
+    monkeypatch.setattr(journal, "GRANT_LOG_COMPACT_BYTES", 0)
+    if fails == "rename":
+
+        def no_rename(src: object, dst: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(journal.os, "replace", no_rename)
+        with pytest.raises(OSError, match="No space"):
+            log.acked(done[:2])
+        assert not log.path.with_suffix(".tmp").exists()
+        _release(log, "L5")  # appended to the log it still has
+        _assert_replays_to(log)
+        monkeypatch.undo()
+        monkeypatch.setattr(journal, "GRANT_LOG_COMPACT_BYTES", 0)
+    else:
+        real_write = os.write
+        monkeypatch.setattr(journal.os, "write", lambda fd, data: real_write(fd, data[:7]))
+    log.acked(done[2:4])
+    _grant(log, "L6", 6)
     _assert_replays_to(log)
     log.close()

@@ -1,5 +1,5 @@
-"""How a pool process sets the garbage collector (poold/collector.py), and that both
-daemons do before they serve."""
+"""How a pool process sets the garbage collector (poold/collector.py: poold and
+pool-agent call it before they serve)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,13 @@ def restored() -> Iterator[None]:
 
 @pytest.mark.usefixtures("restored")
 def test_the_collector_is_tuned_and_what_was_made_before_serving_frozen() -> None:
-    kept = [object() for _ in range(10)]  # made before serving, like modules and routes
+    kept = [[i] for i in range(10)]  # made before serving (lists: objects the GC tracks)
+    gc.unfreeze()
     collector.tune()
     assert gc.get_threshold() == collector.THRESHOLDS
-    assert gc.get_freeze_count() >= len(kept)
+    frozen = gc.get_freeze_count()
+    assert frozen >= len(kept)
+    assert not any(gc.is_tracked(k) and k in gc.get_objects(0) for k in kept)
     # Garbage in a cycle is still collected, by the next collection.
     a: list[object] = []
     a.append(a)
