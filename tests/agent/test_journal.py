@@ -60,46 +60,11 @@ def test_a_compaction_keeps_what_replay_needs_and_drops_the_rest(
     log.close()
 
 
-def test_appends_go_on_while_a_compaction_syncs_and_are_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The compacted file's fsync (tens of ms on a busy ext4) runs outside the log's lock:
-    a grant made meanwhile is not held up, and is in the log once the compaction is in."""
-    log = GrantLog(tmp_path / journal.GRANT_LOG_NAME)
-    done = [_grant(log, f"L{i}", i) for i in range(10)]
-    done += [_release(log, f"L{i}") for i in range(5)]
-    syncing, go_on = threading.Event(), threading.Event()
-    real_fsync = os.fsync
-
-    def slow_fsync(fd: int) -> None:
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
-            syncing.set()
-            assert go_on.wait(10)
-        real_fsync(fd)
-
-    monkeypatch.setattr(journal, "GRANT_LOG_COMPACT_BYTES", 0)
-    monkeypatch.setattr(journal.os, "fsync", slow_fsync)
-    compacting = threading.Thread(target=log.acked, args=(done[:7],))
-    compacting.start()
-    assert syncing.wait(10)
-    granted = threading.Thread(target=_grant, args=(log, "L10", 10))
-    granted.start()
-    granted.join(2)
-    assert not granted.is_alive(), "a grant waited for the compaction's fsync"
-    _release(log, "L9")
-    go_on.set()
-    compacting.join(10)
-    assert not compacting.is_alive()
-    assert "L10" in log.state.entries and "L9" not in log.state.entries
-    _assert_replays_to(log)
-    log.close()
-
-
-def _held_in_fsync(
-    monkeypatch: pytest.MonkeyPatch,
-) -> tuple[threading.Event, threading.Event, list[str]]:
-    """os.fsync of the compacted file waits for ``go_on`` the first time (``syncing`` set
-    meanwhile); every fsync's path is listed."""
+def _compaction_held(
+    log: GrantLog, acked: list[int], monkeypatch: pytest.MonkeyPatch
+) -> tuple[threading.Thread, threading.Event, list[str]]:
+    """A compaction started (by acking ``acked``) and held in the fsync of its file until
+    ``go_on`` is set; every fsync's path is listed in the list returned."""
     syncing, go_on = threading.Event(), threading.Event()
     synced: list[str] = []
     real_fsync = os.fsync
@@ -114,7 +79,32 @@ def _held_in_fsync(
 
     monkeypatch.setattr(journal, "GRANT_LOG_COMPACT_BYTES", 0)
     monkeypatch.setattr(journal.os, "fsync", held_fsync)
-    return syncing, go_on, synced
+    compacting = threading.Thread(target=log.acked, args=(acked,))
+    compacting.start()
+    assert syncing.wait(10)
+    return compacting, go_on, synced
+
+
+def test_appends_go_on_while_a_compaction_syncs_and_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compacted file's fsync (tens of ms on a busy ext4) runs outside the log's lock:
+    a grant made meanwhile is not held up, and is in the log once the compaction is in."""
+    log = GrantLog(tmp_path / journal.GRANT_LOG_NAME)
+    done = [_grant(log, f"L{i}", i) for i in range(10)]
+    done += [_release(log, f"L{i}") for i in range(5)]
+    compacting, go_on, _synced = _compaction_held(log, done[:7], monkeypatch)
+    granted = threading.Thread(target=_grant, args=(log, "L10", 10))
+    granted.start()
+    granted.join(2)
+    assert not granted.is_alive(), "a grant waited for the compaction's fsync"
+    _release(log, "L9")
+    go_on.set()
+    compacting.join(10)
+    assert not compacting.is_alive()
+    assert "L10" in log.state.entries and "L9" not in log.state.entries
+    _assert_replays_to(log)
+    log.close()
 
 
 def test_a_durable_line_written_during_a_compaction_is_synced_in_the_new_log(
@@ -125,10 +115,7 @@ def test_a_durable_line_written_during_a_compaction_is_synced_in_the_new_log(
     before the next durable line counts on the rename."""
     log = GrantLog(tmp_path / journal.GRANT_LOG_NAME)
     done = [_grant(log, f"L{i}", i) for i in range(4)]
-    syncing, go_on, synced = _held_in_fsync(monkeypatch)
-    compacting = threading.Thread(target=log.acked, args=(done,))
-    compacting.start()
-    assert syncing.wait(10)
+    compacting, go_on, synced = _compaction_held(log, done, monkeypatch)
     _grant(log, "D1", 10, durable=True)
     log.delegation('{"reservations": []}', 1.5)
     log.update(_entry("L1"))
@@ -148,10 +135,7 @@ def test_a_log_closed_during_a_compaction_stays_as_it_was(
 ) -> None:
     log = GrantLog(tmp_path / journal.GRANT_LOG_NAME)
     done = [_grant(log, f"L{i}", i) for i in range(4)]
-    syncing, go_on, _synced = _held_in_fsync(monkeypatch)
-    compacting = threading.Thread(target=log.acked, args=(done,))
-    compacting.start()
-    assert syncing.wait(10)
+    compacting, go_on, _synced = _compaction_held(log, done, monkeypatch)
     before = log.path.read_bytes()
     log.close()
     go_on.set()
