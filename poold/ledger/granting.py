@@ -171,24 +171,63 @@ _OCCUPYING = tuple(
     )
     for table, where in ((Lease, (_LIVE_SQL,)), (Quarantine, ()), (Reservation, ()))
 )
-_USED = Prepared(union_all(*_OCCUPYING))
+
+
+def _islands() -> Any:
+    """What `_OCCUPYING` gives, merged in the database into its maximal runs (device id,
+    offset, length): overlapping or touching extents are one, as `extents.normalise_used`
+    would make them. A grant then decodes a row per run, not one per live lease of the
+    device (a device with hundreds of leases cost a central grant ~1.6 us of Python per
+    lease; packed by best fit, they are a few runs). Two window passes: a row starts a
+    run when it begins after every end before it; the runs are numbered by a running sum
+    of those starts."""
+    occupied = union_all(*_OCCUPYING).subquery("occupied")
+    device, offset = occupied.c.device_id, occupied.c.offset_bytes
+    end = offset + occupied.c.length_bytes
+    order = (offset, end)
+    ends_before = func.max(end).over(partition_by=device, order_by=order, rows=(None, -1))
+    starts = select(
+        device.label("device_id"),
+        offset.label("start"),
+        end.label("stop"),
+        case((offset > func.coalesce(ends_before, -1), 1), else_=0).label("starts_run"),
+    ).subquery("starts")
+    numbered = select(
+        starts.c.device_id,
+        starts.c.start,
+        starts.c.stop,
+        func.sum(starts.c.starts_run)
+        .over(
+            partition_by=starts.c.device_id,
+            order_by=(starts.c.start, starts.c.stop),
+            rows=(None, 0),
+        )
+        .label("run"),
+    ).subquery("numbered")
+    start = func.min(numbered.c.start)
+    return select(
+        numbered.c.device_id,
+        cast(start, BigInteger).label("offset_bytes"),
+        cast(func.max(numbered.c.stop) - start, BigInteger).label("length_bytes"),
+    ).group_by(numbered.c.device_id, numbered.c.run)
+
+
+_RUNS = _islands()
+_USED = Prepared(_RUNS)
 # A central grant's two reads after the host's devices, in one statement (one round trip
 # less on every grant): the tenant's quota use ("lease" and "budget" rows) and what
-# occupies the devices ("used" rows: device id twice, offset, length).
+# occupies the devices, as runs ("used" rows: device id twice, offset, length).
 _USE_AND_USED = Prepared(
     union_all(
         *_tenant_use_rows(*_ONE_TENANT),
-        *(
-            occupying.with_only_columns(
-                literal_column("'used'"),
-                occupying.selected_columns[0],
-                occupying.selected_columns[0],
-                occupying.selected_columns[1],
-                occupying.selected_columns[2],
-                literal_column("0"),
-                literal_column("0"),
-            )
-            for occupying in _OCCUPYING
+        _RUNS.with_only_columns(
+            literal_column("'used'"),
+            _RUNS.selected_columns[0],
+            _RUNS.selected_columns[0],
+            _RUNS.selected_columns[1],
+            _RUNS.selected_columns[2],
+            literal_column("0"),
+            literal_column("0"),
         ),
     )
 )
