@@ -524,6 +524,25 @@ class Prepared:
             for r in raw
         ]
 
+    def tuples(
+        self, conn: Connection, params: Mapping[str, Any] | None = None
+    ) -> list[tuple[Any, ...]]:
+        """Every row as a plain tuple: for reads of many rows taken apart by position (a
+        namedtuple per row was a third of a grant's Python on a device with 1,000 live
+        leases on SQLite)."""
+        plan, cursor, _bound = self._run(conn, params or {})
+        try:
+            raw = cursor.fetchall()
+        finally:
+            cursor.close()
+        procs = plan.results
+        if not any(procs):
+            return raw if isinstance(raw, list) else list(raw)
+        return [
+            tuple(v if p is None or v is None else p(v) for p, v in zip(procs, r, strict=True))
+            for r in raw
+        ]
+
     def one_or_none(self, conn: Connection, params: Mapping[str, Any] | None = None) -> Any:
         found = self.rows(conn, params)
         if len(found) > 1:

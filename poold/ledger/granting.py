@@ -319,7 +319,7 @@ def use_and_occupancy(
     use: list[Any] = []
     used: dict[int, list[Extent]] = defaultdict(list)
     read = _USE_AND_USED[conn.dialect.name]
-    for row in read.rows(conn, {"tenant_id": tenant_id, "host_id": host_id}):
+    for row in read.tuples(conn, {"tenant_id": tenant_id, "host_id": host_id}):
         if row[0] == "used":
             used[row[1]].append(Extent(row[3], row[4]))
         else:
@@ -377,7 +377,7 @@ def candidates(
         return [], {}
     if used is None:
         used = defaultdict(list)
-        for device_id, offset, length in _USED[conn.dialect.name].rows(conn, params):
+        for device_id, offset, length in _USED[conn.dialect.name].tuples(conn, params):
             used[device_id].append(Extent(offset, length))
     reserved: dict[int, tuple[Extent, ...]] = {}
     for row in rows:  # held by dax devices poold did not place (poold/ledger/devices.py)

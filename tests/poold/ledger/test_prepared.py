@@ -84,6 +84,9 @@ def test_prepared_rows_equal_core_rows(ledger: Ledger) -> None:
         assert mine.state == "released" and mine.ended_at is not None
         assert fast.one_or_none(conn, {"lease_id": "nope"}) is None
         assert fast.scalar(conn, {"lease_id": lease_id}) == lease_id
+        # Plain tuples: the same values, their result processing (JSON, datetimes) done.
+        assert fast.tuples(conn, {"lease_id": lease_id}) == [tuple(core)]
+        assert fast.tuples(conn, {"lease_id": "nope"}) == []
 
 
 def test_prepared_errors_are_sqlalchemy_errors(ledger: Ledger) -> None:
