@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/grant_cpu.py [--backends sqlite,postgresql] [--rounds 20]
                                         [--block 100] [--local-batch N] [--warmup 200]
-                                        [--baseline DIR] [--json]
+                                        [--held N] [--baseline DIR] [--json]
 
 For each backend (SQLite: a temp file; PostgreSQL: a throwaway server from tests/pg.py)
 it starts one `poold serve` (reaper off), registers one host with a large emulated
@@ -13,6 +13,8 @@ id, as the agent's outbox sends them when nothing rides on a grant), then the co
 `--block` leases the agent granted locally inside its reservation (issue "Delegated
 capacity"): one op batch of `--block` local grants, one of their releases (with
 `--local-batch N`: batches of N each, as a busy agent's outbox sends a few dozen).
+With `--held N`, N leases are granted first and held throughout: every grant then
+places on a device that already holds N live leases (a busy device, not an empty one).
 
 poold's CPU (user + system, all threads, psutil) is read before and after each block:
 one figure per round for "ms of poold CPU per grant" and per release. CPU time is what
@@ -372,6 +374,9 @@ def run_backend(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
                 hide = label == "baseline" and args.baseline_asyncio
                 poolds.append(provision(label, url, work, code_dir, asyncio_loop=hide))
                 poolds[-1].local_batch = args.local_batch
+                # Leases that stay live under every round: a busy device.
+                for _ in range(args.held):
+                    poolds[-1].grant()
             # Warm-up: the first requests compile statements, fill caches, start threads.
             for _ in range(max(1, args.warmup // args.block)):
                 for pd in poolds:
@@ -393,6 +398,7 @@ def run_backend(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
                 "backend": backend,
                 "rounds": args.rounds,
                 "block": args.block,
+                "held": args.held,
                 "local_batch": args.local_batch or args.block,
                 "poolds": [
                     {
@@ -447,6 +453,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
             f"{'':>16}{r['empty_write_txn_wall_ms']:>12.3f}   (this process, one write txn)"
         )
         print(f"{r['backend']:<11}idle poold: {r['idle_cpu_ms_per_s']} ms CPU per s")
+        if r["held"]:
+            print(f"{r['backend']:<11}{r['held']} leases held on the device throughout")
     print()
     for r in results:
         for pd in r["poolds"]:
@@ -469,6 +477,12 @@ def main() -> int:
     ap.add_argument("--backends", default="sqlite,postgresql")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--block", type=int, default=100, help="requests per CPU reading")
+    ap.add_argument(
+        "--held",
+        type=int,
+        default=0,
+        help="leases granted first and held throughout (a device already busy)",
+    )
     ap.add_argument("--warmup", type=int, default=200, help="grants+releases before measuring")
     ap.add_argument(
         "--local-batch",
