@@ -15,6 +15,8 @@ capacity"): one op batch of `--block` local grants, one of their releases (with
 `--local-batch N`: batches of N each, as a busy agent's outbox sends a few dozen).
 With `--held N`, N leases are granted first and held throughout: every grant then
 places on a device that already holds N live leases (a busy device, not an empty one).
+Best fit packs them: on PostgreSQL, which reads what occupies a device as its runs, that
+is one run; a device fragmented into N runs is not what this measures.
 
 poold's CPU (user + system, all threads, psutil) is read before and after each block:
 one figure per round for "ms of poold CPU per grant" and per release. CPU time is what

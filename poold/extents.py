@@ -44,7 +44,8 @@ def normalise_used(capacity: int, used: Iterable[Extent]) -> list[Extent]:
 
     Quarantined ranges may overlap leases, so overlap is legal here; the
     allocator only needs the union of what is not free. Plain ints in the loop:
-    it runs for every candidate of every grant, over every lease of a device.
+    it runs for every candidate of every grant, over every lease of a device (on
+    PostgreSQL the ledger hands over runs already merged: poold/ledger/granting.py).
     """
     merged: list[Extent] = []
     start = end = -1

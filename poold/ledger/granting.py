@@ -197,12 +197,12 @@ def _islands() -> Any:
         starts.c.device_id,
         starts.c.start,
         starts.c.stop,
+        # RANGE, the default frame, not ROWS: rows tied on (start, stop) are peers and
+        # share one number, whatever order this pass sees them in (with ROWS, a copy
+        # that did not start the run could take the number of the run before it when
+        # the plan sorted the two passes apart, and close the gap between).
         func.sum(starts.c.starts_run)
-        .over(
-            partition_by=starts.c.device_id,
-            order_by=(starts.c.start, starts.c.stop),
-            rows=(None, 0),
-        )
+        .over(partition_by=starts.c.device_id, order_by=(starts.c.start, starts.c.stop))
         .label("run"),
     ).subquery("numbered")
     start = func.min(numbered.c.start)
