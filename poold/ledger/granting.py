@@ -179,9 +179,9 @@ def _islands() -> Any:
     offset, length): overlapping or touching extents are one, as `extents.normalise_used`
     would make them. A grant then decodes a row per run, not one per live lease of the
     device (~1.6 us of poold's Python per lease: 300 held made a central grant 2.06 ms
-    instead of 1.44; packed by best fit, they are a few runs). Two window passes: a row starts a
-    run when it begins after every end before it; the runs are numbered by a running sum
-    of those starts."""
+    instead of 1.44; packed by best fit, they are a few runs). Two window passes: a row
+    starts a run when it begins after every end before it; the runs are numbered by a
+    running sum of those starts."""
     occupied = union_all(*_OCCUPYING).subquery("occupied")
     device, offset = occupied.c.device_id, occupied.c.offset_bytes
     end = offset + occupied.c.length_bytes
