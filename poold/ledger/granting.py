@@ -317,14 +317,22 @@ def use_and_occupancy(
     """`quota_use` and what occupies the host's devices (for `candidates`), read in one
     statement."""
     use: list[Any] = []
-    used: dict[int, list[Extent]] = defaultdict(list)
+    used: list[tuple[int, int, int]] = []
     read = _USE_AND_USED[conn.dialect.name]
     for row in read.tuples(conn, {"tenant_id": tenant_id, "host_id": host_id}):
         if row[0] == "used":
-            used[row[1]].append(Extent(row[3], row[4]))
+            used.append((row[1], row[3], row[4]))
         else:
             use.append(row)
-    return _fold(use).get(tenant_id, QuotaUse()), used
+    return _fold(use).get(tenant_id, QuotaUse()), _by_device(used)
+
+
+def _by_device(rows: Iterable[tuple[int, int, int]]) -> dict[int, list[Extent]]:
+    """(device id, offset, length) rows of what occupies devices, as extents by device."""
+    used: dict[int, list[Extent]] = defaultdict(list)
+    for device_id, offset, length in rows:
+        used[device_id].append(Extent(offset, length))
+    return used
 
 
 def host_devices(conn: Connection, host_id: int) -> list[Any]:
@@ -376,9 +384,7 @@ def candidates(
     if not rows:
         return [], {}
     if used is None:
-        used = defaultdict(list)
-        for device_id, offset, length in _USED[conn.dialect.name].tuples(conn, params):
-            used[device_id].append(Extent(offset, length))
+        used = _by_device(_USED[conn.dialect.name].tuples(conn, params))
     reserved: dict[int, tuple[Extent, ...]] = {}
     for row in rows:  # held by dax devices poold did not place (poold/ledger/devices.py)
         reserved[row.id] = tuple(devices.reserved(row.reserved_extents))
